@@ -1,0 +1,122 @@
+"""Input checks shared by the ops (and the modules): each error names the argument, what was
+received, and how to fix it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+
+from te_flax._stages import NormSpec
+from te_flax.quantize import QuantizerSet
+
+__all__ = [
+    "check_axes",
+    "check_floating",
+    "check_norm",
+    "check_quantizer_set",
+    "check_shape",
+    "canonical_norm_type",
+]
+
+_NORM_TYPES = ("layernorm", "rmsnorm")
+
+
+def check_floating(array, name: str) -> None:
+    """``array`` must be a floating-point array of a compute dtype (not float8)."""
+    dtype = getattr(array, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"{name} must be a floating-point array, got "
+            f"{dtype if dtype is not None else type(array).__name__}; cast it, e.g. "
+            f"{name}.astype(jnp.bfloat16)"
+        )
+    if jnp.finfo(dtype).bits < 16:
+        raise TypeError(
+            f"{name} has dtype {dtype}; pass high-precision values (float32, bfloat16 or "
+            "float16) and let a quantizer_set do the float8 conversion"
+        )
+
+
+def check_shape(array, expected: tuple[int, ...], name: str, hint: str) -> None:
+    if tuple(array.shape) != tuple(expected):
+        raise ValueError(f"{name} has shape {tuple(array.shape)} but must be {expected}; {hint}")
+
+
+def canonical_norm_type(norm_type: object) -> str:
+    """``"layernorm"`` or ``"rmsnorm"``; TE's spellings (``"LayerNorm"``, ``"rms_norm"``) too."""
+    if isinstance(norm_type, str):
+        canonical = norm_type.lower().replace("_", "").replace("-", "")
+        if canonical in _NORM_TYPES:
+            return canonical
+    raise ValueError(f'norm_type must be "layernorm" or "rmsnorm", got {norm_type!r}')
+
+
+def check_norm(
+    x, gamma, beta, norm_type: object, zero_centered_gamma: object, epsilon: object
+) -> NormSpec:
+    """Validates the norm arguments against ``x`` and returns their static description."""
+    norm_type = canonical_norm_type(norm_type)
+    if not isinstance(zero_centered_gamma, bool):
+        raise TypeError(f"zero_centered_gamma must be a bool, got {zero_centered_gamma!r}")
+    if (
+        not isinstance(epsilon, int | float)
+        or isinstance(epsilon, bool)
+        or not math.isfinite(epsilon)
+        or epsilon <= 0
+    ):
+        raise ValueError(f"epsilon must be a positive finite number, got {epsilon!r}")
+    hidden = x.shape[-1]
+    check_floating(gamma, "gamma")
+    check_shape(gamma, (hidden,), "gamma", f"the norm runs over x's last axis of size {hidden}")
+    if norm_type == "rmsnorm" and beta is not None:
+        raise ValueError(
+            "beta must be None for rmsnorm (it has no shift); drop it or use "
+            'norm_type="layernorm"'
+        )
+    if norm_type == "layernorm":
+        if beta is None:
+            raise ValueError(
+                f"beta is None but layernorm needs a shift of shape ({hidden},); pass "
+                f'jnp.zeros({hidden}) or use norm_type="rmsnorm"'
+            )
+        check_floating(beta, "beta")
+        check_shape(beta, (hidden,), "beta", f"the norm runs over x's last axis of size {hidden}")
+    return NormSpec(norm_type, zero_centered_gamma, float(epsilon))
+
+
+def check_axes(axes: Sequence[str | None] | None, ndim: int, name: str, of: str):
+    """Logical axes as a tuple (or None), one name per dimension of the array they describe."""
+    if axes is None:
+        return None
+    if isinstance(axes, str) or not isinstance(axes, Sequence):
+        raise TypeError(
+            f"{name} must be a tuple of logical axis names (or None), got {axes!r}; "
+            f"e.g. {name}=('batch', 'embed')"
+        )
+    axes = tuple(axes)
+    if not all(a is None or isinstance(a, str) for a in axes):
+        raise TypeError(f"{name} must hold axis names (str) or None, got {axes!r}")
+    if axes and len(axes) != ndim:
+        raise ValueError(
+            f"{name}={axes} names {len(axes)} dimensions but {of} has {ndim}; give one "
+            "logical name (or None) per dimension"
+        )
+    return axes
+
+
+def check_quantizer_set(quantizer_set: object, name: str = "quantizer_set") -> QuantizerSet:
+    if not isinstance(quantizer_set, QuantizerSet):
+        raise TypeError(
+            f"{name} must be a te_flax.quantize.QuantizerSet, got {quantizer_set!r}; build one "
+            "with QuantizerFactory.create_set(fp8_recipe=...) or pass noop_quantizer_set"
+        )
+    quantizer_set.check(name)
+    return quantizer_set
+
+
+def check_bool(value: object, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value

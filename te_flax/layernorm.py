@@ -1,0 +1,92 @@
+"""``layernorm``: layernorm or rmsnorm over the last axis, with a float32 backward."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+from jax import Array
+
+from te_flax import _validation as check
+from te_flax._stages import NormSpec, NormStats, normalize, normalize_backward
+from te_flax.quantize import Quantizer, check_quantizer, float32_state, scaling
+
+__all__ = ["layernorm"]
+
+
+class _Residuals(NamedTuple):
+    x: Array
+    stats: NormStats
+    gamma: Array
+    beta: Array | None
+    quantizer: Quantizer | None  # already updated by the forward
+
+
+def _forward(spec: NormSpec, x, gamma, beta, quantizer):
+    out, stats = normalize(x, gamma, beta, spec)  # f32
+    if quantizer is not None:
+        # Fake quantization: the output is the float8 value, dequantized to x's dtype.
+        operand, quantizer = quantizer.quantize(out)
+        out = scaling.dequantize(operand.data, operand.scale_inv)
+    return out.astype(x.dtype), _Residuals(x, stats, gamma, beta, quantizer)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _layernorm(spec, x, gamma, beta, quantizer):
+    return _forward(spec, x, gamma, beta, quantizer)[0]
+
+
+def _backward(spec: NormSpec, residuals: _Residuals, grad):
+    # The quantization of the output is treated as the identity (straight-through).
+    d_x, d_gamma, d_beta = normalize_backward(
+        grad, residuals.x, residuals.stats, residuals.gamma, residuals.beta, spec
+    )
+    return d_x, d_gamma, d_beta, residuals.quantizer
+
+
+_layernorm.defvjp(_forward, _backward)
+
+
+def layernorm(
+    x: Array,
+    gamma: Array,
+    beta: Array | None,
+    norm_type: str = "layernorm",
+    zero_centered_gamma: bool = False,
+    epsilon: float = 1e-6,
+    quantizer: Quantizer | None = None,
+) -> Array:
+    """Layernorm or rmsnorm over the last axis of ``x``, computed in float32.
+
+    layernorm: ``(x - mean) / sqrt(var + epsilon) * gamma + beta``; rmsnorm:
+    ``x / sqrt(mean(x**2) + epsilon) * gamma``; with ``zero_centered_gamma`` the scale is
+    ``1 + gamma``.
+
+    Args:
+      x: ``[batch..., hidden]``.
+      gamma: ``[hidden]`` scale.
+      beta: ``[hidden]`` shift for layernorm; None for rmsnorm.
+      norm_type: ``"layernorm"`` (default) or ``"rmsnorm"``.
+      zero_centered_gamma: multiply by ``1 + gamma`` (default False).
+      epsilon: added before the square root (default 1e-6).
+      quantizer: optional quantizer; the output is then quantized and dequantized (its new
+        state is the gradient of ``quantizer``), and the gradient passes straight through.
+
+    Returns:
+      ``[batch..., hidden]`` in ``x.dtype``.
+
+    Example usage::
+
+      >>> import jax.numpy as jnp
+      >>> from te_flax.layernorm import layernorm
+      >>> layernorm(jnp.array([[1.0, 3.0]]), jnp.ones(2), jnp.zeros(2))
+      Array([[-0.9999995,  0.9999995]], dtype=float32)
+    """
+    check.check_floating(x, "x")
+    if x.ndim < 1:
+        raise ValueError("x must have at least one axis (the hidden axis it is normalized over)")
+    spec = check.check_norm(x, gamma, beta, norm_type, zero_centered_gamma, epsilon)
+    if quantizer is not None:
+        check_quantizer(quantizer, "quantizer")
+    return _layernorm(spec, x, gamma, beta, float32_state(quantizer))

@@ -1,0 +1,190 @@
+"""``layernorm_dense``: a layernorm (or rmsnorm) fused with the GEMM that consumes it."""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+from jax import Array
+
+from te_flax import _validation as check
+from te_flax._stages import (
+    NormSpec,
+    NormStats,
+    apply_norm,
+    dense_backward,
+    dense_forward,
+    normalize,
+    normalize_backward,
+)
+from te_flax.quantize import (
+    QuantizerSet,
+    ScaledTensor,
+    float32_state,
+    noop_quantizer_set,
+    quantize_operand,
+)
+from te_flax.sharding import LogicalAxes, with_logical_constraint
+
+__all__ = ["layernorm_dense"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    norm: NormSpec
+    layernorm_input_axes: tuple | None
+    dot_input_axes: tuple | None
+    kernel_axes: tuple | None
+    kernel_dtype: Any
+    bias_dtype: Any  # None without a bias
+
+
+class _Residuals(NamedTuple):
+    x: Array
+    stats: NormStats
+    gamma: Array
+    beta: Array | None
+    # FP8: the float8 norm output and kernel the forward GEMM used. Without FP8 the norm output
+    # is recomputed from x and the statistics, and the kernel is the parameter itself, so that
+    # no high-precision [tokens, hidden] copy is kept alive until the backward.
+    ln_operand: ScaledTensor | None
+    kernel_operand: ScaledTensor | Array
+    quantizers: QuantizerSet  # x and kernel already updated by the forward
+
+
+def _norm_operand(config: _Config, x, stats, gamma, beta, quantizer):
+    """The GEMM's left operand: the norm output, quantized or cast to x's dtype."""
+    ln = apply_norm(x, stats, gamma, beta, config.norm)  # f32[batch..., hidden]
+    operand, new_quantizer = quantize_operand(ln, quantizer, x.dtype)
+    data = with_logical_constraint(operand.data, config.dot_input_axes)
+    return operand._replace(data=data), new_quantizer
+
+
+def _forward(config: _Config, x, kernel, gamma, beta, bias, quantizer_set: QuantizerSet):
+    x = with_logical_constraint(x, config.layernorm_input_axes)
+    _, stats = normalize(x, gamma, beta, config.norm)
+    lhs, x_quantizer = _norm_operand(config, x, stats, gamma, beta, quantizer_set.x)
+    rhs, kernel_quantizer = quantize_operand(kernel, quantizer_set.kernel, x.dtype)
+    rhs = rhs._replace(data=with_logical_constraint(rhs.data, config.kernel_axes))
+    # [batch..., hidden] x [hidden, features...] -> [batch..., features...]
+    out = dense_forward(lhs, rhs, 1, x.dtype, bias)
+    fp8 = not quantizer_set.is_noop
+    residuals = _Residuals(
+        x=x,
+        stats=stats,
+        gamma=gamma,
+        beta=beta,
+        ln_operand=lhs if fp8 else None,
+        kernel_operand=rhs if fp8 else kernel,
+        quantizers=dataclasses.replace(quantizer_set, x=x_quantizer, kernel=kernel_quantizer),
+    )
+    return out, residuals
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _layernorm_dense(config, x, kernel, gamma, beta, bias, quantizer_set):
+    return _forward(config, x, kernel, gamma, beta, bias, quantizer_set)[0]
+
+
+def _backward(config: _Config, residuals: _Residuals, grad):
+    x, quantizers = residuals.x, residuals.quantizers
+    if quantizers.is_noop:
+        lhs, _ = _norm_operand(config, x, residuals.stats, residuals.gamma, residuals.beta, None)
+        rhs = ScaledTensor(residuals.kernel_operand.astype(x.dtype))
+    else:
+        lhs, rhs = residuals.ln_operand, residuals.kernel_operand
+    grads = dense_backward(
+        grad, lhs, rhs, quantizers.dgrad, 1, x.dtype, config.kernel_dtype, config.bias_dtype
+    )
+    d_ln = with_logical_constraint(grads.lhs, config.layernorm_input_axes)
+    d_kernel = with_logical_constraint(grads.rhs, config.kernel_axes)
+    d_x, d_gamma, d_beta = normalize_backward(
+        d_ln, x, residuals.stats, residuals.gamma, residuals.beta, config.norm
+    )
+    new_state = dataclasses.replace(quantizers, dgrad=grads.dgrad_quantizer)
+    return d_x, d_kernel, d_gamma, d_beta, grads.bias, new_state
+
+
+_layernorm_dense.defvjp(_forward, _backward)
+
+
+def layernorm_dense(
+    x: Array,
+    kernel: Array,
+    gamma: Array,
+    beta: Array | None,
+    bias: Array | None = None,
+    norm_type: str = "layernorm",
+    zero_centered_gamma: bool = False,
+    epsilon: float = 1e-6,
+    transpose_batch_sequence: bool = False,
+    layernorm_input_axes: LogicalAxes = None,
+    dot_input_axes: LogicalAxes = None,
+    kernel_axes: LogicalAxes = None,
+    quantizer_set: QuantizerSet = noop_quantizer_set,
+) -> Array:
+    """Layernorm (or rmsnorm) over the last axis of ``x``, then a GEMM with ``kernel``.
+
+    ``y = norm(x) * gamma + beta`` (``1 + gamma`` with ``zero_centered_gamma``; no ``beta`` for
+    rmsnorm), then ``out = y . kernel + bias``. The norm runs in float32. With an FP8
+    ``quantizer_set`` the norm output and the kernel are quantized directly to float8 for the
+    forward GEMM, and the output gradient for the two backward GEMMs; the new quantizer state
+    comes back as the gradient of ``quantizer_set``. Only x, the norm statistics, gamma, beta
+    and (under FP8) the float8 GEMM operands are saved for the backward.
+
+    Args:
+      x: ``[batch..., hidden]`` input, any number of leading axes.
+      kernel: ``[hidden, features...]``, contracted over its first axis.
+      gamma: ``[hidden]`` norm scale.
+      beta: ``[hidden]`` norm shift for layernorm; None for rmsnorm.
+      bias: ``[features...]`` or None (default).
+      norm_type: ``"layernorm"`` (default) or ``"rmsnorm"``.
+      zero_centered_gamma: multiply by ``1 + gamma`` instead of ``gamma`` (default False).
+      epsilon: added to the variance (or mean square) before the square root (default 1e-6).
+      transpose_batch_sequence: the input is ``[seq, batch, ...]`` (default False). It changes
+        no math; the layout that sharding sees is given by the ``*_axes`` arguments.
+      layernorm_input_axes: logical axes of ``x`` (and of the norm-input gradient).
+      dot_input_axes: logical axes of the GEMM input, the (quantized) norm output.
+      kernel_axes: logical axes of the (quantized) kernel and of its gradient.
+      quantizer_set: the GEMM's quantizers (default ``noop_quantizer_set``: no FP8).
+
+    Returns:
+      ``[batch..., features...]`` in ``x.dtype``.
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> from te_flax.layernorm_dense import layernorm_dense
+      >>> from te_flax.quantize import DelayedScaling, QuantizerFactory
+      >>> x, kernel = jnp.ones((4, 8, 16), jnp.bfloat16), jnp.ones((16, 3, 32))
+      >>> gamma, beta = jnp.ones(16), jnp.zeros(16)
+      >>> qs = QuantizerFactory.create_set(fp8_recipe=DelayedScaling())
+      >>> layernorm_dense(x, kernel, gamma, beta, quantizer_set=qs).shape
+      (4, 8, 3, 32)
+    """
+    check.check_floating(x, "x")
+    if x.ndim < 1:
+        raise ValueError("x must have at least one axis (the hidden axis it is normalized over)")
+    check.check_floating(kernel, "kernel")
+    if kernel.ndim < 2 or kernel.shape[0] != x.shape[-1]:
+        raise ValueError(
+            f"kernel has shape {kernel.shape} but must be [hidden, features...] with hidden = "
+            f"x.shape[-1] = {x.shape[-1]}; the GEMM contracts x's last axis with kernel axis 0"
+        )
+    norm = check.check_norm(x, gamma, beta, norm_type, zero_centered_gamma, epsilon)
+    if bias is not None:
+        check.check_floating(bias, "bias")
+        check.check_shape(bias, kernel.shape[1:], "bias", "it matches the kernel's feature axes")
+    check.check_bool(transpose_batch_sequence, "transpose_batch_sequence")
+    quantizer_set = check.check_quantizer_set(quantizer_set)
+    config = _Config(
+        norm=norm,
+        layernorm_input_axes=check.check_axes(layernorm_input_axes, x.ndim, "layernorm_input_axes", "x"),
+        dot_input_axes=check.check_axes(dot_input_axes, x.ndim, "dot_input_axes", "x"),
+        kernel_axes=check.check_axes(kernel_axes, kernel.ndim, "kernel_axes", "kernel"),
+        kernel_dtype=kernel.dtype,
+        bias_dtype=None if bias is None else bias.dtype,
+    )
+    return _layernorm_dense(config, x, kernel, gamma, beta, bias, float32_state(quantizer_set))

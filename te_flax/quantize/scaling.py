@@ -1,0 +1,84 @@
+"""The scale math of per-tensor FP8 quantization, as small pure functions.
+
+Scales are stored as *dequantization* scales, ``scale_inv``: ``x ~= q * scale_inv`` with
+``q = clip(x / scale_inv, -fp8_max, fp8_max)`` cast to float8.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import Array
+
+__all__ = [
+    "amax",
+    "compute_scale_inv",
+    "dequantize",
+    "fp8_max",
+    "push_amax",
+    "quantize",
+    "reduce_history",
+]
+
+_F32 = jnp.finfo(jnp.float32)
+
+
+def fp8_max(dtype) -> float:
+    """The largest finite value of a float8 dtype (448 for e4m3fn, 57344 for e5m2)."""
+    return float(jnp.finfo(dtype).max)
+
+
+def amax(x: Array) -> Array:
+    """``max(|x|)`` over the whole tensor, as a float32 scalar."""
+    # Reduce in float32: a bfloat16 maximum is exact, but the scale math that follows is not.
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def compute_scale_inv(
+    amax_value: Array, dtype, margin: float, previous_scale_inv: Array
+) -> Array:
+    """``amax * 2**margin / fp8_max``, keeping ``previous_scale_inv`` where amax is 0, NaN or inf.
+
+    The result is clipped to the normal float32 range, so it is never 0, inf or NaN as long as
+    ``previous_scale_inv`` is not.
+    """
+    scale_inv = amax_value * (2.0**margin / fp8_max(dtype))
+    valid = jnp.isfinite(amax_value) & (amax_value > 0)
+    scale_inv = jnp.where(valid, scale_inv, previous_scale_inv)
+    # A denormal amax would underflow to 0 and a huge one overflow to inf; both break the next
+    # quantization, so keep the scale inside float32's normal range.
+    return jnp.clip(scale_inv, _F32.tiny, _F32.max).astype(jnp.float32)
+
+
+def push_amax(history: Array, amax_value: Array) -> Array:
+    """The history with ``amax_value`` as its newest entry (index 0); the oldest entry drops out.
+
+    A NaN or infinite amax is recorded as 0 ("no information"), so one bad step cannot pin the
+    scale for the next ``len(history)`` steps; the scale of that step stays as it was.
+    """
+    recorded = jnp.where(jnp.isfinite(amax_value), amax_value, 0.0).astype(history.dtype)
+    return jnp.concatenate([recorded.reshape(1), history[:-1]])
+
+
+def reduce_history(history: Array, amax_compute_algo: str) -> Array:
+    """The amax a scale is computed from: the history's maximum, or its newest entry."""
+    if amax_compute_algo == "max":
+        return jnp.max(history)
+    return history[0]
+
+
+def quantize(x: Array, dtype, scale_inv: Array) -> Array:
+    """``clip(x / scale_inv, -fp8_max, fp8_max)`` cast to ``dtype``.
+
+    The division runs in float32 whatever ``x``'s dtype is, so the scale is not rounded to
+    bfloat16 first. The clip saturates instead of producing NaN (e4m3fn has no infinity), and
+    ``convert(clamp(divide(x, scale)))`` is the form XLA's collective quantizer recognises, so
+    an FSDP all-gather of a quantized kernel moves float8.
+    """
+    limit = fp8_max(dtype)
+    scaled = x.astype(jnp.float32) / scale_inv.astype(jnp.float32)
+    return jnp.clip(scaled, -limit, limit).astype(dtype)
+
+
+def dequantize(q: Array, scale_inv: Array, dtype=jnp.float32) -> Array:
+    """``q * scale_inv`` in ``dtype``."""
+    return (q.astype(jnp.float32) * scale_inv.astype(jnp.float32)).astype(dtype)
