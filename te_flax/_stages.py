@@ -46,8 +46,13 @@ class NormStats(NamedTuple):
     rsigma: Array  # f32[batch..., 1]
 
 
-def _effective_gamma(gamma: Array, spec: NormSpec) -> Array:
-    gamma = gamma.astype(jnp.float32)
+def _leading_ones(vector: Array, ndim: int) -> Array:
+    """``vector`` reshaped to broadcast against the trailing axes of an ``ndim`` array."""
+    return vector.reshape((1,) * (ndim - vector.ndim) + vector.shape)
+
+
+def _effective_gamma(gamma: Array, spec: NormSpec, ndim: int) -> Array:
+    gamma = _leading_ones(gamma.astype(jnp.float32), ndim)
     return gamma + 1.0 if spec.zero_centered_gamma else gamma
 
 
@@ -61,8 +66,8 @@ def apply_norm(
     x: Array, stats: NormStats, gamma: Array, beta: Array | None, spec: NormSpec
 ) -> Array:
     """The norm output in float32 from saved statistics (no reduction over x)."""
-    y = _normalized(x, stats) * _effective_gamma(gamma, spec)
-    return y if beta is None else y + beta.astype(jnp.float32)
+    y = _normalized(x, stats) * _effective_gamma(gamma, spec, x.ndim)
+    return y if beta is None else y + _leading_ones(beta.astype(jnp.float32), x.ndim)
 
 
 def normalize(
@@ -96,7 +101,7 @@ def normalize_backward(
     batch_axes = tuple(range(x.ndim - 1))
     d_gamma = jnp.sum(d_out * x_hat, axis=batch_axes).astype(gamma.dtype)
     d_beta = None if beta is None else jnp.sum(d_out, axis=batch_axes).astype(beta.dtype)
-    d_x_hat = d_out * _effective_gamma(gamma, spec)
+    d_x_hat = d_out * _effective_gamma(gamma, spec, x.ndim)
     projection = jnp.mean(d_x_hat * x_hat, axis=-1, keepdims=True)
     if spec.norm_type == "layernorm":
         d_x_hat = d_x_hat - jnp.mean(d_x_hat, axis=-1, keepdims=True)
@@ -145,7 +150,7 @@ def dense_forward(
     out = _gemm(lhs, rhs, contracting, out_dtype, lax.Precision.DEFAULT)
     # The bias is added in the output dtype so that XLA fuses it as the GEMM's BIAS epilogue
     # (cuBLASLt takes no float32 bias for FP8 GEMMs).
-    return out if bias is None else out + bias.astype(out_dtype)
+    return out if bias is None else out + _leading_ones(bias.astype(out_dtype), out.ndim)
 
 
 def sum_to_bias(grad: Array, bias_ndim: int, bias_dtype) -> Array:

@@ -1,0 +1,3 @@
+"""Runs the doctests of te_flax in the test suite's environment (see tests/conftest.py)."""
+
+import tests.conftest  # noqa: F401

@@ -1,0 +1,102 @@
+"""Shared test helpers: independent pure-JAX references, input makers and tolerances.
+
+The references are written from the maths, not from te_flax's code: unfused float32 norms and
+GEMMs, and a fake-quant variant that applies quantize-dequantize with given scales.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+F32 = jnp.float32
+HIGHEST = lax.Precision.HIGHEST
+
+# Elementwise tolerance relative to the RMS of the expected value, per compute dtype.
+TOLERANCE = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.bfloat16): 2**-6}
+# Normwise relative error allowed for FP8 against the unquantized result. e4m3 keeps 3 mantissa
+# bits (about 3.6% RMS rounding error per element), e5m2 2 bits (about 7%).
+FP8_FORWARD_TOLERANCE = 0.08
+FP8_BACKWARD_TOLERANCE = 0.15
+
+
+def tolerance(dtype) -> float:
+    return TOLERANCE[jnp.dtype(dtype)]
+
+
+def assert_close(actual, expected, tol: float, what: str = "") -> None:
+    """``|actual - expected| <= tol * (|expected| + rms(expected))`` elementwise."""
+    actual = np.asarray(jnp.asarray(actual, F32))
+    expected = np.asarray(jnp.asarray(expected, F32))
+    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    scale = float(np.sqrt(np.mean(np.square(expected)))) or 1.0
+    np.testing.assert_allclose(actual, expected, rtol=tol, atol=tol * scale, err_msg=what)
+
+
+def relative_error(actual, expected) -> float:
+    """``||actual - expected|| / ||expected||`` in float32."""
+    actual, expected = jnp.asarray(actual, F32), jnp.asarray(expected, F32)
+    return float(jnp.linalg.norm(actual - expected) / jnp.linalg.norm(expected))
+
+
+def assert_tree_close(actual, expected, tol: float) -> None:
+    paths_a, _ = jax.tree_util.tree_flatten_with_path(actual)
+    paths_e, _ = jax.tree_util.tree_flatten_with_path(expected)
+    assert [p for p, _ in paths_a] == [p for p, _ in paths_e]
+    for (path, a), (_, e) in zip(paths_a, paths_e, strict=True):
+        assert_close(a, e, tol, jax.tree_util.keystr(path))
+
+
+def normal(key, shape, dtype=F32, scale=1.0):
+    return (scale * jax.random.normal(key, shape, F32)).astype(dtype)
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def reference_norm(x, gamma, beta, norm_type="layernorm", zero_centered_gamma=False, eps=1e-6):
+    """Unfused float32 layernorm / rmsnorm over the last axis."""
+    x = x.astype(F32)
+    if norm_type == "layernorm":
+        x = (x - jnp.mean(x, -1, keepdims=True)) / jnp.sqrt(jnp.var(x, -1, keepdims=True) + eps)
+    else:
+        x = x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + eps)
+    scale = gamma.astype(F32) + (1.0 if zero_centered_gamma else 0.0)
+    y = x * jnp.broadcast_to(scale, x.shape)
+    return y if beta is None else y + jnp.broadcast_to(beta.astype(F32), x.shape)
+
+
+def reference_dense(x, kernel, bias=None, n_contract=1):
+    """``x . kernel + bias`` in float32 with HIGHEST precision."""
+    out = jnp.tensordot(x.astype(F32), kernel.astype(F32), axes=n_contract, precision=HIGHEST)
+    return out if bias is None else out + jnp.broadcast_to(bias.astype(F32), out.shape)
+
+
+def fake_quant(x, scale_inv, dtype):
+    """Quantize-dequantize in float32 with a fixed scale, saturating at the format's max."""
+    limit = float(jnp.finfo(dtype).max)
+    q = jnp.clip(x.astype(F32) / scale_inv, -limit, limit).astype(dtype)
+    return q.astype(F32) * scale_inv
+
+
+def grad_fake_quant(scale_inv, dtype):
+    """The identity forward; quantize-dequantize of the incoming gradient backward."""
+
+    @jax.custom_vjp
+    def identity(y):
+        return y
+
+    identity.defvjp(lambda y: (y, None), lambda _, g: (fake_quant(g, scale_inv, dtype),))
+    return identity
+
+
+def current_scale(x, dtype):
+    """The current-scaling ``scale_inv`` of x: ``amax / fp8_max`` (1 for an all-zero x)."""
+    amax = jnp.max(jnp.abs(x.astype(F32)))
+    return jnp.where(amax > 0, amax / float(jnp.finfo(dtype).max), 1.0)
+
+
+def amax_of(x):
+    return jnp.max(jnp.abs(x.astype(F32)))
