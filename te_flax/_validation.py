@@ -12,12 +12,12 @@ from te_flax._stages import NormSpec
 from te_flax.quantize import QuantizerSet
 
 __all__ = [
+    "canonical_norm_type",
     "check_axes",
     "check_floating",
     "check_norm",
     "check_quantizer_set",
     "check_shape",
-    "canonical_norm_type",
 ]
 
 _NORM_TYPES = ("layernorm", "rmsnorm")
@@ -72,8 +72,7 @@ def check_norm(
     check_shape(gamma, (hidden,), "gamma", f"the norm runs over x's last axis of size {hidden}")
     if norm_type == "rmsnorm" and beta is not None:
         raise ValueError(
-            "beta must be None for rmsnorm (it has no shift); drop it or use "
-            'norm_type="layernorm"'
+            'beta must be None for rmsnorm (it has no shift); drop it or use norm_type="layernorm"'
         )
     if norm_type == "layernorm":
         if beta is None:

@@ -181,7 +181,9 @@ def layernorm_dense(
     quantizer_set = check.check_quantizer_set(quantizer_set)
     config = _Config(
         norm=norm,
-        layernorm_input_axes=check.check_axes(layernorm_input_axes, x.ndim, "layernorm_input_axes", "x"),
+        layernorm_input_axes=check.check_axes(
+            layernorm_input_axes, x.ndim, "layernorm_input_axes", "x"
+        ),
         dot_input_axes=check.check_axes(dot_input_axes, x.ndim, "dot_input_axes", "x"),
         kernel_axes=check.check_axes(kernel_axes, kernel.ndim, "kernel_axes", "kernel"),
         kernel_dtype=kernel.dtype,

@@ -13,9 +13,8 @@ _FLAGS = (
     # Deviceless GPU compiles have no autotuner; without this XLA hands FP8 dots to Triton.
     "--xla_gpu_enable_triton_gemm=false",
 )
-os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), *(f for f in _FLAGS if f not in os.environ.get("XLA_FLAGS", ""))]
-).strip()
+_existing = os.environ.get("XLA_FLAGS", "")
+os.environ["XLA_FLAGS"] = " ".join([_existing, *(f for f in _FLAGS if f not in _existing)]).strip()
 
 import jax  # noqa: E402
 

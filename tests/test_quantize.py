@@ -47,7 +47,7 @@ def test_e5m2_format_is_refused(cls):
 
 @pytest.mark.parametrize("cls", [DelayedScaling, Float8CurrentScaling])
 def test_unknown_format_is_refused(cls):
-    with pytest.raises(TypeError, match="must be a te_flax.quantize.Format"):
+    with pytest.raises(TypeError, match=r"must be a te_flax\.quantize\.Format"):
         cls(fp8_format="hybrid")
 
 

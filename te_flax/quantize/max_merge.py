@@ -100,4 +100,8 @@ def float32_state(state: T) -> T:
 
     Leaves that are already float32 pass through unchanged.
     """
-    return jax.tree.map(lambda leaf: _from_max_merged(leaf) if _is_max_merged(leaf) else leaf, state)
+
+    def to_float32(leaf):
+        return _from_max_merged(leaf) if _is_max_merged(leaf) else leaf
+
+    return jax.tree.map(to_float32, state)

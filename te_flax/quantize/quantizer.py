@@ -57,7 +57,7 @@ class DelayedScaleQuantizer:
 
     scale_inv: Array
     amax_history: Array
-    q_dtype: Any = _static(jnp.float8_e4m3fn)
+    q_dtype: Any = _static(jnp.float8_e4m3fn)  # noqa: RUF009
     margin: float = _static(0)
     amax_compute_algo: str = _static("max")
 
@@ -95,7 +95,7 @@ class DelayedScaleQuantizer:
 class CurrentScaleQuantizer:
     """Quantizes with a scale from the tensor's own amax; keeps no state."""
 
-    q_dtype: Any = _static(jnp.float8_e4m3fn)
+    q_dtype: Any = _static(jnp.float8_e4m3fn)  # noqa: RUF009
 
     def quantize(self, x: Array) -> tuple[ScaledTensor, CurrentScaleQuantizer]:
         """Returns ``x`` quantized with ``amax(x) / fp8_max``, and this (stateless) quantizer."""
@@ -188,8 +188,10 @@ class QuantizerFactory:
           >>> import jax
           >>> from te_flax.quantize import DelayedScaling, QuantizerFactory
           >>> qs = QuantizerFactory.create_set(fp8_recipe=DelayedScaling(amax_history_len=16))
-          >>> jax.tree.map(lambda a: (a.shape, str(a.dtype)), qs.x)
-          DelayedScaleQuantizer(scale_inv=((1,), 'float32'), amax_history=((16,), 'float32'), q_dtype=<class 'jax.numpy.float8_e4m3fn'>, margin=0, amax_compute_algo='max')
+          >>> qs.x.scale_inv.shape, qs.x.amax_history.shape, qs.x.q_dtype.__name__
+          ((1,), (16,), 'float8_e4m3fn')
+          >>> qs.dgrad.q_dtype.__name__
+          'float8_e5m2'
         """
         if not isinstance(n_quantizer_sets, int) or n_quantizer_sets < 1:
             raise ValueError(f"n_quantizer_sets must be an int >= 1, got {n_quantizer_sets!r}")

@@ -33,9 +33,7 @@ def amax(x: Array) -> Array:
     return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
-def compute_scale_inv(
-    amax_value: Array, dtype, margin: float, previous_scale_inv: Array
-) -> Array:
+def compute_scale_inv(amax_value: Array, dtype, margin: float, previous_scale_inv: Array) -> Array:
     """``amax * 2**margin / fp8_max``, keeping ``previous_scale_inv`` where amax is 0, NaN or inf.
 
     The result is clipped to the normal float32 range, so it is never 0, inf or NaN as long as
