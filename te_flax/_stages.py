@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax import Array, lax
 
 from te_flax.quantize import Quantizer, ScaledTensor, quantize_operand
+from te_flax.sharding import LogicalAxes, with_logical_constraint
 
 __all__ = [
     "NormSpec",
@@ -21,6 +22,7 @@ __all__ = [
     "apply_norm",
     "dense_backward",
     "dense_forward",
+    "norm_operand",
     "normalize",
     "normalize_backward",
     "sum_to_bias",
@@ -107,6 +109,24 @@ def normalize_backward(
         d_x_hat = d_x_hat - jnp.mean(d_x_hat, axis=-1, keepdims=True)
     d_x = stats.rsigma * (d_x_hat - x_hat * projection)
     return d_x.astype(x.dtype), d_gamma, d_beta
+
+
+def norm_operand(
+    x: Array,
+    stats: NormStats,
+    gamma: Array,
+    beta: Array | None,
+    spec: NormSpec,
+    quantizer: Quantizer | None,
+    axes: LogicalAxes,
+) -> tuple[ScaledTensor, Quantizer | None]:
+    """The norm output as a GEMM operand: quantized straight from float32, or cast to x's dtype.
+
+    The float32 norm output exists only inside this fusion; what leaves it is the operand.
+    """
+    ln = apply_norm(x, stats, gamma, beta, spec)  # f32[batch..., hidden]
+    operand, new_quantizer = quantize_operand(ln, quantizer, x.dtype)
+    return operand._replace(data=with_logical_constraint(operand.data, axes)), new_quantizer
 
 
 # ----------------------------------------------------------------------------- GEMMs

@@ -13,9 +13,9 @@ from te_flax import _validation as check
 from te_flax._stages import (
     NormSpec,
     NormStats,
-    apply_norm,
     dense_backward,
     dense_forward,
+    norm_operand,
     normalize,
     normalize_backward,
 )
@@ -54,18 +54,12 @@ class _Residuals(NamedTuple):
     quantizers: QuantizerSet  # x and kernel already updated by the forward
 
 
-def _norm_operand(config: _Config, x, stats, gamma, beta, quantizer):
-    """The GEMM's left operand: the norm output, quantized or cast to x's dtype."""
-    ln = apply_norm(x, stats, gamma, beta, config.norm)  # f32[batch..., hidden]
-    operand, new_quantizer = quantize_operand(ln, quantizer, x.dtype)
-    data = with_logical_constraint(operand.data, config.dot_input_axes)
-    return operand._replace(data=data), new_quantizer
-
-
 def _forward(config: _Config, x, kernel, gamma, beta, bias, quantizer_set: QuantizerSet):
     x = with_logical_constraint(x, config.layernorm_input_axes)
     _, stats = normalize(x, gamma, beta, config.norm)
-    lhs, x_quantizer = _norm_operand(config, x, stats, gamma, beta, quantizer_set.x)
+    lhs, x_quantizer = norm_operand(
+        x, stats, gamma, beta, config.norm, quantizer_set.x, config.dot_input_axes
+    )
     rhs, kernel_quantizer = quantize_operand(kernel, quantizer_set.kernel, x.dtype)
     rhs = rhs._replace(data=with_logical_constraint(rhs.data, config.kernel_axes))
     # [batch..., hidden] x [hidden, features...] -> [batch..., features...]
@@ -91,7 +85,15 @@ def _layernorm_dense(config, x, kernel, gamma, beta, bias, quantizer_set):
 def _backward(config: _Config, residuals: _Residuals, grad):
     x, quantizers = residuals.x, residuals.quantizers
     if quantizers.is_noop:
-        lhs, _ = _norm_operand(config, x, residuals.stats, residuals.gamma, residuals.beta, None)
+        lhs, _ = norm_operand(
+            x,
+            residuals.stats,
+            residuals.gamma,
+            residuals.beta,
+            config.norm,
+            None,
+            config.dot_input_axes,
+        )
         rhs = ScaledTensor(residuals.kernel_operand.astype(x.dtype))
     else:
         lhs, rhs = residuals.ln_operand, residuals.kernel_operand

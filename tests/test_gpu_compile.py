@@ -1,0 +1,341 @@
+"""The FP8 lowering on XLA:GPU, checked with a deviceless compile for an H100 (no GPU needed).
+
+XLA's real GPU compiler (from the ``jax[cuda12]`` plugin) compiles one training step
+(``value_and_grad``) of an op for the target described in ``data/h100_sxm.gpu_target_config.txtpb``;
+the tests then read the cuBLAS custom calls of the optimized HLO: how many FP8 GEMMs
+(``__cublas$lt$matmul$f8``) and non-FP8 GEMMs there are, the operand precision of each (forward
+DEFAULT for fast accumulation, backward HIGHEST), its epilogue (the forward bias fused as BIAS)
+and the float8 types of its operands. Each distinct program is compiled once per module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the gpu-compile extra (jax[cuda12])")
+
+from jax.experimental import topologies
+
+from te_flax.dense import dense
+from te_flax.layernorm_dense import layernorm_dense
+from te_flax.layernorm_mlp import layernorm_mlp
+from te_flax.quantize import (
+    DelayedScaling,
+    Float8CurrentScaling,
+    Format,
+    QuantizerFactory,
+    noop_quantizer_set,
+)
+
+pytestmark = pytest.mark.gpu_compile
+
+TARGET_CONFIG = Path(__file__).parent / "data" / "h100_sxm.gpu_target_config.txtpb"
+
+TOKENS, HIDDEN, FEATURES = 512, 1024, 2048
+FP8_GEMM = "__cublas$lt$matmul$f8"
+NON_FP8_GEMMS = ("__cublas$gemm", "__cublas$lt$matmul")
+FLOAT8_TYPE = re.compile(r"\bf8e\d")
+
+# The three GEMMs of a step, told apart by their output dims (in either order, in case XLA
+# swaps the operands): forward [tokens, features], dgrad [tokens, hidden], wgrad [hidden, features].
+ROLES = {
+    frozenset({TOKENS, FEATURES}): "forward",
+    frozenset({TOKENS, HIDDEN}): "dgrad",
+    frozenset({HIDDEN, FEATURES}): "wgrad",
+}
+
+RECIPES = {
+    "delayed": DelayedScaling,
+    "current": Float8CurrentScaling,
+}
+OPS = ("layernorm_dense", "dense")
+
+
+# ----------------------------------------------------------------------------- reading the HLO
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemm:
+    """One cuBLAS custom call of the optimized HLO."""
+
+    name: str
+    target: str
+    dims: tuple[int, ...]  # of the GEMM's result
+    operand_types: tuple[str, ...]  # element types of the two matrix operands
+    precision: tuple[str, ...]
+    epilogue: str
+
+    @property
+    def role(self) -> str:
+        return ROLES.get(frozenset(self.dims), f"unknown GEMM of shape {self.dims}")
+
+
+# `%name = f8e4m3fn[512,1024]{1,0} ...` or, for a tuple result, `%name = (bf16[512,2048]{1,0}, ...`
+_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%([^\s=]+)\s*=\s*\(?([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_OPERANDS = re.compile(r"custom-call\(([^)]*)\)")
+_OPERAND_NAME = re.compile(r"%([^\s,()]+)")
+
+
+def parse_gemms(hlo_text: str) -> list[Gemm]:
+    """The cuBLAS GEMM custom calls of an optimized HLO module, with their operand types."""
+    types = {}
+    for line in hlo_text.splitlines():
+        if match := _DEFINITION.match(line):
+            name, element_type, dims = match.groups()
+            types[name] = (element_type, tuple(int(d) for d in dims.split(",") if d))
+    gemms = []
+    for line in hlo_text.splitlines():
+        target = _TARGET.search(line)
+        if target is None or not target.group(1).startswith("__cublas$"):
+            continue
+        definition = _DEFINITION.match(line)
+        assert definition is not None, line
+        operands = _OPERAND_NAME.findall(_OPERANDS.search(line).group(1))
+        start = line.index("backend_config=") + len("backend_config=")
+        config, _ = json.JSONDecoder().raw_decode(line[start:])
+        gemm_config = config["gemm_backend_config"]
+        gemms.append(
+            Gemm(
+                name=definition.group(1),
+                target=target.group(1),
+                dims=types[definition.group(1)][1],
+                operand_types=tuple(types[name][0] for name in operands[:2]),
+                precision=tuple(gemm_config["precision_config"]["operand_precision"]),
+                epilogue=gemm_config.get("epilogue", "DEFAULT"),
+            )
+        )
+    return gemms
+
+
+def by_role(gemms: list[Gemm]) -> dict[str, Gemm]:
+    roles = {gemm.role: gemm for gemm in gemms}
+    assert len(gemms) == 3 and sorted(roles) == ["dgrad", "forward", "wgrad"], gemms
+    return roles
+
+
+# ----------------------------------------------------------------------------- compiling
+
+
+@functools.cache
+def _h100_sharding() -> jax.sharding.NamedSharding:
+    assert "--xla_gpu_enable_triton_gemm=false" in os.environ.get("XLA_FLAGS", ""), (
+        "tests/conftest.py sets --xla_gpu_enable_triton_gemm=false; without it the deviceless "
+        "compile hands the FP8 dots to Triton"
+    )
+    topology = topologies.get_topology_desc(
+        platform="cuda", target_config=TARGET_CONFIG.read_text(), topology="1x1x1"
+    )
+    mesh = topologies.make_mesh(topology, (1,), ("x",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def _quantizer_set(recipe: str, fp8_format: str):
+    if recipe == "none":
+        return noop_quantizer_set
+    return QuantizerFactory.create_set(fp8_recipe=RECIPES[recipe](fp8_format=Format[fp8_format]))
+
+
+def optimized_hlo(op: str, recipe: str, use_bias: bool, fp8_format: str = "HYBRID") -> str:
+    """The optimized HLO of one training step of ``op`` on the H100, compiled without a GPU.
+
+    ``recipe`` is "delayed", "current" or "none" (the noop quantizer set).
+    """
+    # One cache key per distinct program, however the caller spells the arguments.
+    return _compile_step(op, recipe, bool(use_bias), fp8_format)
+
+
+@functools.cache
+def _compile_step(op: str, recipe: str, use_bias: bool, fp8_format: str) -> str:
+    sharding = _h100_sharding()
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    params = {"kernel": spec((HIDDEN, FEATURES), jnp.float32)}
+    if op == "layernorm_dense":
+        params["gamma"] = spec((HIDDEN,), jnp.float32)
+        params["beta"] = spec((HIDDEN,), jnp.float32)
+    if use_bias:
+        params["bias"] = spec((FEATURES,), jnp.float32)
+    x = spec((TOKENS, HIDDEN), jnp.bfloat16)
+    quantizers = jax.tree.map(
+        lambda leaf: spec(leaf.shape, leaf.dtype), _quantizer_set(recipe, fp8_format)
+    )
+
+    def loss(params, quantizer_set, x):
+        bias = params.get("bias")
+        if op == "layernorm_dense":
+            out = layernorm_dense(
+                x,
+                params["kernel"],
+                params["gamma"],
+                params["beta"],
+                bias,
+                quantizer_set=quantizer_set,
+            )
+        else:
+            out = dense(x, params["kernel"], bias, quantizer_set=quantizer_set)
+        # A loss whose gradient depends on the output, so that XLA cannot fold it to a constant.
+        return jnp.mean(jnp.square(out.astype(jnp.float32)))
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    return step.lower(params, quantizers, x).compile().as_text()
+
+
+def gemms_of(*args, **kwargs) -> list[Gemm]:
+    return parse_gemms(optimized_hlo(*args, **kwargs))
+
+
+def assert_no_other_gemm(hlo_text: str, allowed: str) -> None:
+    targets = set(_TARGET.findall(hlo_text))
+    others = {t for t in targets if t.startswith("__cublas$") and t != allowed}
+    assert not others, f"GEMMs other than {allowed}: {sorted(others)}"
+    assert not re.search(r"\sdot\(", hlo_text), "a dot was left to a fusion, not to cuBLAS"
+    for kind in ("__triton_gemm", "__cudnn$fusion"):
+        assert f'"kind":"{kind}"' not in hlo_text, f"a GEMM was given to a {kind} fusion"
+
+
+fp8_cases = pytest.mark.parametrize(
+    ("op", "recipe", "use_bias"),
+    [(op, recipe, bias) for op in OPS for recipe in RECIPES for bias in (False, True)],
+)
+
+
+# ----------------------------------------------------------------------------- FP8 steps
+
+
+@fp8_cases
+def test_fp8_step_lowers_to_three_fp8_gemms_and_nothing_else(op, recipe, use_bias):
+    hlo_text = optimized_hlo(op, recipe, use_bias)
+    gemms = parse_gemms(hlo_text)
+    assert [g.target for g in gemms] == [FP8_GEMM] * 3, gemms
+    by_role(gemms)
+    assert_no_other_gemm(hlo_text, allowed=FP8_GEMM)
+
+
+@fp8_cases
+def test_fp8_forward_uses_fast_accumulation_and_backward_split(op, recipe, use_bias):
+    gemms = by_role(gemms_of(op, recipe, use_bias))
+    assert gemms["forward"].precision == ("DEFAULT", "DEFAULT")
+    assert gemms["dgrad"].precision == ("HIGHEST", "HIGHEST")
+    assert gemms["wgrad"].precision == ("HIGHEST", "HIGHEST")
+
+
+@fp8_cases
+def test_fp8_forward_bias_is_fused_as_epilogue(op, recipe, use_bias):
+    gemms = by_role(gemms_of(op, recipe, use_bias))
+    assert gemms["forward"].epilogue == ("BIAS" if use_bias else "DEFAULT")
+    assert gemms["dgrad"].epilogue == gemms["wgrad"].epilogue == "DEFAULT"
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("op", OPS)
+def test_hybrid_gradient_gemms_take_e5m2_gradients(op, recipe):
+    gemms = by_role(gemms_of(op, recipe, False, "HYBRID"))
+    assert gemms["forward"].operand_types == ("f8e4m3fn", "f8e4m3fn")
+    for role in ("dgrad", "wgrad"):
+        assert sorted(gemms[role].operand_types) == ["f8e4m3fn", "f8e5m2"], gemms[role]
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("op", OPS)
+def test_e4m3_format_keeps_every_gemm_in_e4m3(op, recipe):
+    hlo_text = optimized_hlo(op, recipe, False, "E4M3")
+    gemms = by_role(parse_gemms(hlo_text))
+    assert [g.target for g in gemms.values()] == [FP8_GEMM] * 3
+    for gemm in gemms.values():
+        assert gemm.operand_types == ("f8e4m3fn", "f8e4m3fn"), gemm
+    assert "f8e5m2" not in hlo_text
+
+
+# ----------------------------------------------------------------------------- without FP8
+
+
+@pytest.mark.parametrize("use_bias", [False, True])
+@pytest.mark.parametrize("op", OPS)
+def test_noop_step_has_three_plain_gemms_and_no_float8(op, use_bias):
+    hlo_text = optimized_hlo(op, "none", use_bias)
+    gemms = parse_gemms(hlo_text)
+    assert len(gemms) == 3 and all(g.target in NON_FP8_GEMMS for g in gemms), gemms
+    by_role(gemms)
+    assert FP8_GEMM not in hlo_text
+    assert not FLOAT8_TYPE.search(hlo_text), FLOAT8_TYPE.search(hlo_text)
+
+
+# ----------------------------------------------------------------------------- layernorm_mlp
+
+INTERMEDIATE = 4096
+
+
+@functools.cache
+def mlp_optimized_hlo(activation_type: tuple[str, ...], recipe: str) -> str:
+    """The optimized HLO of one training step of ``layernorm_mlp`` with both biases."""
+    sharding = _h100_sharding()
+
+    def spec(shape, dtype=jnp.float32):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    n_act = len(activation_type)
+    params = {
+        "gamma": spec((HIDDEN,)),
+        "beta": spec((HIDDEN,)),
+        "kernels": [spec((HIDDEN, n_act, INTERMEDIATE)), spec((INTERMEDIATE, HIDDEN))],
+        "biases": [spec((n_act, INTERMEDIATE)), spec((HIDDEN,))],
+    }
+    sets = [_quantizer_set(recipe, "HYBRID") for _ in range(2)]
+    sets = jax.tree.map(lambda leaf: spec(leaf.shape, leaf.dtype), sets)
+
+    def loss(params, quantizer_sets, x):
+        out = layernorm_mlp(
+            x,
+            params["gamma"],
+            params["beta"],
+            params["kernels"],
+            params["biases"],
+            "layernorm",
+            activation_type=activation_type,
+            quantizer_sets=tuple(quantizer_sets),
+        )
+        return jnp.mean(jnp.square(out.astype(jnp.float32)))
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    return step.lower(params, sets, spec((TOKENS, HIDDEN), jnp.bfloat16)).compile().as_text()
+
+
+mlp_cases = pytest.mark.parametrize(
+    ("activation_type", "recipe"),
+    [(act, recipe) for act in (("gelu",), ("silu", "linear")) for recipe in RECIPES],
+    ids=lambda value: "-".join(value) if isinstance(value, tuple) else value,
+)
+
+
+@mlp_cases
+def test_fp8_mlp_step_lowers_to_six_fp8_gemms_and_nothing_else(activation_type, recipe):
+    hlo_text = mlp_optimized_hlo(activation_type, recipe)
+    gemms = parse_gemms(hlo_text)
+    assert [g.target for g in gemms] == [FP8_GEMM] * 6, gemms
+    assert_no_other_gemm(hlo_text, allowed=FP8_GEMM)
+    # Two forward GEMMs with fast accumulation, four backward ones in full precision.
+    precisions = sorted(g.precision[0] for g in gemms)
+    assert precisions == ["DEFAULT"] * 2 + ["HIGHEST"] * 4, gemms
+    for gemm in gemms:
+        expected = "f8e4m3fn" if gemm.precision[0] == "DEFAULT" else "f8e5m2"
+        assert expected in gemm.operand_types, gemm
+
+
+@pytest.mark.parametrize("activation_type", [("gelu",), ("silu", "linear")], ids="-".join)
+def test_noop_mlp_step_has_six_plain_gemms_and_no_float8(activation_type):
+    hlo_text = mlp_optimized_hlo(activation_type, "none")
+    gemms = parse_gemms(hlo_text)
+    assert len(gemms) == 6 and all(g.target in NON_FP8_GEMMS for g in gemms), gemms
+    assert not FLOAT8_TYPE.search(hlo_text)
