@@ -13,6 +13,7 @@ from te_flax import _validation as check
 from te_flax._stages import (
     NormSpec,
     NormStats,
+    apply_norm,
     dense_backward,
     dense_forward,
     norm_operand,
@@ -28,7 +29,7 @@ from te_flax.quantize import (
 )
 from te_flax.sharding import LogicalAxes, with_logical_constraint
 
-__all__ = ["layernorm_dense"]
+__all__ = ["layernorm_dense", "layernorm_dense_with_norm_output"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,8 @@ class _Config:
     kernel_axes: tuple | None
     kernel_dtype: Any
     bias_dtype: Any  # None without a bias
+    # Also return the norm output (in x's dtype), for return_layernorm_output and LoRA.
+    return_norm_output: bool = False
 
 
 class _Residuals(NamedTuple):
@@ -64,6 +67,11 @@ def _forward(config: _Config, x, kernel, gamma, beta, bias, quantizer_set: Quant
     rhs = rhs._replace(data=with_logical_constraint(rhs.data, config.kernel_axes))
     # [batch..., hidden] x [hidden, features...] -> [batch..., features...]
     out = dense_forward(lhs, rhs, 1, x.dtype, bias)
+    if config.return_norm_output:
+        # Without FP8 the GEMM operand is that very array; under FP8 a second cast of the
+        # float32 norm output, which XLA computes in the same fusion.
+        ln = lhs.data if lhs.scale_inv is None else apply_norm(x, stats, gamma, beta, config.norm)
+        out = (out, ln.astype(x.dtype))
     fp8 = not quantizer_set.is_noop
     residuals = _Residuals(
         x=x,
@@ -84,6 +92,7 @@ def _layernorm_dense(config, x, kernel, gamma, beta, bias, quantizer_set):
 
 def _backward(config: _Config, residuals: _Residuals, grad):
     x, quantizers = residuals.x, residuals.quantizers
+    grad, d_ln_output = grad if config.return_norm_output else (grad, None)
     if quantizers.is_noop:
         lhs, _ = norm_operand(
             x,
@@ -100,7 +109,8 @@ def _backward(config: _Config, residuals: _Residuals, grad):
     grads = dense_backward(
         grad, lhs, rhs, quantizers.dgrad, 1, x.dtype, config.kernel_dtype, config.bias_dtype
     )
-    d_ln = with_logical_constraint(grads.lhs, config.layernorm_input_axes)
+    d_ln = grads.lhs if d_ln_output is None else grads.lhs + d_ln_output
+    d_ln = with_logical_constraint(d_ln, config.layernorm_input_axes)
     d_kernel = with_logical_constraint(grads.rhs, config.kernel_axes)
     d_x, d_gamma, d_beta = normalize_backward(
         d_ln, x, residuals.stats, residuals.gamma, residuals.beta, config.norm
@@ -166,6 +176,60 @@ def layernorm_dense(
       >>> layernorm_dense(x, kernel, gamma, beta, quantizer_set=qs).shape
       (4, 8, 3, 32)
     """
+    config = _config(**locals())
+    return _layernorm_dense(config, x, kernel, gamma, beta, bias, float32_state(quantizer_set))
+
+
+def layernorm_dense_with_norm_output(
+    x: Array,
+    kernel: Array,
+    gamma: Array,
+    beta: Array | None,
+    bias: Array | None = None,
+    norm_type: str = "layernorm",
+    zero_centered_gamma: bool = False,
+    epsilon: float = 1e-6,
+    transpose_batch_sequence: bool = False,
+    layernorm_input_axes: LogicalAxes = None,
+    dot_input_axes: LogicalAxes = None,
+    kernel_axes: LogicalAxes = None,
+    quantizer_set: QuantizerSet = noop_quantizer_set,
+) -> tuple[Array, Array]:
+    """``layernorm_dense`` that also returns the norm output, ``(out, norm(x))``.
+
+    The norm output (in x's dtype) is differentiable: its gradient joins the GEMM's in the
+    norm backward. The modules use it for ``return_layernorm_output`` and for low-rank
+    adaptation, which reads the same normalized input as the main GEMM.
+
+    Example usage::
+
+      >>> import jax.numpy as jnp
+      >>> from te_flax.layernorm_dense import layernorm_dense_with_norm_output
+      >>> out, ln = layernorm_dense_with_norm_output(
+      ...     jnp.ones((2, 8)), jnp.ones((8, 4)), jnp.ones(8), None, norm_type="rmsnorm")
+      >>> out.shape, ln.shape
+      ((2, 4), (2, 8))
+    """
+    config = dataclasses.replace(_config(**locals()), return_norm_output=True)
+    return _layernorm_dense(config, x, kernel, gamma, beta, bias, float32_state(quantizer_set))
+
+
+def _config(
+    x,
+    kernel,
+    gamma,
+    beta,
+    bias,
+    norm_type,
+    zero_centered_gamma,
+    epsilon,
+    transpose_batch_sequence,
+    layernorm_input_axes,
+    dot_input_axes,
+    kernel_axes,
+    quantizer_set,
+) -> _Config:
+    """Validates the arguments of ``layernorm_dense`` and returns its static configuration."""
     check.check_floating(x, "x")
     if x.ndim < 1:
         raise ValueError("x must have at least one axis (the hidden axis it is normalized over)")
@@ -180,8 +244,8 @@ def layernorm_dense(
         check.check_floating(bias, "bias")
         check.check_shape(bias, kernel.shape[1:], "bias", "it matches the kernel's feature axes")
     check.check_bool(transpose_batch_sequence, "transpose_batch_sequence")
-    quantizer_set = check.check_quantizer_set(quantizer_set)
-    config = _Config(
+    check.check_quantizer_set(quantizer_set)
+    return _Config(
         norm=norm,
         layernorm_input_axes=check.check_axes(
             layernorm_input_axes, x.ndim, "layernorm_input_axes", "x"
@@ -191,4 +255,3 @@ def layernorm_dense(
         kernel_dtype=kernel.dtype,
         bias_dtype=None if bias is None else bias.dtype,
     )
-    return _layernorm_dense(config, x, kernel, gamma, beta, bias, float32_state(quantizer_set))
