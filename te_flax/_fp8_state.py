@@ -1,0 +1,83 @@
+"""FP8 state as module variables: names, fresh values, and the quantizer sets built from them.
+
+One GEMM's delayed-scaling state is six float32 variables in the ``_overwrite_with_gradient``
+collection: ``{x,kernel,grad}{postfix}_amax_history`` (``[L]``) and ``..._scale_inv`` (``[1]``).
+Current scaling and no quantization keep none. Both the Linen and the NNX shells go through here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+from jax import Array
+
+from te_flax.quantize import (
+    DelayedScaleQuantizer,
+    DelayedScaling,
+    QuantizerFactory,
+    QuantizerSet,
+    Recipe,
+    get_autocast_recipe,
+    merge_by_max,
+    noop_quantizer_set,
+)
+
+__all__ = [
+    "OVERWRITE_WITH_GRADIENT",
+    "fresh_state",
+    "quantizer_set",
+    "resolve_recipe",
+    "state_names",
+]
+
+# Variable role -> QuantizerSet field. "grad" quantizes the gradient of the GEMM's output.
+_ROLES = {"x": "x", "kernel": "kernel", "grad": "dgrad"}
+
+
+def resolve_recipe(recipe: Recipe | None) -> Recipe | None:
+    """A module's recipe: its own, else the active ``te_flax.autocast`` one, else None."""
+    return recipe if recipe is not None else get_autocast_recipe()
+
+
+def state_names(postfix: str) -> tuple[str, ...]:
+    """All variable names one GEMM's delayed-scaling state may have."""
+    return tuple(
+        f"{role}{postfix}_{kind}" for role in _ROLES for kind in ("amax_history", "scale_inv")
+    )
+
+
+def fresh_state(recipe: Recipe | None, postfix: str) -> dict[str, Array]:
+    """Initial variable values for one GEMM (empty unless the recipe keeps state)."""
+    if not isinstance(recipe, DelayedScaling):
+        return {}
+    qs = QuantizerFactory.create_set(fp8_recipe=recipe)
+    values = {}
+    for role, field in _ROLES.items():
+        quantizer = getattr(qs, field)
+        values[f"{role}{postfix}_amax_history"] = quantizer.amax_history
+        values[f"{role}{postfix}_scale_inv"] = quantizer.scale_inv
+    return values
+
+
+def quantizer_set(recipe: Recipe | None, postfix: str, state: dict[str, Array]) -> QuantizerSet:
+    """The quantizer set of one GEMM, its state leaves read from ``state`` (variable values).
+
+    The state is marked with ``merge_by_max``, so that the updates of a module applied more than
+    once in a step (or of state shared across ``nn.scan`` layers) merge by elementwise max. The
+    gradient of the loss with respect to these variables is then their new value.
+    """
+    if recipe is None:
+        return noop_quantizer_set
+    qs = QuantizerFactory.create_set(fp8_recipe=recipe)
+    if not isinstance(recipe, DelayedScaling):
+        return qs
+    members = {}
+    for role, field in _ROLES.items():
+        quantizer: DelayedScaleQuantizer = getattr(qs, field)
+        members[field] = dataclasses.replace(
+            quantizer,
+            amax_history=state[f"{role}{postfix}_amax_history"],
+            scale_inv=state[f"{role}{postfix}_scale_inv"],
+        )
+    return merge_by_max(QuantizerSet(**members))

@@ -1,0 +1,490 @@
+"""Framework-neutral descriptions of the four layers, shared by the Linen and NNX shells.
+
+Each description is a dataclass of the layer's attributes (TransformerEngine's names and
+defaults, Flax's ``dtype``/``param_dtype``) with three methods: ``in_features(x)`` checks an
+input and returns the sizes the kernel contracts, ``param_specs(in_features)`` lists the
+parameters (name, shape, initializer, logical axes), and ``forward(params, x, quantizer_sets,
+dropout)`` runs the functional ops. The shells only create variables and call these, so Linen
+and NNX cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+from jax.ad_checkpoint import checkpoint_name
+
+from te_flax import _validation as check
+from te_flax._activations import activation_forward, canonical_activation_type
+from te_flax._lora import lora_delta, lora_shapes
+from te_flax.dense import dense
+from te_flax.layernorm import layernorm
+from te_flax.layernorm_dense import layernorm_dense, layernorm_dense_with_norm_output
+from te_flax.layernorm_mlp import layernorm_mlp
+from te_flax.quantize import QuantizerSet, Recipe
+
+__all__ = [
+    "DenseGeneralSpec",
+    "LayerNormDenseGeneralSpec",
+    "LayerNormMLPSpec",
+    "LayerNormSpec",
+    "ParamSpec",
+]
+
+Initializer = Callable[..., Array]  # init(key, shape, dtype)
+Dropout = Callable[[Array], Array] | None
+zeros = jax.nn.initializers.zeros
+ones = jax.nn.initializers.ones
+
+
+def default_kernel_init() -> Initializer:
+    """TransformerEngine's default: variance scaling 1.0, fan-in, truncated normal."""
+    return jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """One parameter: its name, shape, ``init(key, shape, dtype)`` and logical axis names."""
+
+    name: str
+    shape: tuple[int, ...]
+    init: Initializer
+    axes: tuple[str | None, ...]
+
+
+def _param(name: str, shape, init: Initializer, axes: Sequence[str | None]) -> ParamSpec:
+    shape = tuple(int(d) for d in shape)
+    axes = tuple(axes) if axes else (None,) * len(shape)
+    if len(axes) != len(shape):
+        raise ValueError(
+            f"the logical axes {axes} of parameter {name!r} name {len(axes)} dimensions but it "
+            f"has shape {shape}; give one logical axis name (or None) per dimension"
+        )
+    return ParamSpec(name, shape, init, axes)
+
+
+def _flat_fan_in(init: Initializer, n_in: int) -> Initializer:
+    """``init`` called on the 2-D ``[prod(in), prod(out)]`` shape, then reshaped.
+
+    Fan-in and fan-out are then the contracted and the output sizes whatever the kernel's rank.
+    """
+
+    def flat_init(key, shape, dtype=jnp.float32):
+        flat = (math.prod(shape[:n_in]), math.prod(shape[n_in:]))
+        return jnp.reshape(init(key, flat, dtype), shape)
+
+    return flat_init
+
+
+def _per_activation(init: Initializer) -> Initializer:
+    """For ``[hidden, n_act, intermediate]``: each act slice initialised on its own, as in TE."""
+
+    def stacked_init(key, shape, dtype=jnp.float32):
+        hidden, n_act, intermediate = shape
+        keys = jax.random.split(key, n_act)
+        return jnp.stack([init(k, (hidden, intermediate), dtype) for k in keys], axis=-2)
+
+    return stacked_init
+
+
+def _features(features) -> tuple[int, ...]:
+    if features is None:
+        raise TypeError("features is required: the output size, an int or a tuple of ints")
+    features = (features,) if isinstance(features, int) else tuple(features)
+    if not features or not all(isinstance(f, int) and f >= 1 for f in features):
+        raise ValueError(f"features must be a positive int or a tuple of them, got {features!r}")
+    return features
+
+
+def _compute_input(x: Array, dtype) -> Array:
+    check.check_floating(x, "the input")
+    return x if dtype is None else x.astype(dtype)
+
+
+def _check_last_axis(axis, x: Array) -> None:
+    if axis not in (-1, x.ndim - 1):
+        raise ValueError(
+            f"axis={axis!r} is not supported: this layer normalizes and contracts the last axis "
+            "only (axis=-1); move the features axis last, e.g. with jnp.moveaxis"
+        )
+
+
+class _Norm:
+    """The parameters and checks of the norm that several layers share."""
+
+    def _norm_params(self, hidden: int, bias_init: Initializer, bias_axes) -> list[ParamSpec]:
+        norm_type = check.canonical_norm_type(self.layernorm_type)
+        scale_init = self.scale_init or (zeros if self.zero_centered_gamma else ones)
+        params = [_param("scale", (hidden,), scale_init, self.scale_axes)]
+        if norm_type == "layernorm":
+            params.append(_param("ln_bias", (hidden,), bias_init, bias_axes))
+        return params
+
+    def _norm_arguments(self, params: dict) -> dict:
+        return dict(
+            gamma=params["scale"],
+            beta=params.get("ln_bias"),
+            norm_type=self.layernorm_type,
+            zero_centered_gamma=self.zero_centered_gamma,
+            epsilon=self.epsilon,
+        )
+
+
+class _LowRank:
+    """Low-rank adaptation beside a GEMM, with TE's attribute and parameter names."""
+
+    def _lora_params(self, prefix: str, in_features, features) -> list[ParamSpec]:
+        if not self.enable_low_rank_adaptation:
+            return []
+        a_shape, b_shape = lora_shapes(
+            tuple(in_features), tuple(features), self.low_rank_adaptation_dim
+        )
+        kernel_init = _flat_fan_in(self.kernel_init or default_kernel_init(), len(in_features))
+        return [
+            _param(f"{prefix}lora_a_kernel", a_shape, kernel_init, ()),
+            _param(f"{prefix}lora_b_kernel", b_shape, zeros, ()),
+        ]
+
+    def _with_lora(self, out: Array, x: Array, params: dict, prefix: str, n_contract: int):
+        if not self.enable_low_rank_adaptation:
+            return out
+        delta = lora_delta(
+            x,
+            params[f"{prefix}lora_a_kernel"],
+            params[f"{prefix}lora_b_kernel"],
+            n_contract,
+            self.low_rank_adaptation_dim,
+            self.low_rank_adaptation_alpha,
+        )
+        return out + delta.astype(out.dtype)
+
+
+# ----------------------------------------------------------------------------- LayerNorm
+
+
+@dataclasses.dataclass
+class LayerNormSpec(_Norm):
+    """Layernorm or rmsnorm over the last axis (parameters ``scale`` and ``ln_bias``)."""
+
+    epsilon: float = 1e-6
+    layernorm_type: str = "layernorm"
+    zero_centered_gamma: bool = False
+    scale_init: Initializer | None = None
+    scale_axes: tuple[str | None, ...] = ("embed",)
+    bias_init: Initializer = zeros
+    bias_axes: tuple[str | None, ...] = ("embed",)
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    transpose_batch_sequence: bool = False
+
+    fp8_postfixes = ()
+
+    def in_features(self, x: Array) -> tuple[int, ...]:
+        return (x.shape[-1],)
+
+    def param_specs(self, in_features) -> list[ParamSpec]:
+        return self._norm_params(in_features[-1], self.bias_init, self.bias_axes)
+
+    def forward(self, params, x, quantizer_sets=(), dropout: Dropout = None) -> Array:
+        x = _compute_input(x, self.dtype)
+        return layernorm(x, **self._norm_arguments(params))
+
+
+# ----------------------------------------------------------------------------- DenseGeneral
+
+
+@dataclasses.dataclass
+class DenseGeneralSpec(_LowRank):
+    """``x . kernel + bias`` over one or more trailing axes of x."""
+
+    features: int | tuple[int, ...] = None  # required
+    kernel_init: Initializer | None = None
+    kernel_axes: tuple[str | None, ...] = ()
+    use_bias: bool = True
+    bias_init: Initializer = zeros
+    bias_axes: tuple[str | None, ...] = ()
+    enable_low_rank_adaptation: bool = False
+    low_rank_adaptation_dim: int = 32
+    low_rank_adaptation_alpha: float | None = None
+    axis: int | tuple[int, ...] = -1
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    input_axes: tuple[str | None, ...] = ()
+    transpose_batch_sequence: bool = False
+    recipe: Recipe | None = None
+
+    fp8_postfixes = ("",)
+
+    def _axes(self, ndim: int) -> tuple[int, ...]:
+        axes = (self.axis,) if isinstance(self.axis, int) else tuple(self.axis)
+        normalized = tuple(a % ndim for a in axes) if ndim else axes
+        if normalized != tuple(range(ndim - len(axes), ndim)):
+            raise ValueError(
+                f"axis={self.axis!r} must name the input's trailing axes in order (input rank "
+                f"{ndim}); e.g. axis=-1, or axis=(-2, -1) to contract the last two"
+            )
+        return normalized
+
+    def in_features(self, x: Array) -> tuple[int, ...]:
+        return tuple(x.shape[a] for a in self._axes(x.ndim))
+
+    def param_specs(self, in_features) -> list[ParamSpec]:
+        features = _features(self.features)
+        kernel_init = _flat_fan_in(self.kernel_init or default_kernel_init(), len(in_features))
+        params = [_param("kernel", (*in_features, *features), kernel_init, self.kernel_axes)]
+        if self.use_bias:
+            params.append(_param("bias", features, self.bias_init, self.bias_axes))
+        return params + self._lora_params("", in_features, features)
+
+    def forward(self, params, x, quantizer_sets: Sequence[QuantizerSet], dropout=None) -> Array:
+        x = _compute_input(x, self.dtype)
+        axes = self._axes(x.ndim)
+        out = dense(
+            x,
+            params["kernel"],
+            params.get("bias"),
+            contracting_dims=(axes, tuple(range(len(axes)))),
+            transpose_batch_sequence=self.transpose_batch_sequence,
+            input_axes=self.input_axes or None,
+            kernel_axes=self.kernel_axes or None,
+            quantizer_set=quantizer_sets[0],
+        )
+        return self._with_lora(out, x, params, "", len(axes))
+
+
+# --------------------------------------------------------------------------- LayerNormDenseGeneral
+
+
+@dataclasses.dataclass
+class LayerNormDenseGeneralSpec(_Norm, _LowRank):
+    """A norm fused with the GEMM after it; returns ``(out, norm output or None)``."""
+
+    features: int | tuple[int, ...] = None  # required
+    enable_layernorm: bool = True
+    layernorm_type: str = "layernorm"
+    epsilon: float = 1e-6
+    zero_centered_gamma: bool = False
+    scale_init: Initializer | None = None
+    scale_axes: tuple[str | None, ...] = ("embed",)
+    ln_bias_init: Initializer = zeros
+    ln_bias_axes: tuple[str | None, ...] = ("embed",)
+    kernel_init: Initializer | None = None
+    kernel_axes: tuple[str | None, ...] = ()
+    use_bias: bool = False
+    bias_init: Initializer = zeros
+    bias_axes: tuple[str | None, ...] = ()
+    return_layernorm_output: bool = False
+    enable_low_rank_adaptation: bool = False
+    low_rank_adaptation_dim: int = 32
+    low_rank_adaptation_alpha: float | None = None
+    axis: int = -1
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    layernorm_input_axes: tuple[str | None, ...] | None = None
+    dot_input_axes: tuple[str | None, ...] | None = None
+    depth_scaling: float | None = None
+    transpose_batch_sequence: bool = False
+    recipe: Recipe | None = None
+
+    fp8_postfixes = ("",)
+
+    def in_features(self, x: Array) -> tuple[int, ...]:
+        _check_last_axis(self.axis, x)
+        return (x.shape[-1],)
+
+    def param_specs(self, in_features) -> list[ParamSpec]:
+        hidden = in_features[-1]
+        features = _features(self.features)
+        params = []
+        if self.enable_layernorm:
+            params += self._norm_params(hidden, self.ln_bias_init, self.ln_bias_axes)
+        kernel_init = _flat_fan_in(self.kernel_init or default_kernel_init(), 1)
+        params.append(_param("kernel", (hidden, *features), kernel_init, self.kernel_axes))
+        if self.use_bias:
+            params.append(_param("bias", features, self.bias_init, self.bias_axes))
+        return params + self._lora_params("", (hidden,), features)
+
+    def forward(self, params, x, quantizer_sets: Sequence[QuantizerSet], dropout=None):
+        x = _compute_input(x, self.dtype)
+        _check_last_axis(self.axis, x)
+        gemm = dict(
+            kernel=params["kernel"],
+            bias=params.get("bias"),
+            transpose_batch_sequence=self.transpose_batch_sequence,
+            kernel_axes=self.kernel_axes or None,
+            quantizer_set=quantizer_sets[0],
+        )
+        needs_norm_output = self.return_layernorm_output or self.enable_low_rank_adaptation
+        if not self.enable_layernorm:
+            # TE's convention: without a norm, the "norm output" is the input itself.
+            out, ln = dense(x, **gemm, input_axes=self.dot_input_axes), x
+        elif needs_norm_output:
+            out, ln = layernorm_dense_with_norm_output(x, **gemm, **self._fused_norm(params))
+        else:
+            out, ln = layernorm_dense(x, **gemm, **self._fused_norm(params)), None
+        out = self._with_lora(out, ln, params, "", 1)
+        if self.depth_scaling is not None:
+            out = out / jnp.asarray(self.depth_scaling, out.dtype)
+        return out, ln if self.return_layernorm_output else None
+
+    def _fused_norm(self, params) -> dict:
+        return dict(
+            **self._norm_arguments(params),
+            layernorm_input_axes=self.layernorm_input_axes,
+            dot_input_axes=self.dot_input_axes,
+        )
+
+
+# ----------------------------------------------------------------------------- LayerNormMLP
+
+
+@dataclasses.dataclass
+class LayerNormMLPSpec(_Norm, _LowRank):
+    """Norm, GEMM 1, (gated) activation, dropout, GEMM 2; returns ``(out, norm output or None)``."""
+
+    intermediate_dim: int = 2048
+    enable_layernorm: bool = True
+    layernorm_type: str = "layernorm"
+    epsilon: float = 1e-6
+    zero_centered_gamma: bool = False
+    scale_init: Initializer | None = None
+    scale_axes: tuple[str | None, ...] = ("embed",)
+    ln_bias_init: Initializer = zeros
+    ln_bias_axes: tuple[str | None, ...] = ("embed",)
+    kernel_init: Initializer | None = None
+    kernel_axes_1: tuple[str | None, ...] = ("embed", "act", "mlp")
+    kernel_axes_2: tuple[str | None, ...] = ("mlp", "embed")
+    use_bias: bool = False
+    bias_init: Initializer = zeros
+    bias_axes_1: tuple[str | None, ...] = ("act", "mlp")
+    bias_axes_2: tuple[str | None, ...] = ("embed",)
+    return_layernorm_output: bool = False
+    activations: Sequence[str] = ("gelu",)
+    intermediate_dropout_rng_name: str = "dropout"
+    intermediate_dropout_rate: float = 0.0
+    intermediate_hidden_dropout_dims: Sequence[int] = ()
+    enable_low_rank_adaptation: bool = False
+    low_rank_adaptation_dim: int = 32
+    low_rank_adaptation_alpha: float | None = None
+    axis: int = -1
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    layernorm_input_axes: tuple[str | None, ...] | None = None
+    dot_1_input_axes: tuple[str | None, ...] | None = None
+    dot_2_input_axes: tuple[str | None, ...] | None = None
+    ffn1_ckpt_name: str = "ffn1"
+    ffn2_ckpt_name: str = "ffn2"
+    transpose_batch_sequence: bool = False
+    recipe: Recipe | None = None
+
+    fp8_postfixes = ("_0", "_1")
+
+    def in_features(self, x: Array) -> tuple[int, ...]:
+        _check_last_axis(self.axis, x)
+        return (x.shape[-1],)
+
+    def param_specs(self, in_features) -> list[ParamSpec]:
+        hidden = in_features[-1]
+        n_act = len(canonical_activation_type(self.activations))
+        intermediate = self.intermediate_dim
+        if not isinstance(intermediate, int) or intermediate < 1:
+            raise ValueError(f"intermediate_dim must be a positive int, got {intermediate!r}")
+        kernel_init = self.kernel_init or default_kernel_init()
+        params = []
+        if self.enable_layernorm:
+            params += self._norm_params(hidden, self.ln_bias_init, self.ln_bias_axes)
+        params += [
+            _param(
+                "wi_kernel",
+                (hidden, n_act, intermediate),
+                _per_activation(kernel_init),
+                self.kernel_axes_1,
+            ),
+            _param("wo_kernel", (intermediate, hidden), kernel_init, self.kernel_axes_2),
+        ]
+        if self.use_bias:
+            params += [
+                _param("wi_bias", (n_act, intermediate), self.bias_init, self.bias_axes_1),
+                _param("wo_bias", (hidden,), self.bias_init, self.bias_axes_2),
+            ]
+        return (
+            params
+            + self._lora_params("wi_", (hidden,), (n_act, intermediate))
+            + self._lora_params("wo_", (intermediate,), (hidden,))
+        )
+
+    def forward(self, params, x, quantizer_sets: Sequence[QuantizerSet], dropout: Dropout = None):
+        """``dropout`` is None when the intermediate dropout is off (rate 0 or deterministic)."""
+        x = _compute_input(x, self.dtype)
+        _check_last_axis(self.axis, x)
+        activation_type = canonical_activation_type(self.activations)
+        fused = (
+            self.enable_layernorm
+            and dropout is None
+            and not self.return_layernorm_output
+            and not self.enable_low_rank_adaptation
+        )
+        if fused:
+            out = layernorm_mlp(
+                x,
+                **self._norm_arguments(params),
+                kernels=[params["wi_kernel"], params["wo_kernel"]],
+                biases=[params.get("wi_bias"), params.get("wo_bias")],
+                transpose_batch_sequence=self.transpose_batch_sequence,
+                norm_input_axes=self.layernorm_input_axes,
+                dot_1_input_axes=self.dot_1_input_axes,
+                dot_2_input_axes=self.dot_2_input_axes,
+                kernel_1_axes=self.kernel_axes_1 or None,
+                kernel_2_axes=self.kernel_axes_2 or None,
+                ffn1_ckpt_name=self.ffn1_ckpt_name,
+                ffn2_ckpt_name=self.ffn2_ckpt_name,
+                activation_type=activation_type,
+                quantizer_sets=tuple(quantizer_sets),
+            )
+            return out, None
+        return self._composed(params, x, quantizer_sets, dropout, activation_type)
+
+    def _composed(self, params, x, quantizer_sets, dropout: Dropout, activation_type):
+        """The same layer from the ops, where dropout or LoRA must sit between the GEMMs."""
+        gemm_1 = dict(
+            kernel=params["wi_kernel"],
+            bias=params.get("wi_bias"),
+            transpose_batch_sequence=self.transpose_batch_sequence,
+            kernel_axes=self.kernel_axes_1 or None,
+            quantizer_set=quantizer_sets[0],
+        )
+        if self.enable_layernorm:
+            pre_activation, ln = layernorm_dense_with_norm_output(
+                x,
+                **gemm_1,
+                **self._norm_arguments(params),
+                layernorm_input_axes=self.layernorm_input_axes,
+                dot_input_axes=self.dot_1_input_axes,
+            )
+        else:
+            pre_activation, ln = dense(x, **gemm_1, input_axes=self.dot_1_input_axes), x
+        # [batch..., hidden] -> [batch..., n_act, intermediate]
+        pre_activation = self._with_lora(pre_activation, ln, params, "wi_", 1)
+        pre_activation = checkpoint_name(pre_activation, self.ffn1_ckpt_name)
+        # [batch..., n_act, intermediate] -> [batch..., intermediate]
+        activated = activation_forward(pre_activation, activation_type)
+        if dropout is not None:
+            activated = dropout(activated)
+        out = dense(
+            activated,
+            params["wo_kernel"],
+            params.get("wo_bias"),
+            transpose_batch_sequence=self.transpose_batch_sequence,
+            input_axes=self.dot_2_input_axes,
+            kernel_axes=self.kernel_axes_2 or None,
+            quantizer_set=quantizer_sets[1],
+        )
+        out = self._with_lora(out, activated, params, "wo_", 1)
+        out = checkpoint_name(out, self.ffn2_ckpt_name)
+        return out, ln if self.return_layernorm_output else None
