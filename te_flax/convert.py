@@ -1,0 +1,111 @@
+"""Converting variable trees between TransformerEngine's Linen layout and te_flax's.
+
+Parameters have the same names and shapes in both and are copied. FP8 state differs:
+
+* TE keeps it in the ``fp8_metas`` collection as ``{x,kernel,grad}{postfix}_scale`` (the
+  quantization multiplier, ``fp8_max / amax``) and ``..._amax_history``, stored after TE's
+  update as ``[0, a(t-L+2), ..., a(t-1), a(t)]`` (oldest first, slot 0 cleared for the next step).
+* te_flax keeps it in ``_overwrite_with_gradient`` as ``..._scale_inv`` (the dequantization
+  scale, ``1 / scale``) and ``..._amax_history`` newest first, ``[a(t), a(t-1), ..., a(t-L+1)]``.
+
+Both layouts give the next step the same scale and the same window of L amax values; the one
+value te_flax keeps beyond TE (its oldest entry) is dropped by the next update anyway, and comes
+back from TE as 0. ``scale_inv = 1 / scale`` is rounded to float32 (within one ulp).
+
+Example usage::
+
+  >>> import jax.numpy as jnp
+  >>> from te_flax.convert import from_transformer_engine
+  >>> te_tree = {"params": {"kernel": jnp.ones((2, 2))},
+  ...            "fp8_metas": {"x_scale": jnp.array([4.0]),
+  ...                          "x_amax_history": jnp.array([0.0, 1.0, 3.0])}}
+  >>> ours = from_transformer_engine(te_tree)
+  >>> fp8 = ours["_overwrite_with_gradient"]
+  >>> fp8["x_amax_history"], fp8["x_scale_inv"]
+  (Array([3., 1., 0.], dtype=float32), Array([0.25], dtype=float32))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax.numpy as jnp
+
+from te_flax._fp8_state import OVERWRITE_WITH_GRADIENT
+
+__all__ = ["TE_FP8_COLLECTION", "from_transformer_engine", "to_transformer_engine"]
+
+TE_FP8_COLLECTION = "fp8_metas"
+_HISTORY, _TE_SCALE, _SCALE_INV = "_amax_history", "_scale", "_scale_inv"
+
+
+def _history_from_te(history):
+    history = jnp.asarray(history, jnp.float32)
+    # TE: [0, oldest, ..., newest] -> te_flax: [newest, ..., oldest, 0]
+    return jnp.concatenate([history[1:][::-1], jnp.zeros((1,), jnp.float32)])
+
+
+def _history_to_te(history):
+    history = jnp.asarray(history, jnp.float32)
+    # te_flax: [newest, ..., oldest kept] -> TE: [0, ..., newest] (TE's slot 0 is cleared)
+    return jnp.concatenate([jnp.zeros((1,), jnp.float32), history[:-1][::-1]])
+
+
+def _convert_leaves(tree: Mapping, convert: Callable[[str, Any], tuple[str, Any]]) -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out[key] = _convert_leaves(value, convert)
+        else:
+            new_key, new_value = convert(key, value)
+            out[new_key] = new_value
+    return out
+
+
+def _from_te_leaf(name: str, value):
+    if name.endswith(_HISTORY):
+        return name, _history_from_te(value)
+    if name.endswith(_TE_SCALE):
+        scale = jnp.asarray(value, jnp.float32)
+        return name[: -len(_TE_SCALE)] + _SCALE_INV, 1.0 / scale
+    raise ValueError(
+        f"unexpected FP8 variable {name!r} in {TE_FP8_COLLECTION!r}: TE's delayed-scaling state "
+        f"has only '*{_TE_SCALE}' and '*{_HISTORY}' variables"
+    )
+
+
+def _to_te_leaf(name: str, value):
+    if name.endswith(_HISTORY):
+        return name, _history_to_te(value)
+    if name.endswith(_SCALE_INV):
+        scale_inv = jnp.asarray(value, jnp.float32)
+        return name[: -len(_SCALE_INV)] + _TE_SCALE, 1.0 / scale_inv
+    raise ValueError(
+        f"unexpected FP8 variable {name!r} in {OVERWRITE_WITH_GRADIENT!r}: te_flax's FP8 state "
+        f"has only '*{_SCALE_INV}' and '*{_HISTORY}' variables"
+    )
+
+
+def _convert(variables: Mapping, source: str, target: str, convert) -> dict:
+    if not isinstance(variables, Mapping):
+        raise TypeError(f"variables must be a mapping of collections, got {type(variables)}")
+    if target in variables:
+        raise ValueError(f"variables already hold a {target!r} collection; nothing to convert into")
+    out = {name: tree for name, tree in variables.items() if name != source}
+    if source in variables:
+        out[target] = _convert_leaves(variables[source], convert)
+    return out
+
+
+def from_transformer_engine(variables: Mapping) -> dict:
+    """A TE Linen variable tree (``params`` + ``fp8_metas``) as a te_flax one.
+
+    Collections other than ``fp8_metas`` are copied unchanged.
+    """
+    return _convert(variables, TE_FP8_COLLECTION, OVERWRITE_WITH_GRADIENT, _from_te_leaf)
+
+
+def to_transformer_engine(variables: Mapping) -> dict:
+    """A te_flax variable tree (``params`` + ``_overwrite_with_gradient``) as a TE Linen one."""
+    return _convert(variables, OVERWRITE_WITH_GRADIENT, TE_FP8_COLLECTION, _to_te_leaf)

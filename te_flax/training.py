@@ -1,0 +1,125 @@
+"""Applying a training step's gradients: the optimizer for parameters, overwrite for FP8 state.
+
+The gradient of the loss with respect to the ``_overwrite_with_gradient`` collection is the new
+FP8 state (the ops return it through the cotangent slot). So a step splits its gradients: the
+``params`` go through the optax optimizer; the FP8 state replaces the old state and never meets
+an optax transform (clipping, weight decay or averaging would corrupt it).
+
+Two ways, one rule:
+
+* Flax's ``flax.training.train_state.TrainState`` already follows it: create it with the whole
+  variable dict as ``params`` and call ``apply_gradients(grads=grads)`` unchanged.
+* With a plain optax transform: ``opt_state = init_optimizer(tx, variables)`` and
+  ``variables, opt_state = apply_gradients(tx, variables, grads, opt_state)``. Under
+  ``optax.MultiSteps`` the FP8 state stays fixed while gradients accumulate and the
+  microbatches' updates are merged by elementwise max when the accumulated step is applied, so
+  k accumulated microbatches give the state of one step over all of them.
+
+Example usage::
+
+  >>> import jax, jax.numpy as jnp, optax
+  >>> import te_flax, te_flax.linen as te_nn
+  >>> from te_flax.training import apply_gradients, init_optimizer
+  >>> layer = te_nn.DenseGeneral(features=4, recipe=te_flax.quantize.DelayedScaling())
+  >>> x = jnp.ones((2, 8))
+  >>> variables = layer.init(jax.random.key(0), x)
+  >>> tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1e-2))
+  >>> opt_state = init_optimizer(tx, variables)
+  >>> grads = jax.jit(jax.grad(lambda v: jnp.sum(layer.apply(v, x) ** 2)))(variables)
+  >>> variables, opt_state = apply_gradients(tx, variables, grads, opt_state)
+  >>> float(variables["_overwrite_with_gradient"]["x_amax_history"][0])
+  1.0
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from te_flax._fp8_state import OVERWRITE_WITH_GRADIENT
+
+__all__ = ["OVERWRITE_WITH_GRADIENT", "OptimizerState", "apply_gradients", "init_optimizer"]
+
+
+class OptimizerState(NamedTuple):
+    """The optax state of the parameters, and FP8 updates waiting for an accumulated step."""
+
+    tx_state: optax.OptState
+    # Under optax.MultiSteps: the elementwise max of the FP8 updates since the last applied
+    # step (-inf where none yet). None otherwise.
+    pending_fp8: Any
+
+
+def _multi_steps_state(tx_state) -> optax.MultiStepsState | None:
+    is_multi = lambda node: isinstance(node, optax.MultiStepsState)  # noqa: E731
+    found = [node for node in jax.tree.leaves(tx_state, is_leaf=is_multi) if is_multi(node)]
+    if len(found) > 1:
+        raise ValueError("more than one optax.MultiSteps in the optimizer is not supported")
+    return found[0] if found else None
+
+
+def _check_variables(variables, name: str) -> None:
+    if not hasattr(variables, "keys") or "params" not in variables:
+        raise TypeError(
+            f"{name} must be a Flax variable dict with a 'params' collection (and "
+            f"{OVERWRITE_WITH_GRADIENT!r} for FP8 state), got {type(variables).__name__}"
+        )
+
+
+def init_optimizer(tx: optax.GradientTransformation, variables) -> OptimizerState:
+    """The optimizer state for ``variables``: ``tx`` sees only ``variables['params']``."""
+    _check_variables(variables, "variables")
+    tx_state = tx.init(variables["params"])
+    pending = None
+    if _multi_steps_state(tx_state) is not None and OVERWRITE_WITH_GRADIENT in variables:
+        pending = jax.tree.map(
+            lambda v: jnp.full_like(v, -jnp.inf), variables[OVERWRITE_WITH_GRADIENT]
+        )
+    return OptimizerState(tx_state, pending)
+
+
+def apply_gradients(
+    tx: optax.GradientTransformation, variables, grads, opt_state: OptimizerState
+) -> tuple[Any, OptimizerState]:
+    """One optimizer step on the parameters and the FP8-state overwrite.
+
+    Args:
+      tx: the optax transform, the same one ``init_optimizer`` saw.
+      variables: the model's variable dict (``params``, ``_overwrite_with_gradient``, ...).
+      grads: ``jax.grad`` of the loss with respect to ``variables`` (same structure).
+      opt_state: from ``init_optimizer`` or the previous step.
+
+    Returns:
+      ``(new_variables, new_opt_state)``. Collections other than ``params`` and the FP8 state
+      are returned unchanged.
+    """
+    _check_variables(variables, "variables")
+    _check_variables(grads, "grads")
+    if not isinstance(opt_state, OptimizerState):
+        raise TypeError(
+            "opt_state must come from te_flax.training.init_optimizer, got "
+            f"{type(opt_state).__name__}"
+        )
+    updates, tx_state = tx.update(grads["params"], opt_state.tx_state, variables["params"])
+    new_variables = dict(variables)
+    new_variables["params"] = optax.apply_updates(variables["params"], updates)
+    pending = opt_state.pending_fp8
+    if OVERWRITE_WITH_GRADIENT in grads:
+        new_fp8 = grads[OVERWRITE_WITH_GRADIENT]
+        multi = _multi_steps_state(tx_state)
+        if multi is not None and pending is not None:
+            merged = jax.tree.map(jnp.maximum, pending, new_fp8)
+            applied = multi.mini_step == 0  # MultiSteps has just applied the accumulated step
+            new_fp8 = jax.tree.map(
+                lambda m, old: jnp.where(applied, m, old),
+                merged,
+                variables[OVERWRITE_WITH_GRADIENT],
+            )
+            pending = jax.tree.map(lambda m: jnp.where(applied, -jnp.inf, m), merged)
+        new_variables[OVERWRITE_WITH_GRADIENT] = new_fp8
+    if hasattr(variables, "copy") and not isinstance(variables, dict):
+        new_variables = type(variables)(new_variables)
+    return new_variables, OptimizerState(tx_state, pending)
