@@ -8,6 +8,7 @@ from functools import partial
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 from jax import Array
 
 from te_flax import _validation as check
@@ -97,14 +98,26 @@ def _contraction_size(x, kernel, contracting_dims) -> int:
     if contracting_dims is None:
         contracting_dims = ((x.ndim - 1,), (0,))
     try:
-        x_dims, kernel_dims = (tuple(int(d) for d in dims) for dims in contracting_dims)
+        x_dims, kernel_dims = (tuple(dims) for dims in contracting_dims)
     except (TypeError, ValueError):
+        x_dims = kernel_dims = None
+    valid = x_dims is not None and all(
+        isinstance(d, int | np.integer) and not isinstance(d, bool) for d in x_dims + kernel_dims
+    )
+    if not valid:
         raise TypeError(
             "contracting_dims must be a pair of tuples of ints, e.g. ((x.ndim - 1,), (0,)); "
             f"got {contracting_dims!r}"
-        ) from None
-    x_dims = tuple(d % x.ndim for d in x_dims) if x.ndim else x_dims
-    kernel_dims = tuple(d % kernel.ndim for d in kernel_dims) if kernel.ndim else kernel_dims
+        )
+    for dims, array, name in ((x_dims, x, "x"), (kernel_dims, kernel, "kernel")):
+        for d in dims:
+            if not -array.ndim <= d < array.ndim:
+                raise ValueError(
+                    f"contracting_dims axis {d} is out of range for {name} with {array.ndim} "
+                    f"dimensions (shape {array.shape})"
+                )
+    x_dims = tuple(int(d) % x.ndim for d in x_dims)
+    kernel_dims = tuple(int(d) % kernel.ndim for d in kernel_dims)
     n = len(x_dims)
     trailing = tuple(range(x.ndim - n, x.ndim))
     leading = tuple(range(n))
