@@ -19,7 +19,6 @@ from te_flax.quantize import (
     QuantizerSet,
     Recipe,
     get_autocast_recipe,
-    merge_by_max,
     noop_quantizer_set,
 )
 
@@ -63,9 +62,9 @@ def fresh_state(recipe: Recipe | None, postfix: str) -> dict[str, Array]:
 def quantizer_set(recipe: Recipe | None, postfix: str, state: dict[str, Array]) -> QuantizerSet:
     """The quantizer set of one GEMM, its state leaves read from ``state`` (variable values).
 
-    The state is marked with ``merge_by_max``, so that the updates of a module applied more than
-    once in a step (or of state shared across ``nn.scan`` layers) merge by elementwise max. The
-    gradient of the loss with respect to these variables is then their new value.
+    The gradient of the loss with respect to these variables is their new value. Reuses of
+    the variables merge by max when the step marked them (``te_flax.training.merge_fp8_state``)
+    before they fanned out; marking here, after the fan-out, would be too late.
     """
     if recipe is None:
         return noop_quantizer_set
@@ -80,4 +79,4 @@ def quantizer_set(recipe: Recipe | None, postfix: str, state: dict[str, Array]) 
             amax_history=state[f"{role}{postfix}_amax_history"],
             scale_inv=state[f"{role}{postfix}_scale_inv"],
         )
-    return merge_by_max(QuantizerSet(**members))
+    return QuantizerSet(**members)

@@ -5,7 +5,14 @@ FP8 state (the ops return it through the cotangent slot). So a step splits its g
 ``params`` go through the optax optimizer; the FP8 state replaces the old state and never meets
 an optax transform (clipping, weight decay or averaging would corrupt it).
 
-Two ways, one rule:
+Inside the differentiated function, call ``merge_fp8_state(variables)`` first: it marks the
+FP8 collection so that every reuse of a state in the step merges by elementwise max (a module
+applied twice, state shared by the layers of an ``nn.scan`` with ``variable_broadcast``, a
+loop or ``lax.scan`` over microbatches). Without it autodiff adds up the updates of the uses.
+The mark has to be made where the variables enter the step, before they fan out; a module
+cannot make it for the uses of its own variables.
+
+Applying the gradients, two ways, one rule:
 
 * Flax's ``flax.training.train_state.TrainState`` already follows it: create it with the whole
   variable dict as ``params`` and call ``apply_gradients(grads=grads)`` unchanged.
@@ -19,13 +26,15 @@ Example usage::
 
   >>> import jax, jax.numpy as jnp, optax
   >>> import te_flax, te_flax.linen as te_nn
-  >>> from te_flax.training import apply_gradients, init_optimizer
+  >>> from te_flax.training import apply_gradients, init_optimizer, merge_fp8_state
   >>> layer = te_nn.DenseGeneral(features=4, recipe=te_flax.quantize.DelayedScaling())
   >>> x = jnp.ones((2, 8))
   >>> variables = layer.init(jax.random.key(0), x)
   >>> tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1e-2))
   >>> opt_state = init_optimizer(tx, variables)
-  >>> grads = jax.jit(jax.grad(lambda v: jnp.sum(layer.apply(v, x) ** 2)))(variables)
+  >>> def loss(variables):
+  ...     return jnp.sum(layer.apply(merge_fp8_state(variables), x) ** 2)
+  >>> grads = jax.jit(jax.grad(loss))(variables)
   >>> variables, opt_state = apply_gradients(tx, variables, grads, opt_state)
   >>> float(variables["_overwrite_with_gradient"]["x_amax_history"][0])
   1.0
@@ -40,8 +49,15 @@ import jax.numpy as jnp
 import optax
 
 from te_flax._fp8_state import OVERWRITE_WITH_GRADIENT
+from te_flax.quantize import merge_by_max
 
-__all__ = ["OVERWRITE_WITH_GRADIENT", "OptimizerState", "apply_gradients", "init_optimizer"]
+__all__ = [
+    "OVERWRITE_WITH_GRADIENT",
+    "OptimizerState",
+    "apply_gradients",
+    "init_optimizer",
+    "merge_fp8_state",
+]
 
 
 class OptimizerState(NamedTuple):
@@ -51,6 +67,30 @@ class OptimizerState(NamedTuple):
     # Under optax.MultiSteps: the elementwise max of the FP8 updates since the last applied
     # step (-inf where none yet). None otherwise.
     pending_fp8: Any
+
+
+def merge_fp8_state(variables):
+    """``variables`` with the FP8 collection marked for max-merging (see the module docstring).
+
+    Call it first thing inside the differentiated (and jitted) loss; the gradient with respect
+    to the original float32 state is then the max-merged new state.
+    """
+    _check_variables(variables, "variables")
+    if OVERWRITE_WITH_GRADIENT not in variables:
+        return variables
+    merged = dict(variables)
+    merged[OVERWRITE_WITH_GRADIENT] = merge_by_max(variables[OVERWRITE_WITH_GRADIENT])
+    return merged
+
+
+def _keep_unused(new_fp8, old_fp8):
+    """The old value where a state got no update in the step (it came back all zeros).
+
+    An FP8 state that no op read in the step has a zero gradient, and a zero ``scale_inv`` can
+    never be a real update (scales are never 0); a history of zeros after an update means the
+    state saw only zeros, for which keeping the old history changes nothing that matters.
+    """
+    return jax.tree.map(lambda new, old: jnp.where(jnp.all(new == 0), old, new), new_fp8, old_fp8)
 
 
 def _multi_steps_state(tx_state) -> optax.MultiStepsState | None:
@@ -108,7 +148,7 @@ def apply_gradients(
     new_variables["params"] = optax.apply_updates(variables["params"], updates)
     pending = opt_state.pending_fp8
     if OVERWRITE_WITH_GRADIENT in grads:
-        new_fp8 = grads[OVERWRITE_WITH_GRADIENT]
+        new_fp8 = _keep_unused(grads[OVERWRITE_WITH_GRADIENT], variables[OVERWRITE_WITH_GRADIENT])
         multi = _multi_steps_state(tx_state)
         if multi is not None and pending is not None:
             merged = jax.tree.map(jnp.maximum, pending, new_fp8)

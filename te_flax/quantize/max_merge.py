@@ -67,9 +67,12 @@ def _is_max_merged(leaf) -> bool:
 def merge_by_max(state: T) -> T:
     """Marks FP8 state so that the updates of all its uses merge by elementwise max.
 
-    Call it once where a differentiated (and jitted) function reads the state, before the state
-    fans out to its uses; pass the result to the ops as usual. The gradient with respect to the
-    original float32 state is then the max-merged new state.
+    Call it where a differentiated (and jitted) function reads the state, before the state
+    fans out to its uses (outside any ``lax.scan`` / ``nn.scan`` that reads it: inside a scan
+    body the per-iteration updates would already have been added up); pass the result to the
+    ops as usual. The gradient with respect to the original float32 state is then the
+    max-merged new state. A state that no op reads gets a zero gradient (JAX never calls the
+    backward of an unused value); ``te_flax.training.apply_gradients`` keeps such states.
 
     Args:
       state: a ``QuantizerSet`` or any pytree of them (float32 leaves).
@@ -91,8 +94,15 @@ def merge_by_max(state: T) -> T:
       ...     return jnp.sum(small + large)
       >>> jax.jit(jax.grad(loss))(qs).x.amax_history
       Array([5., 0., 0., 0.], dtype=float32)
+
+    Marking is idempotent: leaves already marked pass through, so state marked at the top of a
+    step stays marked when a module marks what it reads again.
     """
-    return jax.tree.map(_to_max_merged, state)
+
+    def mark(leaf):
+        return leaf if _is_max_merged(leaf) else _to_max_merged(leaf)
+
+    return jax.tree.map(mark, state)
 
 
 def float32_state(state: T) -> T:
