@@ -81,14 +81,27 @@ def fake_quant(x, scale_inv, dtype):
     return q.astype(F32) * scale_inv
 
 
+def _fake_quant_or_current(x, scale_inv, dtype):
+    """``fake_quant`` with the given scale, or with x's own (current) scale for None."""
+    return fake_quant(x, current_scale(x, dtype) if scale_inv is None else scale_inv, dtype)
+
+
+def straight_through_fake_quant(x, scale_inv, dtype):
+    """Quantize-dequantize forward (current scaling for ``scale_inv=None``), identity backward."""
+    return x + lax.stop_gradient(_fake_quant_or_current(x, scale_inv, dtype) - x)
+
+
 def grad_fake_quant(scale_inv, dtype):
-    """The identity forward; quantize-dequantize of the incoming gradient backward."""
+    """The identity forward; quantize-dequantize of the incoming gradient backward (with the
+    gradient's own current scale for ``scale_inv=None``)."""
 
     @jax.custom_vjp
     def identity(y):
         return y
 
-    identity.defvjp(lambda y: (y, None), lambda _, g: (fake_quant(g, scale_inv, dtype),))
+    identity.defvjp(
+        lambda y: (y, None), lambda _, g: (_fake_quant_or_current(g, scale_inv, dtype),)
+    )
     return identity
 
 

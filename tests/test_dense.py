@@ -33,10 +33,10 @@ from tests.helpers import (
     amax_of,
     assert_close,
     current_scale,
-    fake_quant,
     grad_fake_quant,
     reference_dense,
     relative_error,
+    straight_through_fake_quant,
     tolerance,
 )
 
@@ -149,10 +149,6 @@ def _reference(x, kernel, bias, cotangent, n_contract):
     return out, vjp(cotangent.astype(F32))
 
 
-def _straight_through_fake_quant(x, scale_inv, dtype):
-    return x + lax.stop_gradient(fake_quant(x, scale_inv, dtype) - x)
-
-
 @functools.partial(jax.jit, static_argnums=(4, 6))
 def _fake_quant_reference(x, kernel, bias, grad, n_contract, scales, fmt):
     """Output and gradients of a float32 GEMM of fake-quantized operands, with fixed scales.
@@ -165,8 +161,8 @@ def _fake_quant_reference(x, kernel, bias, grad, n_contract, scales, fmt):
     quantize_grad = grad_fake_quant(grad_scale, fmt.backward_dtype)
 
     def forward(x, kernel, bias):
-        x = _straight_through_fake_quant(x, x_scale, fmt.forward_dtype)
-        kernel = _straight_through_fake_quant(kernel, kernel_scale, fmt.forward_dtype)
+        x = straight_through_fake_quant(x, x_scale, fmt.forward_dtype)
+        kernel = straight_through_fake_quant(kernel, kernel_scale, fmt.forward_dtype)
         out = quantize_grad(reference_dense(x, kernel, None, n_contract))
         return out + jnp.broadcast_to(bias, out.shape)
 

@@ -37,11 +37,11 @@ from tests.helpers import (
     amax_of,
     assert_close,
     current_scale,
-    fake_quant,
     grad_fake_quant,
     reference_dense,
     reference_norm,
     relative_error,
+    straight_through_fake_quant,
     tolerance,
 )
 
@@ -144,11 +144,6 @@ def run_op(inputs, quantizer_set=noop_quantizer_set, *, jit=True, **options):
 
 
 # ----------------------------------------------------------------------------- references
-
-
-def straight_through_fake_quant(x, scale_inv, dtype):
-    """Quantize-dequantize forward, identity backward."""
-    return x + lax.stop_gradient(fake_quant(x, scale_inv, dtype) - x)
 
 
 @functools.cache

@@ -29,12 +29,11 @@ from tests.helpers import (
     HIGHEST,
     amax_of,
     assert_close,
-    current_scale,
-    fake_quant,
     grad_fake_quant,
     normal,
     reference_norm,
     relative_error,
+    straight_through_fake_quant,
     tolerance,
 )
 
@@ -72,29 +71,6 @@ def make_inputs(activation_type, norm_type="layernorm", use_bias=True, dtype=F32
     )
 
 
-def _fake_quant(value, scale_inv, dtype):
-    """Fake quantization with a given scale, or with the value's own (current) scale for None."""
-    return fake_quant(value, current_scale(value, dtype) if scale_inv is None else scale_inv, dtype)
-
-
-def forward_fake_quant(scale_inv, dtype):
-    """Fake quantization in the forward, the identity (straight-through) in the backward."""
-    return lambda value: value + lax.stop_gradient(_fake_quant(value, scale_inv, dtype) - value)
-
-
-def backward_fake_quant(scale_inv, dtype):
-    """The identity in the forward, fake quantization of the gradient in the backward."""
-    if scale_inv is not None:
-        return grad_fake_quant(scale_inv, dtype)
-
-    @jax.custom_vjp
-    def identity(value):
-        return value
-
-    identity.defvjp(lambda v: (v, None), lambda _, g: (_fake_quant(g, None, dtype),))
-    return identity
-
-
 def reference_mlp(
     x,
     gamma,
@@ -121,9 +97,9 @@ def reference_mlp(
     if scales is not None:
         for gemm in range(2):
             forward_q[gemm] = [
-                forward_fake_quant(scales[gemm][0], formats[0]),
-                forward_fake_quant(scales[gemm][1], formats[0]),
-                backward_fake_quant(scales[gemm][2], formats[1]),
+                partial(straight_through_fake_quant, scale_inv=scales[gemm][0], dtype=formats[0]),
+                partial(straight_through_fake_quant, scale_inv=scales[gemm][1], dtype=formats[0]),
+                grad_fake_quant(scales[gemm][2], formats[1]),
             ]
     y = reference_norm(x, gamma, beta, norm_type, zero_centered_gamma)
     # [b.., hidden] x [hidden, n_act, inter] -> [b.., n_act, inter]
