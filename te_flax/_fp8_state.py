@@ -24,6 +24,7 @@ from te_flax.quantize import (
 
 __all__ = [
     "OVERWRITE_WITH_GRADIENT",
+    "check_state_matches",
     "fresh_state",
     "quantizer_set",
     "resolve_recipe",
@@ -80,3 +81,23 @@ def quantizer_set(recipe: Recipe | None, postfix: str, state: dict[str, Array]) 
             scale_inv=state[f"{role}{postfix}_scale_inv"],
         )
     return QuantizerSet(**members)
+
+
+def check_state_matches(module: str, recipe, expected: set[str], present: set[str]) -> None:
+    """Refuses FP8 variables that do not fit the recipe a module is applied with."""
+    if expected == present:
+        return
+    if expected - present:
+        raise ValueError(
+            f"{module} is applied with the FP8 recipe {recipe}, which needs the variables "
+            f"{sorted(expected - present)} in the {OVERWRITE_WITH_GRADIENT!r} collection, but "
+            "they are missing: the model was initialised without FP8 (or the collection was "
+            "not passed to apply). Initialise inside te_flax.autocast(enabled=True, recipe=...) "
+            "or with the module's recipe= set, and pass every variable collection to apply"
+        )
+    raise ValueError(
+        f"{module} holds the FP8 variables {sorted(present - expected)} but is applied "
+        f"{'without FP8' if recipe is None else f'with the recipe {recipe}, which keeps none'}: "
+        "apply it inside the te_flax.autocast (or with the recipe=) it was initialised with, "
+        "or initialise it again without FP8"
+    )

@@ -10,6 +10,7 @@ from jax import Array
 
 from te_flax._fp8_state import (
     OVERWRITE_WITH_GRADIENT,
+    check_state_matches,
     fresh_state,
     quantizer_set,
     resolve_recipe,
@@ -49,7 +50,7 @@ class LinenShell(nn.Module):
             present = {
                 n for n in state_names(postfix) if self.has_variable(OVERWRITE_WITH_GRADIENT, n)
             }
-            _check_state_matches(type(self).__name__, recipe, set(fresh), present)
+            check_state_matches(type(self).__name__, recipe, set(fresh), present)
         state = {}
         for name, value in fresh.items():
             variable = self.variable(OVERWRITE_WITH_GRADIENT, name, lambda value=value: value)
@@ -61,22 +62,3 @@ class LinenShell(nn.Module):
                 )
             state[name] = variable.value
         return quantizer_set(recipe, postfix, state)
-
-
-def _check_state_matches(module: str, recipe, expected: set[str], present: set[str]) -> None:
-    if expected == present:
-        return
-    if expected - present:
-        raise ValueError(
-            f"{module} is applied with the FP8 recipe {recipe}, which needs the variables "
-            f"{sorted(expected - present)} in the {OVERWRITE_WITH_GRADIENT!r} collection, but "
-            "they are missing: the model was initialised without FP8 (or the collection was "
-            "not passed to apply). Initialise inside te_flax.autocast(enabled=True, recipe=...) "
-            "or with the module's recipe= set, and pass every variable collection to apply"
-        )
-    raise ValueError(
-        f"{module} holds the FP8 variables {sorted(present - expected)} but is applied "
-        f"{'without FP8' if recipe is None else f'with the recipe {recipe}, which keeps none'}: "
-        "apply it inside the te_flax.autocast (or with the recipe=) it was initialised with, "
-        "or initialise it again without FP8"
-    )

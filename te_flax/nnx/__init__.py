@@ -1,0 +1,27 @@
+"""te_flax's Flax NNX modules: the Linen modules' layers, NNX style.
+
+Public API::
+
+  LayerNorm, DenseGeneral, LayerNormDenseGeneral, LayerNormMLP   the modules
+  Fp8Meta                                                        the FP8 state variable type
+  value_and_grad, train_step, update_fp8_state                   the train step
+  linen_variables, load_linen_variables                          Linen <-> NNX variables
+"""
+
+from te_flax.nnx._fp8_meta import Fp8Meta
+from te_flax.nnx.convert import linen_variables, load_linen_variables
+from te_flax.nnx.modules import DenseGeneral, LayerNorm, LayerNormDenseGeneral, LayerNormMLP
+from te_flax.nnx.training import train_step, update_fp8_state, value_and_grad
+
+__all__ = [
+    "DenseGeneral",
+    "Fp8Meta",
+    "LayerNorm",
+    "LayerNormDenseGeneral",
+    "LayerNormMLP",
+    "linen_variables",
+    "load_linen_variables",
+    "train_step",
+    "update_fp8_state",
+    "value_and_grad",
+]

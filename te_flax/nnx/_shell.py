@@ -1,0 +1,86 @@
+"""What every te_flax NNX module does: hold its parameters and FP8 state, call the layer."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax.numpy as jnp
+from flax import nnx
+from jax import Array
+
+from te_flax._fp8_state import (
+    check_state_matches,
+    fresh_state,
+    quantizer_set,
+    resolve_recipe,
+    state_names,
+)
+from te_flax.nnx._fp8_meta import Fp8Meta
+from te_flax.quantize import QuantizerSet
+
+__all__ = ["NnxShell"]
+
+
+class NnxShell(nnx.Module):
+    """Base of the NNX modules; the layer description supplies attributes and ``forward``.
+
+    Subclasses also derive from one layer description (a dataclass of TE's attributes), whose
+    fields become plain (static) attributes of the module.
+    """
+
+    _description: type  # the layer description class
+
+    def _setup(self, in_features: tuple[int, ...], rngs: nnx.Rngs, attributes: dict) -> None:
+        fields = {f.name: f for f in dataclasses.fields(self._description)}
+        unknown = sorted(set(attributes) - set(fields))
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__} got unknown attributes {unknown}; its attributes are "
+                f"{sorted(fields)}"
+            )
+        for name, field in fields.items():
+            setattr(self, name, attributes.get(name, field.default))
+        if not isinstance(rngs, nnx.Rngs):
+            raise TypeError(f"rngs must be an nnx.Rngs, got {rngs!r}; e.g. rngs=nnx.Rngs(0)")
+        self.in_features_ = tuple(in_features)
+        for spec in self.param_specs(self.in_features_):
+            value = spec.init(rngs.params(), spec.shape, self.param_dtype)
+            # Sharding metadata only: arrays are placed by jit with the partition specs, under
+            # the logical axis rules, as for Linen (no mesh is needed to build a module).
+            param = nnx.Param(value, out_sharding=spec.axes, eager_sharding=False)
+            setattr(self, spec.name, param)
+        recipe = resolve_recipe(self.recipe) if hasattr(self, "recipe") else None
+        for postfix in self.fp8_postfixes:
+            for name, value in fresh_state(recipe, postfix).items():
+                setattr(self, name, Fp8Meta(value))
+
+    def _run(self, inputs: Array, dropout: Callable[[Array], Array] | None = None):
+        if tuple(self.in_features(inputs)) != self.in_features_:
+            raise ValueError(
+                f"{type(self).__name__} was built for input features {self.in_features_} but got "
+                f"an input of shape {inputs.shape}; its contracted (last) axes must match"
+            )
+        params = {
+            spec.name: getattr(self, spec.name)[...] for spec in self.param_specs(self.in_features_)
+        }
+        sets = tuple(self._quantizer_set(postfix) for postfix in self.fp8_postfixes)
+        return self.forward(params, inputs, sets, dropout)
+
+    def _quantizer_set(self, postfix: str) -> QuantizerSet:
+        recipe = resolve_recipe(self.recipe)
+        fresh = fresh_state(recipe, postfix)
+        names = state_names(postfix)
+        present = {n for n in names if isinstance(getattr(self, n, None), Fp8Meta)}
+        check_state_matches(type(self).__name__, recipe, set(fresh), present)
+        state = {}
+        for name, value in fresh.items():
+            stored = getattr(self, name)[...]
+            if jnp.shape(stored) != value.shape:
+                raise ValueError(
+                    f"{type(self).__name__} FP8 variable {name!r} has shape {jnp.shape(stored)} "
+                    f"but the recipe {recipe} needs {value.shape}; build the module again "
+                    "(amax_history_len changed)"
+                )
+            state[name] = stored
+        return quantizer_set(recipe, postfix, state)

@@ -1,0 +1,160 @@
+"""The NNX modules: the Linen modules' layers, attributes and variable names, NNX style.
+
+Each module is built with the input size it will see (``in_features``, or ``num_features`` for
+``LayerNorm``), ``rngs=`` and, as keywords, the same attributes with the same defaults as its
+Linen twin in ``te_flax.linen`` (which documents them). Parameters are ``nnx.Param`` with the
+logical axes of the ``*_axes`` attributes as sharding metadata (``nnx.get_partition_spec``);
+FP8 state is ``Fp8Meta`` variables named as in Linen. The recipe is read when the module is
+built (its ``recipe`` attribute, else the active ``te_flax.autocast``) and again when called;
+the two must agree.
+"""
+
+from __future__ import annotations
+
+from flax import nnx
+from jax import Array
+
+from te_flax._layers import (
+    DenseGeneralSpec,
+    LayerNormDenseGeneralSpec,
+    LayerNormMLPSpec,
+    LayerNormSpec,
+)
+from te_flax.nnx._shell import NnxShell
+
+__all__ = ["DenseGeneral", "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP"]
+
+
+def _as_tuple(features) -> tuple[int, ...]:
+    return (features,) if isinstance(features, int) else tuple(features)
+
+
+class LayerNorm(NnxShell, LayerNormSpec):
+    """Layernorm or rmsnorm over the last axis (``te_flax.linen.LayerNorm``, NNX style).
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import te_flax.nnx as te_nnx
+      >>> norm = te_nnx.LayerNorm(8, layernorm_type="rmsnorm", rngs=nnx.Rngs(0))
+      >>> jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(norm, nnx.Param)))
+      {'scale': (8,)}
+      >>> norm(jnp.ones((2, 8))).shape
+      (2, 8)
+    """
+
+    _description = LayerNormSpec
+
+    def __init__(self, num_features: int, *, rngs: nnx.Rngs, **attributes):
+        self._setup((num_features,), rngs, attributes)
+
+    def __call__(self, inputs: Array) -> Array:
+        """``[batch..., num_features]`` -> the same shape."""
+        return self._run(inputs)
+
+
+class DenseGeneral(NnxShell, DenseGeneralSpec):
+    """``x . kernel + bias`` over x's trailing axes (``te_flax.linen.DenseGeneral``, NNX style).
+
+    ``in_features`` is the size of the contracted axes (a tuple for ``axis=(-2, -1)``).
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import te_flax, te_flax.nnx as te_nnx
+      >>> with te_flax.autocast(enabled=True):
+      ...     layer = te_nnx.DenseGeneral(8, (2, 4), rngs=nnx.Rngs(0))
+      >>> jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(layer, nnx.Param)))
+      {'bias': (2, 4), 'kernel': (8, 2, 4)}
+      >>> sorted(nnx.to_pure_dict(nnx.state(layer, te_nnx.Fp8Meta)))[:2]
+      ['grad_amax_history', 'grad_scale_inv']
+      >>> with te_flax.autocast(enabled=True):
+      ...     y = layer(jnp.ones((3, 8)))
+      >>> y.shape
+      (3, 2, 4)
+    """
+
+    _description = DenseGeneralSpec
+
+    def __init__(
+        self, in_features: int | tuple[int, ...], features, *, rngs: nnx.Rngs, **attributes
+    ):
+        self._setup(_as_tuple(in_features), rngs, {**attributes, "features": features})
+
+    def __call__(self, inputs: Array) -> Array:
+        """``[batch..., in_features...]`` -> ``[batch..., *features]``."""
+        return self._run(inputs)
+
+
+class LayerNormDenseGeneral(NnxShell, LayerNormDenseGeneralSpec):
+    """A norm fused with the GEMM after it (``te_flax.linen.LayerNormDenseGeneral``, NNX style).
+
+    Returns ``(y, ln_output or None)``.
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import te_flax.nnx as te_nnx
+      >>> layer = te_nnx.LayerNormDenseGeneral(8, (3, 4), return_layernorm_output=True,
+      ...                                      rngs=nnx.Rngs(0))
+      >>> jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(layer, nnx.Param)))
+      {'kernel': (8, 3, 4), 'ln_bias': (8,), 'scale': (8,)}
+      >>> y, ln = layer(jnp.ones((2, 8)))
+      >>> y.shape, ln.shape
+      ((2, 3, 4), (2, 8))
+    """
+
+    _description = LayerNormDenseGeneralSpec
+
+    def __init__(self, in_features: int, features, *, rngs: nnx.Rngs, **attributes):
+        self._setup((in_features,), rngs, {**attributes, "features": features})
+
+    def __call__(self, inputs: Array) -> tuple[Array, Array | None]:
+        """``[batch..., in_features]`` -> ``([batch..., *features], ln_output or None)``."""
+        return self._run(inputs)
+
+
+class LayerNormMLP(NnxShell, LayerNormMLPSpec):
+    """Norm, two GEMMs, (gated) activation and dropout (``te_flax.linen.LayerNormMLP``, NNX).
+
+    Returns ``(y, ln_output or None)``. ``in_features`` is the hidden size; the intermediate
+    dropout draws from ``rngs``' ``intermediate_dropout_rng_name`` stream.
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import te_flax.nnx as te_nnx
+      >>> mlp = te_nnx.LayerNormMLP(8, intermediate_dim=32, activations=("silu", "linear"),
+      ...                           rngs=nnx.Rngs(0))
+      >>> jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(mlp, nnx.Param)))
+      {'ln_bias': (8,), 'scale': (8,), 'wi_kernel': (8, 2, 32), 'wo_kernel': (32, 8)}
+      >>> mlp(jnp.ones((2, 4, 8)), deterministic=True)[0].shape
+      (2, 4, 8)
+    """
+
+    _description = LayerNormMLPSpec
+
+    def __init__(self, in_features: int, *, rngs: nnx.Rngs, **attributes):
+        self._setup((in_features,), rngs, attributes)
+        self.dropout = None
+        if self.intermediate_dropout_rate > 0:
+            self.dropout = nnx.Dropout(
+                self.intermediate_dropout_rate,
+                broadcast_dims=tuple(self.intermediate_hidden_dropout_dims),
+                rng_collection=self.intermediate_dropout_rng_name,
+                rngs=rngs,
+            )
+
+    def __call__(self, inputs: Array, deterministic: bool = False) -> tuple[Array, Array | None]:
+        """``[batch..., in_features]`` -> ``([batch..., in_features], ln_output or None)``.
+
+        ``deterministic=True`` turns the intermediate dropout off.
+        """
+        dropout = None
+        if self.dropout is not None and not deterministic:
+            dropout = lambda y: self.dropout(y, deterministic=False)  # noqa: E731
+        return self._run(inputs, dropout)

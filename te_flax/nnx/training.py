@@ -1,0 +1,95 @@
+"""The NNX train step: gradients of parameters and FP8 state; optimizer, then overwrite.
+
+``value_and_grad(loss_fn)`` differentiates ``loss_fn(model, ...)`` with respect to the model's
+``nnx.Param`` and ``Fp8Meta`` variables, with the FP8 state marked so that every reuse of a
+state (a module called twice, a loop over microbatches, state shared by scanned layers) merges
+its updates by elementwise max. ``train_step`` adds the update: ``nnx.Optimizer(model, tx,
+wrt=nnx.Param)`` for the parameters, and the FP8 state overwritten with its gradient (its new
+value), never touched by optax.
+
+Example usage::
+
+  >>> import jax, jax.numpy as jnp, optax
+  >>> from flax import nnx
+  >>> import te_flax.nnx as te_nnx
+  >>> from te_flax.quantize import DelayedScaling
+  >>> layer = te_nnx.DenseGeneral(8, 4, recipe=DelayedScaling(amax_history_len=4),
+  ...                             rngs=nnx.Rngs(0))
+  >>> optimizer = nnx.Optimizer(layer, optax.sgd(0.1), wrt=nnx.Param)
+  >>> def loss_fn(model, x):
+  ...     return jnp.mean(model(x) ** 2)
+  >>> step = nnx.jit(lambda m, o, x: te_nnx.train_step(m, o, loss_fn, x))
+  >>> loss = step(layer, optimizer, jnp.full((2, 8), 3.0))
+  >>> layer.x_amax_history[...]
+  Array([3., 0., 0., 0.], dtype=float32)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+
+from te_flax.nnx._fp8_meta import Fp8Meta
+from te_flax.quantize import merge_by_max
+from te_flax.training import _keep_unused
+
+__all__ = ["train_step", "update_fp8_state", "value_and_grad"]
+
+
+def value_and_grad(loss_fn: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
+    """``loss_fn(model, *args)`` -> ``(value, grads)`` over ``nnx.Param`` and ``Fp8Meta``.
+
+    ``grads`` is an ``nnx.State`` holding the parameter gradients and the new FP8 state. Other
+    state the loss changes (RNG counters of dropout, ...) is written back to the model, as
+    ``nnx.value_and_grad`` would. With ``has_aux`` the loss returns ``(value, aux)`` and the
+    result is ``((value, aux), grads)``.
+    """
+
+    def wrapped(model, *args, **kwargs):
+        graphdef, params, fp8, rest = nnx.split(model, nnx.Param, Fp8Meta, ...)
+
+        def pure(params, fp8, rest, *args):
+            # Marked where the state enters the step, before it fans out to its uses.
+            inner = nnx.merge(graphdef, params, merge_by_max(fp8), rest)
+            out = loss_fn(inner, *args, **kwargs)
+            value, aux = out if has_aux else (out, None)
+            _, _, _, new_rest = nnx.split(inner, nnx.Param, Fp8Meta, ...)
+            return value, (aux, new_rest)
+
+        grad_fn = jax.value_and_grad(pure, argnums=(0, 1), has_aux=True)
+        (value, (aux, new_rest)), (param_grads, fp8_grads) = grad_fn(params, fp8, rest, *args)
+        nnx.update(model, new_rest)
+        grads = nnx.merge_state(param_grads, fp8_grads)
+        return ((value, aux) if has_aux else value), grads
+
+    return wrapped
+
+
+def update_fp8_state(model, grads) -> None:
+    """Overwrites the model's ``Fp8Meta`` variables with their gradients (their new values).
+
+    A state that no op read in the step has a zero gradient; it keeps its value.
+    """
+    old = nnx.state(model, Fp8Meta)
+    new = nnx.state(grads, Fp8Meta)
+    nnx.update(model, _keep_unused(new, old))
+
+
+def train_step(model, optimizer: nnx.Optimizer, loss_fn: Callable[..., Any], *args, **kwargs):
+    """One step: gradients, ``optimizer.update`` on the parameters, FP8-state overwrite.
+
+    ``optimizer`` must optimize ``nnx.Param`` only (``wrt=nnx.Param``), so that no optax
+    transform touches the FP8 state. Returns the loss. Run it under ``nnx.jit``.
+    """
+    if optimizer.wrt is not nnx.Param:
+        raise ValueError(
+            f"the optimizer must be built with wrt=nnx.Param, got wrt={optimizer.wrt!r}: the "
+            "FP8 state (Fp8Meta) is overwritten with its gradient, never optimized"
+        )
+    loss, grads = value_and_grad(loss_fn)(model, *args, **kwargs)
+    optimizer.update(model, grads)
+    update_fp8_state(model, grads)
+    return loss
