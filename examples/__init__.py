@@ -1,0 +1,1 @@
+"""Examples built on te_flax."""

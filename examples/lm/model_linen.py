@@ -1,0 +1,94 @@
+"""The example GPT in Flax Linen, written with te_flax layers the way a user would.
+
+Pre-norm decoder blocks: attention whose QKV projection is one ``LayerNormDenseGeneral`` with
+``features=(3, heads, head_dim)``, ``jax.nn.dot_product_attention``, an output
+``DenseGeneral``, then a ``LayerNormMLP`` subclass that adds its own residual. The blocks are
+stacked with ``nn.scan``, each layer with its own parameters and FP8 state.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+import te_flax.linen as te_nn
+from te_flax.training import OVERWRITE_WITH_GRADIENT
+
+from .config import ModelConfig
+
+__all__ = ["GPT"]
+
+COMPUTE_DTYPE = jnp.bfloat16
+ACTIVATIONS = {"gelu": ("gelu",), "swiglu": ("silu", "linear")}
+
+
+class ResidualMLP(te_nn.LayerNormMLP):
+    """A te_flax module extended by subclassing: the MLP adds its input back."""
+
+    @nn.compact
+    def __call__(self, inputs, deterministic: bool = True):
+        out, _ = super().__call__(inputs, deterministic)
+        return inputs + out
+
+
+class Attention(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):  # [batch, seq, d_model]
+        c = self.config
+        qkv, _ = te_nn.LayerNormDenseGeneral(
+            features=(3, c.heads, c.head_dim),
+            kernel_axes=("embed", "qkv", "heads", "kv"),
+            dtype=COMPUTE_DTYPE,
+            name="qkv",
+        )(x)  # [batch, seq, 3, heads, head_dim]
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [batch, seq, heads, head_dim]
+        attended = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        return te_nn.DenseGeneral(
+            features=c.d_model,
+            axis=(-2, -1),
+            use_bias=False,
+            kernel_axes=("heads", "kv", "embed"),
+            dtype=COMPUTE_DTYPE,
+            name="out",
+        )(attended)  # [batch, seq, heads, head_dim] -> [batch, seq, d_model]
+
+
+class Block(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, _):
+        x = x + Attention(self.config, name="attention")(x)
+        x = ResidualMLP(
+            intermediate_dim=self.config.mlp_dim,
+            activations=ACTIVATIONS[self.config.activation],
+            dtype=COMPUTE_DTYPE,
+            name="mlp",
+        )(x)
+        return x, None
+
+
+class GPT(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens):  # int32[batch, seq] -> f32[batch, seq, vocab]
+        c = self.config
+        embed = nn.Embed(c.vocab_size, c.d_model, name="embed")
+        positions = self.param(
+            "positions", nn.initializers.normal(0.02), (tokens.shape[1], c.d_model)
+        )
+        x = (embed(tokens) + positions).astype(COMPUTE_DTYPE)
+        blocks = nn.scan(
+            Block,
+            variable_axes={"params": 0, OVERWRITE_WITH_GRADIENT: 0},
+            split_rngs={"params": True},
+            length=c.layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        x, _ = blocks(c, name="blocks")(x, None)
+        x = te_nn.LayerNorm(dtype=jnp.float32, name="final_norm")(x)
+        return embed.attend(x)  # tied embedding

@@ -1,0 +1,241 @@
+"""Training the example GPT: optax AdamW, FP8 state updates, orbax checkpoints, eval.
+
+One loop serves both front ends: each provides ``init`` (a Linen-style variable dict of plain
+arrays: ``params`` and the FP8 collection) and ``apply(variables, tokens)``. The step is
+te_flax's rule: ``merge_fp8_state`` inside the loss, the optimizer for ``params``, overwrite for
+the FP8 state (``te_flax.training``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from tqdm import tqdm
+
+import te_flax
+import te_flax.nnx as te_nnx
+from te_flax.quantize import DelayedScaling, Float8CurrentScaling
+from te_flax.training import apply_gradients, init_optimizer, merge_fp8_state
+
+from . import model_linen, model_nnx
+from .config import Config
+from .data import Corpus, load_corpus
+
+__all__ = ["RunResult", "train"]
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What a run measured."""
+
+    name: str
+    steps: list[int]
+    train_loss: list[float]
+    eval_steps: list[int]
+    eval_loss: list[float]
+    step_time_s: float  # median wall time of a step after compilation
+    tokens_per_s: float
+    parameters: int
+    variables: Any  # the final variables (params and FP8 state)
+
+
+def make_recipe(config: Config):
+    t = config.train
+    if t.recipe == "delayed":
+        return DelayedScaling(amax_history_len=t.amax_history_len)
+    if t.recipe == "current":
+        return Float8CurrentScaling()
+    return None
+
+
+@dataclasses.dataclass
+class _Frontend:
+    init: Any  # key -> variables
+    apply: Any  # (variables, tokens) -> logits
+
+
+def _linen_frontend(config: Config) -> _Frontend:
+    model = model_linen.GPT(config.model)
+    tokens = jnp.zeros((1, config.train.seq_len), jnp.int32)
+    return _Frontend(
+        init=lambda key: nn.meta.unbox(model.init(key, tokens)),
+        apply=model.apply,
+    )
+
+
+def _nnx_frontend(config: Config) -> _Frontend:
+    def build(key):
+        return model_nnx.GPT(config.model, config.train.seq_len, rngs=nnx.Rngs(params=key))
+
+    graphdef, state = nnx.split(jax.eval_shape(lambda: build(jax.random.key(0))))
+
+    def apply(variables, tokens):
+        model = nnx.merge(graphdef, state)
+        te_nnx.load_linen_variables(model, variables)
+        return model(tokens)
+
+    return _Frontend(init=lambda key: te_nnx.linen_variables(build(key)), apply=apply)
+
+
+def make_optimizer(config: Config) -> optax.GradientTransformation:
+    t = config.train
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, t.learning_rate, t.warmup_steps, max(t.steps, t.warmup_steps + 1)
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(t.clip_norm),
+        optax.adamw(schedule, weight_decay=t.weight_decay),
+    )
+
+
+def _loss(frontend, variables, tokens, targets):
+    logits = frontend.apply(variables, tokens).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def _mesh(config: Config) -> jax.sharding.Mesh:
+    n = config.devices or jax.device_count()
+    if n > jax.device_count():
+        raise ValueError(f"devices={n} but only {jax.device_count()} are available")
+    return jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+
+
+def _checkpoint_manager(directory: Path, config: Config) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
+    return ocp.CheckpointManager(directory.resolve(), options=options)
+
+
+def abstract_rng(seed: int) -> np.ndarray:
+    return np.asarray(jax.random.key_data(jax.random.key(seed)))
+
+
+def _checkpoint(state, step: int, seed: int) -> dict:
+    """What a checkpoint holds: variables (parameters and FP8 state), optimizer state, step,
+    the RNG the data is drawn with, and the data position (batches are a function of both)."""
+    return {
+        **state,
+        "step": jnp.asarray(step, jnp.int32),
+        "rng": jnp.asarray(abstract_rng(seed)),
+        "data_position": jnp.asarray(step, jnp.int32),
+    }
+
+
+def train(
+    config: Config,
+    name: str = "run",
+    resume: bool = False,
+    corpus: Corpus | None = None,
+    progress: bool = True,
+) -> RunResult:
+    """Trains for ``config.train.steps`` steps (continuing a checkpoint with ``resume``)."""
+    corpus = corpus or load_corpus(config.data)
+    t = config.train
+    recipe = make_recipe(config)
+    mesh = _mesh(config)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
+    if t.batch % mesh.size:
+        raise ValueError(f"train.batch={t.batch} must be a multiple of the {mesh.size} devices")
+    # optax's Adam counts steps in int32 and mixes them with floats, which strict promotion
+    # refuses; the library itself runs under either setting.
+    with (
+        jax.numpy_dtype_promotion("standard"),
+        jax.set_mesh(mesh),
+        te_flax.autocast(enabled=recipe is not None, recipe=recipe),
+    ):
+        frontend = (_nnx_frontend if config.model.frontend == "nnx" else _linen_frontend)(config)
+        tx = make_optimizer(config)
+
+        @jax.jit
+        def init_state(key):
+            variables = frontend.init(key)
+            return {"variables": variables, "opt_state": init_optimizer(tx, variables)}
+
+        state = jax.device_put(init_state(jax.random.key(t.seed)), replicated)
+        parameters = sum(x.size for x in jax.tree.leaves(state["variables"]["params"]))
+        start = 0
+        manager = None
+        if config.checkpoint_every:
+            manager = _checkpoint_manager(Path(config.output_dir) / name / "checkpoints", config)
+            if resume and manager.latest_step() is not None:
+                start = manager.latest_step()
+                abstract = jax.tree.map(
+                    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+                    _checkpoint(state, 0, t.seed),
+                )
+                restored = manager.restore(start, args=ocp.args.StandardRestore(abstract))
+                if not np.array_equal(restored["rng"], abstract_rng(t.seed)):
+                    raise ValueError(
+                        f"the checkpoint in {manager.directory} was made with another seed; "
+                        f"resume with the same train.seed (now {t.seed})"
+                    )
+                start = int(restored["data_position"])
+                state = {"variables": restored["variables"], "opt_state": restored["opt_state"]}
+
+        @jax.jit
+        def train_step(state, tokens, targets):
+            def loss_fn(variables):
+                return _loss(frontend, merge_fp8_state(variables), tokens, targets)
+
+            loss, grads = jax.value_and_grad(loss_fn)(state["variables"])
+            variables, opt_state = apply_gradients(
+                tx, state["variables"], grads, state["opt_state"]
+            )
+            return {"variables": variables, "opt_state": opt_state}, loss
+
+        @jax.jit
+        def eval_loss(variables, tokens, targets):
+            return _loss(frontend, variables, tokens, targets)
+
+        def evaluate(variables) -> float:
+            losses = []
+            for i in range(t.eval_batches):
+                tokens, targets = corpus.batch("eval", t.seed, i, t.batch, t.seq_len)
+                tokens, targets = jax.device_put((tokens, targets), batch_sharding)
+                losses.append(float(eval_loss(variables, tokens, targets)))
+            return float(np.mean(losses))
+
+        result = RunResult(name, [], [], [], [], 0.0, 0.0, parameters, None)
+        if start == 0:
+            result.eval_steps.append(0)
+            result.eval_loss.append(evaluate(state["variables"]))
+        times = []
+        bar = tqdm(range(start, t.steps), desc=name, disable=not progress, initial=start)
+        for step in bar:
+            tokens, targets = corpus.batch("train", t.seed, step, t.batch, t.seq_len)
+            tokens, targets = jax.device_put((tokens, targets), batch_sharding)
+            began = time.perf_counter()
+            state, loss = train_step(state, tokens, targets)
+            loss = float(loss)  # waits for the step
+            times.append(time.perf_counter() - began)
+            result.steps.append(step + 1)
+            result.train_loss.append(loss)
+            if len(times) > 1:
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{t.batch * t.seq_len / times[-1]:.0f}")
+            if (step + 1) % t.eval_every == 0 or step + 1 == t.steps:
+                result.eval_steps.append(step + 1)
+                result.eval_loss.append(evaluate(state["variables"]))
+            if manager is not None and (
+                (step + 1) % config.checkpoint_every == 0 or step + 1 == t.steps
+            ):
+                saved = _checkpoint(state, step + 1, t.seed)
+                manager.save(step + 1, args=ocp.args.StandardSave(saved))
+        if manager is not None:
+            manager.wait_until_finished()
+            manager.close()
+        steady = times[1:] or times
+        result.step_time_s = float(np.median(steady)) if steady else 0.0
+        result.tokens_per_s = t.batch * t.seq_len / result.step_time_s if steady else 0.0
+        result.variables = jax.device_get(state["variables"])
+        return result
