@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", help="train on this text file instead of the built-in text")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     overrides = list(args.overrides) + ([f"data={args.data}"] if args.data else [])
     config = load_config(args.config, overrides)
     corpus = load_corpus(config.data)

@@ -42,6 +42,8 @@ class TrainConfig:
     seed: int = 0
     recipe: str = "delayed"  # "delayed", "current" or "none" (BF16)
     amax_history_len: int = 16
+    # Stop after this step, keeping the schedule of train.steps (to split a run in parts).
+    stop_at: int | None = None
 
 
 @dataclasses.dataclass

@@ -81,7 +81,7 @@ class GPT(nn.Module):
         positions = self.param(
             "positions", nn.initializers.normal(0.02), (tokens.shape[1], c.d_model)
         )
-        x = (embed(tokens) + positions).astype(COMPUTE_DTYPE)
+        x = (embed(tokens) + positions[None]).astype(COMPUTE_DTYPE)  # [batch, seq, d_model]
         blocks = nn.scan(
             Block,
             variable_axes={"params": 0, OVERWRITE_WITH_GRADIENT: 0},

@@ -72,7 +72,7 @@ class GPT(nnx.Module):
         self.final_norm = te_nnx.LayerNorm(c.d_model, dtype=jnp.float32, rngs=rngs)
 
     def __call__(self, tokens):  # int32[batch, seq] -> f32[batch, seq, vocab]
-        x = (self.embed(tokens) + self.positions[...]).astype(COMPUTE_DTYPE)
+        x = (self.embed(tokens) + self.positions[None]).astype(COMPUTE_DTYPE)
 
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
         def run_blocks(x, block: Block):

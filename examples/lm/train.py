@@ -81,7 +81,7 @@ def _nnx_frontend(config: Config) -> _Frontend:
     graphdef, state = nnx.split(jax.eval_shape(lambda: build(jax.random.key(0))))
 
     def apply(variables, tokens):
-        model = nnx.merge(graphdef, state)
+        model = nnx.merge(graphdef, state, copy=True)
         te_nnx.load_linen_variables(model, variables)
         return model(tokens)
 
@@ -211,7 +211,8 @@ def train(
             result.eval_steps.append(0)
             result.eval_loss.append(evaluate(state["variables"]))
         times = []
-        bar = tqdm(range(start, t.steps), desc=name, disable=not progress, initial=start)
+        end = t.steps if t.stop_at is None else min(t.stop_at, t.steps)
+        bar = tqdm(range(start, end), desc=name, disable=not progress, initial=start)
         for step in bar:
             tokens, targets = corpus.batch("train", t.seed, step, t.batch, t.seq_len)
             tokens, targets = jax.device_put((tokens, targets), batch_sharding)
@@ -223,11 +224,11 @@ def train(
             result.train_loss.append(loss)
             if len(times) > 1:
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{t.batch * t.seq_len / times[-1]:.0f}")
-            if (step + 1) % t.eval_every == 0 or step + 1 == t.steps:
+            if (step + 1) % t.eval_every == 0 or step + 1 == end:
                 result.eval_steps.append(step + 1)
                 result.eval_loss.append(evaluate(state["variables"]))
             if manager is not None and (
-                (step + 1) % config.checkpoint_every == 0 or step + 1 == t.steps
+                (step + 1) % config.checkpoint_every == 0 or step + 1 == end
             ):
                 saved = _checkpoint(state, step + 1, t.seed)
                 manager.save(step + 1, args=ocp.args.StandardSave(saved))

@@ -1,0 +1,193 @@
+"""The example language model: it trains, resumes exactly, restores onto a mesh, and its
+configuration refuses bad keys and values."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from examples.lm.config import DEFAULT_CONFIG, load_config
+from examples.lm.data import load_corpus
+from examples.lm.train import train
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = [
+    "model.d_model=32",
+    "model.heads=2",
+    "model.head_dim=16",
+    "model.layers=2",
+    "model.mlp_dim=64",
+    "train.batch=8",
+    "train.seq_len=32",
+    "train.learning_rate=1e-2",
+    "train.warmup_steps=2",
+    "train.eval_batches=2",
+    "train.amax_history_len=4",
+]
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_corpus()
+
+
+def _config(tmp_path, *overrides):
+    return load_config(DEFAULT_CONFIG, [*TINY, f"output_dir={tmp_path}", *overrides])
+
+
+@pytest.mark.parametrize("frontend", ["linen", "nnx"])
+@pytest.mark.parametrize("recipe", ["delayed", "none"])
+def test_training_reduces_the_loss(tmp_path, corpus, frontend, recipe):
+    config = _config(
+        tmp_path,
+        f"model.frontend={frontend}",
+        f"train.recipe={recipe}",
+        "train.steps=40",
+        "train.eval_every=40",
+        "checkpoint_every=0",
+    )
+    result = train(config, "run", corpus=corpus, progress=False)
+    assert result.eval_steps == [0, 40]
+    assert result.eval_loss[-1] < 0.8 * result.eval_loss[0]
+    assert np.isfinite(result.train_loss).all()
+    fp8 = result.variables.get("_overwrite_with_gradient")
+    if recipe == "delayed":
+        # Per-layer FP8 state of the scanned blocks, updated by the steps.
+        blocks = fp8["blocks"]
+        qkv = blocks["attention"]["qkv"] if frontend == "linen" else blocks["qkv"]
+        history = qkv["x_amax_history"]
+        assert history.shape == (2, 4) and (history[:, 0] > 0).all()
+    else:
+        assert fp8 is None
+
+
+def _run_cli(*arguments, devices=1):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    completed = subprocess.run(
+        [sys.executable, "-m", "examples.lm", "train", "--no-progress", *arguments],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+
+
+def _final_checkpoint(directory: Path, step: int):
+    with ocp.CheckpointManager(directory.resolve()) as manager:
+        assert manager.latest_step() == step
+        return manager.restore(step, args=ocp.args.StandardRestore())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("frontend", ["linen", "nnx"])
+def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(tmp_path, frontend):
+    common = [*TINY, f"model.frontend={frontend}", "train.steps=8", "checkpoint_every=4"]
+    _run_cli(*common, f"output_dir={tmp_path / 'whole'}")
+    _run_cli(*common, "train.stop_at=4", f"output_dir={tmp_path / 'split'}")
+    _run_cli(*common, "--resume", f"output_dir={tmp_path / 'split'}")
+    whole = _final_checkpoint(tmp_path / "whole" / "train" / "checkpoints", 8)
+    split = _final_checkpoint(tmp_path / "split" / "train" / "checkpoints", 8)
+    assert int(split["step"]) == 8 and int(split["data_position"]) == 8
+    # Parameters, FP8 state and optimizer state, bit for bit.
+    jax.tree.map(np.testing.assert_array_equal, split, whole)
+
+
+@pytest.mark.parametrize("frontend", ["linen", "nnx"])
+def test_one_device_checkpoint_restores_onto_eight_devices(tmp_path, corpus, frontend):
+    assert jax.device_count() == 8
+    base = [f"model.frontend={frontend}", "train.steps=6", "checkpoint_every=3"]
+    first = train(
+        _config(tmp_path, *base, "train.stop_at=3", "devices=1"),
+        "run",
+        corpus=corpus,
+        progress=False,
+    )
+    assert first.steps == [1, 2, 3]
+    single = train(
+        _config(tmp_path / "copy", *base, "devices=1"), "run", corpus=corpus, progress=False
+    )
+    resumed = train(
+        _config(tmp_path, *base, "devices=8"), "run", resume=True, corpus=corpus, progress=False
+    )
+    assert resumed.steps == [4, 5, 6]
+    # The same steps on 8 devices (the batch split across them) as on one, up to summation order.
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-3),
+        resumed.variables["params"],
+        single.variables["params"],
+    )
+
+
+def test_resume_with_another_seed_is_refused(tmp_path, corpus):
+    base = ["train.steps=2", "checkpoint_every=1", "train.recipe=none"]
+    train(_config(tmp_path, *base), "run", corpus=corpus, progress=False)
+    with pytest.raises(ValueError, match="another seed"):
+        train(
+            _config(tmp_path, *base, "train.seed=1", "train.steps=3"),
+            "run",
+            resume=True,
+            corpus=corpus,
+            progress=False,
+        )
+
+
+def test_compare_mode_writes_the_report(tmp_path, corpus, monkeypatch):
+    from examples.lm import __main__ as cli
+
+    monkeypatch.setattr(cli, "load_corpus", lambda path=None: corpus)
+    assert (
+        cli.main(
+            [
+                "compare",
+                "--no-progress",
+                *TINY,
+                "train.steps=4",
+                "train.eval_every=2",
+                "checkpoint_every=0",
+                f"output_dir={tmp_path}",
+            ]
+        )
+        == 0
+    )
+    report = (tmp_path / "report.md").read_text()
+    assert "| fp8 |" in report and "| bf16 |" in report and "relative to bf16" in report
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+
+
+def test_user_text_file_is_used(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_bytes(b"hello world, " * 2000)
+    corpus = load_corpus(str(text))
+    tokens, targets = corpus.batch("train", 0, 0, 2, 8)
+    assert bytes(np.asarray(tokens[0]).astype(np.uint8)) in (b"hello world, " * 3)
+    np.testing.assert_array_equal(tokens[:, 1:], targets[:, :-1])
+    with pytest.raises(ValueError, match="at least 10 kB"):
+        text.write_bytes(b"short")
+        load_corpus(str(text))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "key"),
+    [
+        (["train.stepz=3"], ConfigKeyError, "stepz"),
+        (["train.steps=many"], ValidationError, "train.steps"),
+        (["model.activation=swish"], ValueError, "model.activation"),
+        (["train.recipe=fp4"], ValueError, "train.recipe"),
+        (["train.steps=0"], ValueError, "train.steps"),
+        (["steps"], ValueError, "key=value"),
+    ],
+)
+def test_bad_config_names_the_key(overrides, error, key):
+    with pytest.raises(error, match=key):
+        load_config(DEFAULT_CONFIG, overrides)
