@@ -9,14 +9,28 @@ code runs on one device and on many.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 
 import flax.linen as nn
 import jax
+import yaml
 from jax import Array
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-__all__ = ["LogicalAxes", "with_logical_constraint"]
+__all__ = [
+    "RULES_DIR",
+    "LogicalAxes",
+    "load_axis_rules",
+    "make_mesh",
+    "use_sharding",
+    "with_logical_constraint",
+]
+
+# The rule sets shipped with the repository: dp, fsdp, tp, tp_sp, dp_fsdp_tp.
+RULES_DIR = Path(__file__).resolve().parent.parent / "configs" / "rules"
+MESH_AXES = ("data", "fsdp", "tensor")
 
 LogicalAxes = Sequence[str | None] | None
 
@@ -87,3 +101,68 @@ def _check_auto_axes(spec: PartitionSpec, mesh) -> None:
                     "logical-axis constraints, which need AxisType.Auto axes; build the mesh "
                     "with jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))"
                 )
+
+
+def load_axis_rules(rule_set: str | Path) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
+    """Logical-axis rules from a YAML rule set: a name in ``configs/rules`` or a file path.
+
+    A rule set is ``rules: [[logical_name, mesh_axis or [mesh_axes...] or null], ...]``, the
+    format of ``flax.linen.logical_axis_rules``. Logical names a rule set does not mention are
+    replicated.
+    """
+    path = Path(rule_set)
+    if not path.suffix:
+        path = RULES_DIR / f"{rule_set}.yaml"
+    if not path.exists():
+        known = sorted(p.stem for p in RULES_DIR.glob("*.yaml"))
+        raise FileNotFoundError(f"no rule set {rule_set!r}; the shipped ones are {known}")
+    entries = (yaml.safe_load(path.read_text()) or {}).get("rules")
+    if not isinstance(entries, list) or not all(
+        isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) for e in entries
+    ):
+        raise ValueError(f"{path}: expected 'rules: [[logical_name, mesh_axes], ...]'")
+    return tuple((name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in entries)
+
+
+def make_mesh(shape: Mapping[str, int], devices=None) -> jax.sharding.Mesh:
+    """A mesh with ``AxisType.Auto`` axes, e.g. ``make_mesh({"data": 2, "fsdp": 2, "tensor": 2})``.
+
+    Axes of ``data``, ``fsdp`` and ``tensor`` that ``shape`` leaves out get size 1, so every
+    shipped rule set applies to every mesh. The product must equal the number of devices used
+    (all of ``jax.devices()`` by default).
+    """
+    unknown = sorted(set(shape) - set(MESH_AXES))
+    if unknown:
+        raise ValueError(f"unknown mesh axes {unknown}; the axes are {MESH_AXES}")
+    sizes = tuple(int(shape.get(axis, 1)) for axis in MESH_AXES)
+    devices = list(jax.devices() if devices is None else devices)
+    total = 1
+    for size in sizes:
+        total *= size
+    if total != len(devices):
+        raise ValueError(
+            f"mesh {dict(zip(MESH_AXES, sizes, strict=True))} has {total} devices, "
+            f"not {len(devices)}"
+        )
+    return jax.make_mesh(
+        sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
+    )
+
+
+@contextlib.contextmanager
+def use_sharding(
+    rule_set: str | Path, mesh_shape: Mapping[str, int]
+) -> Iterator[jax.sharding.Mesh]:
+    """Loads a rule set, builds the mesh, and makes both active: the one call to shard a model.
+
+    Example usage::
+
+      >>> import jax
+      >>> from te_flax.sharding import use_sharding
+      >>> with use_sharding("dp_fsdp_tp", {"data": 2, "fsdp": 2, "tensor": 2}) as mesh:
+      ...     print(dict(mesh.shape))
+      {'data': 2, 'fsdp': 2, 'tensor': 2}
+    """
+    mesh = make_mesh(mesh_shape)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(load_axis_rules(rule_set)):
+        yield mesh

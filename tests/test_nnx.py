@@ -100,38 +100,36 @@ def _mse(y, target):
 
 # ----------------------------------------------------------------------------- Linen vs NNX
 
-# name -> (Linen module for a recipe, NNX module for a recipe and rngs). Non-default attributes,
-# so that they are part of what must agree.
-_PAIRS = {
-    "layernorm": (
-        lambda recipe: te_nn.LayerNorm(layernorm_type="rmsnorm", zero_centered_gamma=True),
-        lambda recipe, rngs: te_nnx.LayerNorm(
-            HIDDEN, layernorm_type="rmsnorm", zero_centered_gamma=True, rngs=rngs
-        ),
-    ),
-    "dense_general": (
-        lambda recipe: te_nn.DenseGeneral(features=(2, 4), recipe=recipe),
-        lambda recipe, rngs: te_nnx.DenseGeneral(HIDDEN, (2, 4), recipe=recipe, rngs=rngs),
-    ),
-    "layernorm_dense_general": (
-        lambda recipe: te_nn.LayerNormDenseGeneral(features=8, use_bias=True, recipe=recipe),
-        lambda recipe, rngs: te_nnx.LayerNormDenseGeneral(
-            HIDDEN, 8, use_bias=True, recipe=recipe, rngs=rngs
-        ),
-    ),
-    "layernorm_mlp": (
-        lambda recipe: te_nn.LayerNormMLP(
-            intermediate_dim=32, activations=("gelu", "linear"), use_bias=True, recipe=recipe
-        ),
-        lambda recipe, rngs: te_nnx.LayerNormMLP(
-            HIDDEN,
-            intermediate_dim=32,
-            activations=("gelu", "linear"),
-            use_bias=True,
-            recipe=recipe,
-            rngs=rngs,
-        ),
-    ),
+
+def _twins(kind: str, **attributes):
+    """The Linen module and a maker of its NNX twin (``rngs`` -> module), same attributes.
+
+    The NNX twin is built for ``HIDDEN`` input features; ``features`` is positional there.
+    """
+    if kind == "layernorm":
+        return te_nn.LayerNorm(**attributes), lambda rngs: te_nnx.LayerNorm(
+            HIDDEN, rngs=rngs, **attributes
+        )
+    if kind == "layernorm_mlp":
+        return te_nn.LayerNormMLP(**attributes), lambda rngs: te_nnx.LayerNormMLP(
+            HIDDEN, rngs=rngs, **attributes
+        )
+    linen_class, nnx_class = {
+        "dense_general": (te_nn.DenseGeneral, te_nnx.DenseGeneral),
+        "layernorm_dense_general": (te_nn.LayerNormDenseGeneral, te_nnx.LayerNormDenseGeneral),
+    }[kind]
+    features = attributes.pop("features")
+    return linen_class(features=features, **attributes), lambda rngs: nnx_class(
+        HIDDEN, features, rngs=rngs, **attributes
+    )
+
+
+# Non-default attributes, so that they are part of what must agree.
+_CONSISTENCY_ATTRIBUTES = {
+    "layernorm": dict(layernorm_type="rmsnorm", zero_centered_gamma=True),
+    "dense_general": dict(features=(2, 4)),
+    "layernorm_dense_general": dict(features=8, use_bias=True),
+    "layernorm_mlp": dict(intermediate_dim=32, activations=("gelu", "linear"), use_bias=True),
 }
 _CONSISTENCY_CASES = [
     ("layernorm", None),
@@ -146,11 +144,13 @@ _CONSISTENCY_CASES = [
 
 def _loaded_pair(name, recipe, x):
     """The Linen module, its variables (unboxed), and the NNX module holding the same values."""
-    make_linen, make_nnx = _PAIRS[name]
-    linen_module = make_linen(recipe)
+    attributes = dict(_CONSISTENCY_ATTRIBUTES[name])
+    if name != "layernorm":
+        attributes["recipe"] = recipe
+    linen_module, make_nnx = _twins(name, **attributes)
     variables = linen_module.init(jax.random.key(0), x)
     # A different seed: every value must come from the Linen variables.
-    module = make_nnx(recipe, nnx.Rngs(7))
+    module = make_nnx(nnx.Rngs(7))
     te_nnx.load_linen_variables(module, variables)
     return linen_module, nn.meta.unbox(variables), module
 
@@ -873,98 +873,38 @@ def test_lora_with_zero_b_gives_the_base_output(module):
     assert not np.allclose(_first(lora(x)), _first(base(x)))
 
 
-# Option sets checked against Linen, FP8 on: name -> (Linen module, NNX module).
+# Option sets checked against Linen: name -> (module kind, attributes).
+_LORA = dict(enable_low_rank_adaptation=True, low_rank_adaptation_dim=4)
 _OPTIONS = {
-    "lora_dense_general": (
-        lambda: te_nn.DenseGeneral(
-            features=8, enable_low_rank_adaptation=True, low_rank_adaptation_dim=4, recipe=DELAYED
-        ),
-        lambda rngs: te_nnx.DenseGeneral(
-            HIDDEN,
-            8,
-            enable_low_rank_adaptation=True,
-            low_rank_adaptation_dim=4,
-            recipe=DELAYED,
-            rngs=rngs,
-        ),
-    ),
+    "lora_dense_general": ("dense_general", dict(features=8, **_LORA, recipe=DELAYED)),
     "lora_layernorm_mlp": (
-        lambda: te_nn.LayerNormMLP(
-            intermediate_dim=32,
-            enable_low_rank_adaptation=True,
-            low_rank_adaptation_dim=4,
-            low_rank_adaptation_alpha=2.0,
-            recipe=DELAYED,
-        ),
-        lambda rngs: te_nnx.LayerNormMLP(
-            HIDDEN,
-            intermediate_dim=32,
-            enable_low_rank_adaptation=True,
-            low_rank_adaptation_dim=4,
-            low_rank_adaptation_alpha=2.0,
-            recipe=DELAYED,
-            rngs=rngs,
-        ),
+        "layernorm_mlp",
+        dict(intermediate_dim=32, **_LORA, low_rank_adaptation_alpha=2.0, recipe=DELAYED),
     ),
     "layernorm_dense_general_options": (
-        lambda: te_nn.LayerNormDenseGeneral(
-            features=8,
-            return_layernorm_output=True,
-            depth_scaling=4.0,
-            enable_low_rank_adaptation=True,
-            low_rank_adaptation_dim=2,
-            recipe=DELAYED,
-        ),
-        lambda rngs: te_nnx.LayerNormDenseGeneral(
-            HIDDEN,
-            8,
-            return_layernorm_output=True,
-            depth_scaling=4.0,
-            enable_low_rank_adaptation=True,
-            low_rank_adaptation_dim=2,
-            recipe=DELAYED,
-            rngs=rngs,
-        ),
+        "layernorm_dense_general",
+        dict(features=8, return_layernorm_output=True, depth_scaling=4.0, **_LORA, recipe=DELAYED),
     ),
     "layernorm_mlp_ln_output": (
-        lambda: te_nn.LayerNormMLP(
-            intermediate_dim=32, return_layernorm_output=True, layernorm_type="rmsnorm"
-        ),
-        lambda rngs: te_nnx.LayerNormMLP(
-            HIDDEN,
-            intermediate_dim=32,
-            return_layernorm_output=True,
-            layernorm_type="rmsnorm",
-            rngs=rngs,
-        ),
+        "layernorm_mlp",
+        dict(intermediate_dim=32, return_layernorm_output=True, layernorm_type="rmsnorm"),
     ),
     "without_layernorm": (
-        lambda: te_nn.LayerNormDenseGeneral(
-            features=8, enable_layernorm=False, return_layernorm_output=True, recipe=DELAYED
-        ),
-        lambda rngs: te_nnx.LayerNormDenseGeneral(
-            HIDDEN,
-            8,
-            enable_layernorm=False,
-            return_layernorm_output=True,
-            recipe=DELAYED,
-            rngs=rngs,
-        ),
+        "layernorm_dense_general",
+        dict(features=8, enable_layernorm=False, return_layernorm_output=True, recipe=DELAYED),
     ),
     "bf16_compute": (
-        lambda: te_nn.LayerNormDenseGeneral(features=8, dtype=jnp.bfloat16, recipe=DELAYED),
-        lambda rngs: te_nnx.LayerNormDenseGeneral(
-            HIDDEN, 8, dtype=jnp.bfloat16, recipe=DELAYED, rngs=rngs
-        ),
+        "layernorm_dense_general",
+        dict(features=8, dtype=jnp.bfloat16, recipe=DELAYED),
     ),
 }
 
 
 @pytest.mark.parametrize("name", list(_OPTIONS))
 def test_options_agree_with_linen(name):
-    make_linen, make_nnx = _OPTIONS[name]
+    kind, attributes = _OPTIONS[name]
+    linen_module, make_nnx = _twins(kind, **attributes)
     x = _x()
-    linen_module = make_linen()
     variables = nn.meta.unbox(linen_module.init(jax.random.key(0), x))
     # A non-zero LoRA B, so that the adapter shows in the output.
     variables["params"] = {
@@ -1128,7 +1068,7 @@ def test_layernorm_has_no_recipe_attribute():
 
 @pytest.mark.parametrize("rngs", [0, jax.random.key(0), None], ids=["int", "key", "none"])
 def test_rngs_must_be_an_nnx_rngs(rngs):
-    with pytest.raises(TypeError, match="rngs must be an nnx.Rngs"):
+    with pytest.raises(TypeError, match=re.escape("rngs must be an nnx.Rngs")):
         te_nnx.DenseGeneral(HIDDEN, 8, rngs=rngs)
 
 
@@ -1166,6 +1106,6 @@ def test_train_step_refuses_an_optimizer_not_restricted_to_params(wrt):
     layer = te_nnx.DenseGeneral(HIDDEN, 8, recipe=DELAYED, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(layer, optax.sgd(0.1), wrt=wrt)
     before = te_nnx.linen_variables(layer)
-    with pytest.raises(ValueError, match="must be built with wrt=nnx.Param"):
+    with pytest.raises(ValueError, match=re.escape("must be built with wrt=nnx.Param")):
         te_nnx.train_step(layer, optimizer, lambda m, x: jnp.sum(m(x)), _x())
     _assert_equal_trees(te_nnx.linen_variables(layer), before)

@@ -22,9 +22,24 @@ def write_report(config: Config, results: list[RunResult]) -> Path:
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     figure, axis = plt.subplots(figsize=(7, 4))
-    for result in results:
-        axis.plot(result.steps, result.train_loss, alpha=0.35, label=f"{result.name} train")
-        axis.plot(result.eval_steps, result.eval_loss, marker="o", label=f"{result.name} eval")
+    for index, result in enumerate(results):
+        color, style = f"C{index}", ("-", "--")[index % 2]
+        axis.plot(
+            result.steps,
+            result.train_loss,
+            color=color,
+            alpha=0.3,
+            lw=1,
+            label=f"{result.name} train",
+        )
+        axis.plot(
+            result.eval_steps,
+            result.eval_loss,
+            color=color,
+            ls=style,
+            marker="o",
+            label=f"{result.name} eval",
+        )
     axis.set(xlabel="step", ylabel="cross-entropy (nats/byte)", title="FP8 vs BF16")
     axis.grid(alpha=0.3)
     axis.legend()

@@ -6,8 +6,9 @@ Scales are stored as *dequantization* scales, ``scale_inv``: ``x ~= q * scale_in
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
-from jax import Array
+from jax import Array, lax
 
 __all__ = [
     "amax",
@@ -28,9 +29,16 @@ def fp8_max(dtype) -> float:
 
 
 def amax(x: Array) -> Array:
-    """``max(|x|)`` over the whole tensor, as a float32 scalar."""
+    """``max(|x|)`` over the whole (global) tensor, as a float32 scalar.
+
+    Under ``jit`` with sharded arrays the reduction is already global. Inside ``shard_map`` each
+    device holds a block, so the block maxima are combined with ``pmax`` over the manual mesh
+    axes: every device then quantizes with the same scale, the one a single device would use.
+    """
     # Reduce in float32: a bfloat16 maximum is exact, but the scale math that follows is not.
-    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+    value = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    manual = tuple(sorted(jax.sharding.get_abstract_mesh().manual_axes))
+    return lax.pmax(value, manual) if manual else value
 
 
 def compute_scale_inv(amax_value: Array, dtype, margin: float, previous_scale_inv: Array) -> Array:
