@@ -597,6 +597,7 @@ def _weighted(model, x, weight):
     return jnp.sum(model(x) * weight)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_loop_merges_fp8_state_by_max_and_sums_gradients():
     xs, ws = _microbatches()
     layer = te_nnx.DenseGeneral(HIDDEN, 8, recipe=DELAYED, rngs=nnx.Rngs(0))

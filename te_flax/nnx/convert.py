@@ -53,10 +53,13 @@ def load_linen_variables(module: nnx.Module, variables: Mapping) -> None:
     (logically partitioned) Linen parameters are unboxed.
     """
     variables = nn.meta.unbox(variables)
+    # Everything is checked before anything is written: a refused load changes nothing.
+    states = []
     for collection, variable_type in _COLLECTIONS:
         state = nnx.state(module, variable_type)
         tree = variables.get(collection, {})
-        expected, given = _paths(nnx.to_pure_dict(state)), _paths(tree)
+        current = nnx.to_pure_dict(state)
+        expected, given = _paths(current), _paths(tree)
         if expected != given:
             raise ValueError(
                 f"the {collection!r} collection does not fit {type(module).__name__}: missing "
@@ -64,7 +67,7 @@ def load_linen_variables(module: nnx.Module, variables: Mapping) -> None:
             )
         for (path, new), (_, old) in zip(
             jax.tree_util.tree_leaves_with_path(tree),
-            jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(state)),
+            jax.tree_util.tree_leaves_with_path(current),
             strict=True,
         ):
             if new.shape != old.shape:
@@ -72,5 +75,7 @@ def load_linen_variables(module: nnx.Module, variables: Mapping) -> None:
                     f"{collection}{jax.tree_util.keystr(path)} has shape {new.shape} but the "
                     f"module's has {old.shape}"
                 )
+        states.append((state, tree))
+    for state, tree in states:
         nnx.replace_by_pure_dict(state, tree)
         nnx.update(module, state)

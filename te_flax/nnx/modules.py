@@ -140,14 +140,17 @@ class LayerNormMLP(NnxShell, LayerNormMLPSpec):
 
     def __init__(self, in_features: int, *, rngs: nnx.Rngs, **attributes):
         self._setup((in_features,), rngs, attributes)
-        self.dropout = None
-        if self.intermediate_dropout_rate > 0:
-            self.dropout = nnx.Dropout(
+        # Assigned once: NNX fixes an attribute as static or data at its first assignment.
+        self.dropout = (
+            nnx.Dropout(
                 self.intermediate_dropout_rate,
                 broadcast_dims=tuple(self.intermediate_hidden_dropout_dims),
                 rng_collection=self.intermediate_dropout_rng_name,
                 rngs=rngs,
             )
+            if self.intermediate_dropout_rate > 0
+            else None
+        )
 
     def __call__(self, inputs: Array, deterministic: bool = False) -> tuple[Array, Array | None]:
         """``[batch..., in_features]`` -> ``([batch..., in_features], ln_output or None)``.

@@ -52,8 +52,9 @@ def value_and_grad(loss_fn: Callable[..., Any], *, has_aux: bool = False) -> Cal
         graphdef, params, fp8, rest = nnx.split(model, nnx.Param, Fp8Meta, ...)
 
         def pure(params, fp8, rest, *args):
-            # Marked where the state enters the step, before it fans out to its uses.
-            inner = nnx.merge(graphdef, params, merge_by_max(fp8), rest)
+            # Marked where the state enters the step, before it fans out to its uses. Copied:
+            # the merged module must own variables of this trace (RNG counters change).
+            inner = nnx.merge(graphdef, params, merge_by_max(fp8), rest, copy=True)
             out = loss_fn(inner, *args, **kwargs)
             value, aux = out if has_aux else (out, None)
             _, _, _, new_rest = nnx.split(inner, nnx.Param, Fp8Meta, ...)
@@ -84,6 +85,11 @@ def train_step(model, optimizer: nnx.Optimizer, loss_fn: Callable[..., Any], *ar
     ``optimizer`` must optimize ``nnx.Param`` only (``wrt=nnx.Param``), so that no optax
     transform touches the FP8 state. Returns the loss. Run it under ``nnx.jit``.
     """
+    if not isinstance(optimizer, nnx.Optimizer) or isinstance(optimizer, nnx.ModelAndOptimizer):
+        raise TypeError(
+            f"optimizer must be an nnx.Optimizer(model, tx, wrt=nnx.Param), got "
+            f"{type(optimizer).__name__}"
+        )
     if optimizer.wrt is not nnx.Param:
         raise ValueError(
             f"the optimizer must be built with wrt=nnx.Param, got wrt={optimizer.wrt!r}: the "
