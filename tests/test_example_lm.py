@@ -17,6 +17,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 from examples.lm.config import DEFAULT_CONFIG, load_config
 from examples.lm.data import load_corpus
 from examples.lm.train import train
+from tests.helpers import relative_error
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = [
@@ -104,29 +105,27 @@ def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(tmp_path, frontend
 
 
 @pytest.mark.parametrize("frontend", ["linen", "nnx"])
-def test_one_device_checkpoint_restores_onto_eight_devices(tmp_path, corpus, frontend):
+def test_one_device_checkpoint_restores_sharded_onto_eight_devices(tmp_path, corpus, frontend):
     assert jax.device_count() == 8
     base = [f"model.frontend={frontend}", "train.steps=6", "checkpoint_every=3"]
-    first = train(
-        _config(tmp_path, *base, "train.stop_at=3", "devices=1"),
-        "run",
-        corpus=corpus,
-        progress=False,
-    )
+    fsdp8 = ["rules=fsdp", "mesh.fsdp=8"]
+    quiet = dict(corpus=corpus, progress=False)
+    first = train(_config(tmp_path, *base, "train.stop_at=3"), "run", **quiet)
     assert first.steps == [1, 2, 3]
-    single = train(
-        _config(tmp_path / "copy", *base, "devices=1"), "run", corpus=corpus, progress=False
-    )
-    resumed = train(
-        _config(tmp_path, *base, "devices=8"), "run", resume=True, corpus=corpus, progress=False
-    )
+    single = train(_config(tmp_path / "copy", *base), "run", **quiet)
+    resumed = train(_config(tmp_path, *base, *fsdp8), "run", resume=True, **quiet)
     assert resumed.steps == [4, 5, 6]
+    # Restored sharded as the fsdp rules say: the MLP kernels' embed axis over 8 devices.
+    specs = resumed.partition_specs["params"]["blocks"]["mlp"]
+    # ([layers, embed, act, mlp] and [layers, mlp, embed]; JAX drops trailing Nones.)
+    assert tuple(specs["wi_kernel"]) == (None, "fsdp")
+    assert tuple(specs["wo_kernel"]) == (None, None, "fsdp")
     # The same steps on 8 devices (the batch split across them) as on one, up to summation order.
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-3),
-        resumed.variables["params"],
-        single.variables["params"],
-    )
+    # Normwise per parameter: bf16 activations summed in another order, and Adam's normalized
+    # first steps turn tiny gradient differences into full-size update differences (the
+    # position embeddings, with the smallest gradients, differ most: about 2%).
+    errors = jax.tree.map(relative_error, resumed.variables["params"], single.variables["params"])
+    assert max(jax.tree.leaves(errors)) < 5e-2, errors
 
 
 def test_resume_with_another_seed_is_refused(tmp_path, corpus):

@@ -47,14 +47,24 @@ class TrainConfig:
 
 
 @dataclasses.dataclass
+class MeshConfig:
+    """Sizes of the (data, fsdp, tensor) mesh axes; their product is the number of devices."""
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+
+
+@dataclasses.dataclass
 class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     data: str | None = None  # a text file; None: the built-in Python standard library text
     output_dir: str = "runs/lm"
     checkpoint_every: int = 100  # 0: no checkpoints
-    # Devices: a data-parallel mesh over this many devices (0: all of them).
-    devices: int = 1
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    # A logical-axis rule set of configs/rules (dp, fsdp, tp, tp_sp, dp_fsdp_tp) or a YAML path.
+    rules: str = "dp"
 
 
 _CHOICES = {
@@ -78,7 +88,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         value = OmegaConf.select(config, key)
         if value not in choices:
             raise ValueError(f"{key}={value!r} is not one of {choices}")
-    for key in ("train.steps", "train.batch", "train.seq_len", "model.layers", "train.eval_every"):
+    positive = ("train.steps", "train.batch", "train.seq_len", "model.layers", "train.eval_every")
+    positive += ("mesh.data", "mesh.fsdp", "mesh.tensor")
+    for key in positive:
         if OmegaConf.select(config, key) < 1:
             raise ValueError(f"{key} must be >= 1, got {OmegaConf.select(config, key)}")
     return OmegaConf.to_object(config)

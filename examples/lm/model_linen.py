@@ -3,7 +3,9 @@
 Pre-norm decoder blocks: attention whose QKV projection is one ``LayerNormDenseGeneral`` with
 ``features=(3, heads, head_dim)``, ``jax.nn.dot_product_attention``, an output
 ``DenseGeneral``, then a ``LayerNormMLP`` subclass that adds its own residual. The blocks are
-stacked with ``nn.scan``, each layer with its own parameters and FP8 state.
+stacked with ``nn.scan``, each layer with its own parameters and FP8 state. Kernels and
+activations carry logical axis names for the rule sets of ``configs/rules``; the (small)
+embeddings are replicated.
 """
 
 from __future__ import annotations
@@ -21,6 +23,12 @@ __all__ = ["GPT"]
 
 COMPUTE_DTYPE = jnp.bfloat16
 ACTIVATIONS = {"gelu": ("gelu",), "swiglu": ("silu", "linear")}
+# Logical axes of the activations (configs/rules maps them to the mesh): the residual stream
+# and norm inputs, and the inputs of the GEMMs, whose sequence axis is gathered (None).
+RESIDUAL_AXES = ("batch", "length", "act_embed")
+GEMM_INPUT_AXES = ("batch", None, "act_embed")
+ATTENTION_AXES = ("batch", None, "act_heads", None)
+MLP_HIDDEN_AXES = ("batch", None, "act_mlp")
 
 
 class ResidualMLP(te_nn.LayerNormMLP):
@@ -41,6 +49,8 @@ class Attention(nn.Module):
         qkv, _ = te_nn.LayerNormDenseGeneral(
             features=(3, c.heads, c.head_dim),
             kernel_axes=("embed", "qkv", "heads", "kv"),
+            layernorm_input_axes=RESIDUAL_AXES,
+            dot_input_axes=GEMM_INPUT_AXES,
             dtype=COMPUTE_DTYPE,
             name="qkv",
         )(x)  # [batch, seq, 3, heads, head_dim]
@@ -51,6 +61,7 @@ class Attention(nn.Module):
             axis=(-2, -1),
             use_bias=False,
             kernel_axes=("heads", "kv", "embed"),
+            input_axes=ATTENTION_AXES,
             dtype=COMPUTE_DTYPE,
             name="out",
         )(attended)  # [batch, seq, heads, head_dim] -> [batch, seq, d_model]
@@ -65,6 +76,9 @@ class Block(nn.Module):
         x = ResidualMLP(
             intermediate_dim=self.config.mlp_dim,
             activations=ACTIVATIONS[self.config.activation],
+            layernorm_input_axes=RESIDUAL_AXES,
+            dot_1_input_axes=GEMM_INPUT_AXES,
+            dot_2_input_axes=MLP_HIDDEN_AXES,
             dtype=COMPUTE_DTYPE,
             name="mlp",
         )(x)

@@ -10,7 +10,14 @@ from flax import nnx
 import te_flax.nnx as te_nnx
 
 from .config import ModelConfig
-from .model_linen import ACTIVATIONS, COMPUTE_DTYPE
+from .model_linen import (
+    ACTIVATIONS,
+    ATTENTION_AXES,
+    COMPUTE_DTYPE,
+    GEMM_INPUT_AXES,
+    MLP_HIDDEN_AXES,
+    RESIDUAL_AXES,
+)
 
 __all__ = ["GPT"]
 
@@ -29,6 +36,8 @@ class Block(nnx.Module):
             c.d_model,
             (3, c.heads, c.head_dim),
             kernel_axes=("embed", "qkv", "heads", "kv"),
+            layernorm_input_axes=RESIDUAL_AXES,
+            dot_input_axes=GEMM_INPUT_AXES,
             dtype=COMPUTE_DTYPE,
             rngs=rngs,
         )
@@ -38,6 +47,7 @@ class Block(nnx.Module):
             axis=(-2, -1),
             use_bias=False,
             kernel_axes=("heads", "kv", "embed"),
+            input_axes=ATTENTION_AXES,
             dtype=COMPUTE_DTYPE,
             rngs=rngs,
         )
@@ -45,6 +55,9 @@ class Block(nnx.Module):
             c.d_model,
             intermediate_dim=c.mlp_dim,
             activations=ACTIVATIONS[c.activation],
+            layernorm_input_axes=RESIDUAL_AXES,
+            dot_1_input_axes=GEMM_INPUT_AXES,
+            dot_2_input_axes=MLP_HIDDEN_AXES,
             dtype=COMPUTE_DTYPE,
             rngs=rngs,
         )
@@ -64,7 +77,8 @@ class GPT(nnx.Module):
         )
 
         @nnx.split_rngs(splits=c.layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
+        # The layer axis is added to each parameter's sharding metadata, unsharded.
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
         def create_blocks(rngs: nnx.Rngs):
             return Block(c, rngs=rngs)
 

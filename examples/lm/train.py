@@ -20,13 +20,19 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 import te_flax
 import te_flax.nnx as te_nnx
 from te_flax.quantize import DelayedScaling, Float8CurrentScaling
-from te_flax.training import apply_gradients, init_optimizer, merge_fp8_state
+from te_flax.sharding import load_axis_rules, make_mesh
+from te_flax.training import (
+    OVERWRITE_WITH_GRADIENT,
+    apply_gradients,
+    init_optimizer,
+    merge_fp8_state,
+)
 
 from . import model_linen, model_nnx
 from .config import Config
@@ -47,7 +53,8 @@ class RunResult:
     step_time_s: float  # median wall time of a step after compilation
     tokens_per_s: float
     parameters: int
-    variables: Any  # the final variables (params and FP8 state)
+    variables: Any  # the final variables (params and FP8 state), on the host
+    partition_specs: Any = None  # how the final variables were laid out on the mesh
 
 
 def make_recipe(config: Config):
@@ -63,14 +70,21 @@ def make_recipe(config: Config):
 class _Frontend:
     init: Any  # key -> variables
     apply: Any  # (variables, tokens) -> logits
+    partition_specs: Any  # () -> the variables' PartitionSpecs on the mesh, under the rules
 
 
 def _linen_frontend(config: Config) -> _Frontend:
     model = model_linen.GPT(config.model)
     tokens = jnp.zeros((1, config.train.seq_len), jnp.int32)
+
+    def partition_specs():
+        boxed = jax.eval_shape(model.init, jax.random.key(0), tokens)
+        return nn.logical_to_mesh(nn.get_partition_spec(boxed))
+
     return _Frontend(
         init=lambda key: nn.meta.unbox(model.init(key, tokens)),
         apply=model.apply,
+        partition_specs=partition_specs,
     )
 
 
@@ -78,14 +92,36 @@ def _nnx_frontend(config: Config) -> _Frontend:
     def build(key):
         return model_nnx.GPT(config.model, config.train.seq_len, rngs=nnx.Rngs(params=key))
 
-    graphdef, state = nnx.split(jax.eval_shape(lambda: build(jax.random.key(0))))
+    abstract = jax.eval_shape(lambda: build(jax.random.key(0)))
+    graphdef, state = nnx.split(abstract)
 
     def apply(variables, tokens):
         model = nnx.merge(graphdef, state, copy=True)
         te_nnx.load_linen_variables(model, variables)
         return model(tokens)
 
-    return _Frontend(init=lambda key: te_nnx.linen_variables(build(key)), apply=apply)
+    def partition_specs():
+        # Each variable's logical names (its sharding metadata) resolved by the active rules,
+        # in the layout of te_flax.nnx.linen_variables.
+        rules = nn.get_logical_axis_rules()
+
+        def spec(variable):
+            names = variable.get_metadata().get("out_sharding")
+            return nn.logical_to_mesh_axes(names, rules) if names else PartitionSpec()
+
+        def specs(variable_type):
+            state = nnx.state(abstract, variable_type)
+            is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+            return nnx.to_pure_dict(jax.tree.map(spec, state, is_leaf=is_variable))
+
+        fp8 = specs(te_nnx.Fp8Meta)
+        return {"params": specs(nnx.Param), **({OVERWRITE_WITH_GRADIENT: fp8} if fp8 else {})}
+
+    return _Frontend(
+        init=lambda key: te_nnx.linen_variables(build(key)),
+        apply=apply,
+        partition_specs=partition_specs,
+    )
 
 
 def make_optimizer(config: Config) -> optax.GradientTransformation:
@@ -105,10 +141,11 @@ def _loss(frontend, variables, tokens, targets):
 
 
 def _mesh(config: Config) -> jax.sharding.Mesh:
-    n = config.devices or jax.device_count()
+    shape = dataclasses.asdict(config.mesh)
+    n = int(np.prod(list(shape.values())))
     if n > jax.device_count():
-        raise ValueError(f"devices={n} but only {jax.device_count()} are available")
-    return jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+        raise ValueError(f"mesh {shape} needs {n} devices but {jax.device_count()} are available")
+    return make_mesh(shape, devices=jax.devices()[:n])
 
 
 def _checkpoint_manager(directory: Path, config: Config) -> ocp.CheckpointManager:
@@ -143,26 +180,34 @@ def train(
     t = config.train
     recipe = make_recipe(config)
     mesh = _mesh(config)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
-    if t.batch % mesh.size:
-        raise ValueError(f"train.batch={t.batch} must be a multiple of the {mesh.size} devices")
+    rules = load_axis_rules(config.rules)
+    batch_spec = nn.logical_to_mesh_axes(("batch", None), rules)
+    batch_sharding = NamedSharding(mesh, batch_spec)
+    batch_devices = int(np.prod([mesh.shape[a] for a in jax.tree.leaves(tuple(batch_spec))]))
+    if t.batch % batch_devices:
+        raise ValueError(
+            f"train.batch={t.batch} must be a multiple of the {batch_devices} devices the "
+            f"rule set {config.rules!r} splits the batch over"
+        )
     # optax's Adam counts steps in int32 and mixes them with floats, which strict promotion
     # refuses; the library itself runs under either setting.
     with (
         jax.numpy_dtype_promotion("standard"),
         jax.set_mesh(mesh),
+        nn.logical_axis_rules(rules),
         te_flax.autocast(enabled=recipe is not None, recipe=recipe),
     ):
         frontend = (_nnx_frontend if config.model.frontend == "nnx" else _linen_frontend)(config)
         tx = make_optimizer(config)
-
-        @jax.jit
-        def init_state(key):
-            variables = frontend.init(key)
-            return {"variables": variables, "opt_state": init_optimizer(tx, variables)}
-
-        state = jax.device_put(init_state(jax.random.key(t.seed)), replicated)
+        # Parameters are created sharded as the rules say; the optimizer state follows them.
+        shardings = jax.tree.map(
+            lambda spec: NamedSharding(mesh, spec),
+            frontend.partition_specs(),
+            is_leaf=lambda x: isinstance(x, PartitionSpec),
+        )
+        variables = jax.jit(frontend.init, out_shardings=shardings)(jax.random.key(t.seed))
+        opt_state = jax.jit(lambda v: init_optimizer(tx, v))(variables)
+        state = {"variables": variables, "opt_state": opt_state}
         parameters = sum(x.size for x in jax.tree.leaves(state["variables"]["params"]))
         start = 0
         manager = None
@@ -170,8 +215,12 @@ def train(
             manager = _checkpoint_manager(Path(config.output_dir) / name / "checkpoints", config)
             if resume and manager.latest_step() is not None:
                 start = manager.latest_step()
+                # Restored onto this run's mesh and layout, whatever the saving run's were.
+                replicated = NamedSharding(mesh, PartitionSpec())
                 abstract = jax.tree.map(
-                    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+                    lambda x: jax.ShapeDtypeStruct(
+                        x.shape, x.dtype, sharding=getattr(x, "sharding", replicated)
+                    ),
                     _checkpoint(state, 0, t.seed),
                 )
                 restored = manager.restore(start, args=ocp.args.StandardRestore(abstract))
@@ -238,5 +287,6 @@ def train(
         steady = times[1:] or times
         result.step_time_s = float(np.median(steady)) if steady else 0.0
         result.tokens_per_s = t.batch * t.seq_len / result.step_time_s if steady else 0.0
+        result.partition_specs = jax.tree.map(lambda x: x.sharding.spec, state["variables"])
         result.variables = jax.device_get(state["variables"])
         return result
