@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 import te_flax.linen as te_nn
 from te_flax.quantize import DelayedScaling
@@ -79,8 +79,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--steps", type=int, default=4, help="training steps (default 4)")
     parser.add_argument(
-        "--batch", type=int, default=16, help="global batch size (default 16; a multiple of the "
-        "number of devices)"
+        "--batch",
+        type=int,
+        default=16,
+        help="global batch size (default 16; a multiple of the number of devices)",
     )
     parser.add_argument("--learning-rate", type=float, default=0.1)
     parser.add_argument("--out", help="process 0 writes the final variables to this .npz file")
