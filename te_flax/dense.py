@@ -20,7 +20,7 @@ from te_flax.quantize import (
     noop_quantizer_set,
     quantize_operand,
 )
-from te_flax.sharding import LogicalAxes, with_logical_constraint
+from te_flax.sharding import LogicalAxes, vary_like, with_logical_constraint
 
 __all__ = ["dense"]
 
@@ -199,4 +199,5 @@ def dense(
         kernel_dtype=kernel.dtype,
         bias_dtype=None if bias is None else bias.dtype,
     )
+    kernel, bias = vary_like(x, (kernel, bias))
     return _dense(config, x, kernel, bias, float32_state(quantizer_set))

@@ -27,7 +27,7 @@ from te_flax.quantize import (
     noop_quantizer_set,
     quantize_operand,
 )
-from te_flax.sharding import LogicalAxes, with_logical_constraint
+from te_flax.sharding import LogicalAxes, vary_like, with_logical_constraint
 
 __all__ = ["layernorm_dense", "layernorm_dense_with_norm_output"]
 
@@ -177,6 +177,7 @@ def layernorm_dense(
       (4, 8, 3, 32)
     """
     config = _config(**locals())
+    kernel, gamma, beta, bias = vary_like(x, (kernel, gamma, beta, bias))
     return _layernorm_dense(config, x, kernel, gamma, beta, bias, float32_state(quantizer_set))
 
 
@@ -211,6 +212,7 @@ def layernorm_dense_with_norm_output(
       ((2, 4), (2, 8))
     """
     config = dataclasses.replace(_config(**locals()), return_norm_output=True)
+    kernel, gamma, beta, bias = vary_like(x, (kernel, gamma, beta, bias))
     return _layernorm_dense(config, x, kernel, gamma, beta, bias, float32_state(quantizer_set))
 
 

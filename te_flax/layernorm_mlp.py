@@ -37,7 +37,7 @@ from te_flax.quantize import (
     noop_quantizer_set,
     quantize_operand,
 )
-from te_flax.sharding import LogicalAxes, with_logical_constraint
+from te_flax.sharding import LogicalAxes, vary_like, with_logical_constraint
 
 __all__ = ["layernorm_mlp"]
 
@@ -335,8 +335,7 @@ def layernorm_mlp(
         kernel_dtypes=(kernel_1.dtype, kernel_2.dtype),
         bias_dtypes=tuple(None if bias is None else bias.dtype for bias in biases),
     )
-    out = _layernorm_mlp(
-        config, x, gamma, beta, tuple(kernels), tuple(biases), float32_state(quantizer_sets)
-    )
+    gamma, beta, kernels, biases = vary_like(x, (gamma, beta, tuple(kernels), tuple(biases)))
+    out = _layernorm_mlp(config, x, gamma, beta, kernels, biases, float32_state(quantizer_sets))
     # Named outside the custom_vjp, where remat policies see the op's output as a value.
     return checkpoint_name(out, config.ffn2_ckpt_name)

@@ -25,12 +25,18 @@ __all__ = [
     "load_axis_rules",
     "make_mesh",
     "use_sharding",
+    "vary_like",
     "with_logical_constraint",
 ]
 
 # The rule sets shipped with the repository: dp, fsdp, tp, tp_sp, dp_fsdp_tp.
 RULES_DIR = Path(__file__).resolve().parent.parent / "configs" / "rules"
 MESH_AXES = ("data", "fsdp", "tensor")
+# The logical axis names of te_flax's default axes and of the examples' activations.
+LOGICAL_AXES = (
+    "batch", "length", "embed", "mlp", "act", "heads", "kv", "qkv", "vocab", "layers",
+    "act_embed", "act_mlp", "act_heads",
+)  # fmt: skip
 
 LogicalAxes = Sequence[str | None] | None
 
@@ -90,6 +96,30 @@ def with_logical_constraint(x: Array, logical_axes: LogicalAxes) -> Array:
     return jax.lax.with_sharding_constraint(x, spec)
 
 
+def _varying_axes(array) -> frozenset[str]:
+    manual = getattr(jax.typeof(array), "mat", None)
+    return frozenset(manual.varying) if manual is not None else frozenset()
+
+
+def vary_like(x: Array, tree):
+    """``tree``'s arrays marked as varying over the ``shard_map`` axes that ``x`` varies over.
+
+    Inside ``shard_map`` a replicated parameter (a kernel, a bias, a norm scale) meets a
+    per-device input. A plain ``jnp.dot`` marks it varying implicitly, so that its gradient is
+    summed over the devices; a ``custom_vjp`` op has to make the same mark itself (the mark's
+    transpose is that sum). Outside ``shard_map`` this does nothing.
+    """
+    varying = _varying_axes(x)
+    if not varying:
+        return tree
+
+    def mark(array):
+        missing = tuple(sorted(varying - _varying_axes(array)))
+        return jax.lax.pcast(array, missing, to="varying") if missing else array
+
+    return jax.tree.map(mark, tree)
+
+
 def _check_auto_axes(spec: PartitionSpec, mesh) -> None:
     for entry in spec:
         if entry is None or entry is PartitionSpec.UNCONSTRAINED:
@@ -116,12 +146,21 @@ def load_axis_rules(rule_set: str | Path) -> tuple[tuple[str, str | tuple[str, .
     if not path.exists():
         known = sorted(p.stem for p in RULES_DIR.glob("*.yaml"))
         raise FileNotFoundError(f"no rule set {rule_set!r}; the shipped ones are {known}")
-    entries = (yaml.safe_load(path.read_text()) or {}).get("rules")
+    try:
+        document = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ValueError(f"{path}: not valid YAML: {error}") from error
+    entries = document.get("rules") if isinstance(document, dict) else None
     if not isinstance(entries, list) or not all(
         isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) for e in entries
     ):
         raise ValueError(f"{path}: expected 'rules: [[logical_name, mesh_axes], ...]'")
-    return tuple((name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in entries)
+    rules = [(name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in entries]
+    # Every logical name the layers use and the rule set leaves out is replicated explicitly:
+    # Linen treats unknown names so, but NNX's partition specs would keep the name itself.
+    mentioned = {name for name, _ in rules}
+    rules += [(name, None) for name in LOGICAL_AXES if name not in mentioned]
+    return tuple(rules)
 
 
 def make_mesh(shape: Mapping[str, int], devices=None) -> jax.sharding.Mesh:

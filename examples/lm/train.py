@@ -206,7 +206,21 @@ def train(
             is_leaf=lambda x: isinstance(x, PartitionSpec),
         )
         variables = jax.jit(frontend.init, out_shardings=shardings)(jax.random.key(t.seed))
-        opt_state = jax.jit(lambda v: init_optimizer(tx, v))(variables)
+        replicated = NamedSharding(mesh, PartitionSpec())
+        abstract_opt = jax.eval_shape(lambda v: init_optimizer(tx, v), variables)
+        # Moments shaped like a parameter are sharded like it; counters are replicated.
+        tx_shardings = optax.tree_map_params(
+            tx,
+            lambda _, sharding: sharding,
+            abstract_opt.tx_state,
+            shardings["params"],
+            transform_non_params=lambda _: replicated,
+        )
+        opt_shardings = abstract_opt._replace(
+            tx_state=tx_shardings,
+            pending_fp8=jax.tree.map(lambda _: replicated, abstract_opt.pending_fp8),
+        )
+        opt_state = jax.jit(lambda v: init_optimizer(tx, v), out_shardings=opt_shardings)(variables)
         state = {"variables": variables, "opt_state": opt_state}
         parameters = sum(x.size for x in jax.tree.leaves(state["variables"]["params"]))
         start = 0
@@ -216,7 +230,6 @@ def train(
             if resume and manager.latest_step() is not None:
                 start = manager.latest_step()
                 # Restored onto this run's mesh and layout, whatever the saving run's were.
-                replicated = NamedSharding(mesh, PartitionSpec())
                 abstract = jax.tree.map(
                     lambda x: jax.ShapeDtypeStruct(
                         x.shape, x.dtype, sharding=getattr(x, "sharding", replicated)
