@@ -5,6 +5,12 @@ the active ``flax.linen.logical_axis_rules`` context and applied on the mesh set
 ``jax.set_mesh``, whose axes must be ``AxisType.Auto`` (the deprecated ``with mesh:`` context is
 not seen). Without rules, without a mesh, or for empty axes the helper does nothing, so the same
 code runs on one device and on many.
+
+Inside ``jax.shard_map`` (with its default ``check_vma=True``) the ops take the amax over all
+devices (``pmax``) and mark replicated parameters as varying, so FP8 state and gradients are
+those of the single-device program. Take the gradient inside the ``shard_map`` body, or keep
+``check_vma=True``: with ``check_vma=False`` and the gradient outside, JAX adds up the
+replicated FP8 state's updates over the devices.
 """
 
 from __future__ import annotations
