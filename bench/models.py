@@ -8,23 +8,23 @@ function from the same parameters:
   the MLP), with ``dot_general_cls=flax.linen.fp8_ops.Fp8DirectDotGeneralOp`` under FP8.
 
 Both take bfloat16 activations and keep float32 parameters; both keep their delayed-scaling
-state in the ``_overwrite_with_gradient`` collection and train with the same step: Flax's
-``TrainState.apply_gradients`` with SGD, which overwrites that collection with its "gradient".
+state in the ``_overwrite_with_gradient`` collection, whose "gradient" is its new value, and run
+the same step: ``value_and_grad`` of the same loss, then the state overwritten with that value
+(what Flax's ``TrainState.apply_gradients`` does).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 from flax.linen import fp8_ops
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
-from flax.training.train_state import TrainState
 
 import te_flax.linen as te_nn
 from te_flax.quantize import DelayedScaling
@@ -36,7 +36,9 @@ __all__ = [
     "Candidate",
     "Case",
     "build",
-    "make_train_step",
+    "loss_fn",
+    "make_grad_step",
+    "with_new_fp8_state",
 ]
 
 IMPLS = ("te_flax", "flax")
@@ -100,6 +102,8 @@ class Case:
             "x": [self.batch, self.seq, self.hidden],
             "features" if self.layer == "LayerNormDenseGeneral" else "intermediate": self.features,
             **({"activations": list(self.activations)} if self.layer == "LayerNormMLP" else {}),
+            "gemms_mkn": [list(shape) for shape in self.gemm_shapes()],
+            "step_flops": self.step_flops(),
         }
 
 
@@ -147,7 +151,10 @@ def _activation(name: str) -> Callable:
 
 
 class FlaxLayerNormMLP(nn.Module):
-    """``nn.LayerNorm``, ``DenseGeneral`` to ``[n_act, intermediate]``, activation, ``DenseGeneral``."""
+    """LayerNorm, DenseGeneral to ``[n_act, intermediate]``, activation, DenseGeneral.
+
+    What a user writes without te_flax.
+    """
 
     intermediate: int
     activations: tuple[str, ...]
@@ -214,9 +221,7 @@ def build(case: Case, impl: str, recipe: str, seed: int = 0) -> Candidate:
     te_model = _te_model(case, recipe)
     te_variables = nn.meta.unbox(te_model.init(jax.random.key(seed + 1), x))
     if impl == "te_flax":
-        return Candidate(
-            impl, recipe, case, lambda v, x: te_model.apply(v, x)[0], te_variables, x
-        )
+        return Candidate(impl, recipe, case, lambda v, x: te_model.apply(v, x)[0], te_variables, x)
     fp8 = recipe == "delayed"
     if case.layer == "LayerNormDenseGeneral":
         model = FlaxLayerNormDense(case.features, fp8)
@@ -240,19 +245,28 @@ def loss_fn(apply: Callable, variables, x):
     return jnp.mean(jnp.square(out.astype(jnp.float32)))
 
 
-def make_train_state(candidate: Candidate, learning_rate: float = 1e-3) -> TrainState:
-    """Flax's TrainState over the whole variable dict: SGD on params, FP8 state overwritten."""
-    return TrainState.create(
-        apply_fn=candidate.apply, params=candidate.variables, tx=optax.sgd(learning_rate)
-    )
+def make_grad_step(candidate: Candidate) -> Callable:
+    """``step(variables, x) -> (loss, (grads, x_grad))``: forward and backward of a train step.
 
-
-def make_train_step(candidate: Candidate) -> Callable:
-    """``step(state, x) -> (state, loss)``: forward, backward and the update, not jitted."""
+    The input gradient is part of it, as for a layer inside a network. ``grads["params"]``
+    goes to the optimizer; ``grads["_overwrite_with_gradient"]`` is the new FP8 state (see
+    ``with_new_fp8_state``). The optimizer update itself is left out: it is the same for every
+    candidate, and XLA fuses it differently around each one's weight-gradient GEMM, which
+    would blur what the layers themselves cost.
+    """
     apply = candidate.apply
 
-    def step(state: TrainState, x):
-        value, grads = jax.value_and_grad(lambda v: loss_fn(apply, v, x))(state.params)
-        return state.apply_gradients(grads=grads), value
+    def step(variables, x):
+        return jax.value_and_grad(partial(loss_fn, apply), argnums=(0, 1))(variables, x)
 
     return step
+
+
+def with_new_fp8_state(variables: dict, grads: dict) -> dict:
+    """The delayed-scaling state update of a training step, as Flax's ``TrainState`` does it.
+
+    The "gradient" of the ``_overwrite_with_gradient`` collection is its new value.
+    """
+    if OVERWRITE_WITH_GRADIENT not in variables:
+        return variables
+    return {**variables, OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT]}
