@@ -80,8 +80,15 @@ def normalize(
     # low bits that the variance is made of.
     x32 = x.astype(jnp.float32)
     if spec.norm_type == "layernorm":
-        mean = jnp.mean(x32, axis=-1, keepdims=True)
-        variance = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        # One pass over x for both moments, so that XLA fuses the statistics with the
+        # normalize-and-quantize that follows. Shifting by each row's first element keeps the
+        # one-pass variance accurate when the mean is large against the spread (E[x^2] - E[x]^2
+        # of unshifted data would cancel catastrophically).
+        shifted = x32 - x32[..., :1]
+        shifted_mean = jnp.mean(shifted, axis=-1, keepdims=True)
+        variance = jnp.mean(jnp.square(shifted), axis=-1, keepdims=True) - jnp.square(shifted_mean)
+        variance = jnp.maximum(variance, 0.0)
+        mean = shifted_mean + x32[..., :1]
     else:
         mean = None
         variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
