@@ -113,3 +113,34 @@ def current_scale(x, dtype):
 
 def amax_of(x):
     return jnp.max(jnp.abs(x.astype(F32)))
+
+
+# ----------------------------------------------------------------------------- FP8 state
+
+
+_ROLE_FP8_MAX = {"x": 448.0, "kernel": 448.0, "grad": 57344.0}  # e4m3, e4m3, e5m2 (HYBRID)
+# ``scale_inv = amax * (1 / fp8_max)`` rounds twice in float32: within 2**-22 of amax / fp8_max.
+_SCALE_RTOL = 2.0**-22
+
+
+def assert_delayed_step(old: dict, new: dict, postfix: str, amaxes: dict) -> None:
+    """``new`` is ``old`` (FP8 variables by name) after one delayed-scaling step (margin 0).
+
+    ``amaxes`` maps a role (``"x"``, ``"kernel"``, ``"grad"``) to ``(amax, rtol)``: the amax of
+    that step's tensor, which must be the history's newest entry. Roles not in it are checked
+    for the shift and the scale only.
+    """
+    for role, fp8_max in _ROLE_FP8_MAX.items():
+        name = f"{role}{postfix}"
+        old_history = np.asarray(old[f"{name}_amax_history"])
+        history = np.asarray(new[f"{name}_amax_history"])
+        scale_inv = np.asarray(new[f"{name}_scale_inv"])
+        assert history.shape == old_history.shape and scale_inv.shape == (1,), name
+        # Every entry moves one slot older; the oldest drops out.
+        np.testing.assert_array_equal(history[1:], old_history[:-1], err_msg=name)
+        assert history[0] > 0, name
+        if role in amaxes:
+            amax, rtol = amaxes[role]
+            np.testing.assert_allclose(history[0], amax, rtol=rtol, err_msg=name)
+        # The scale the next step uses: the history's max over the format's max.
+        np.testing.assert_allclose(scale_inv, [history.max() / fp8_max], rtol=_SCALE_RTOL)

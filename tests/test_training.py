@@ -24,14 +24,10 @@ from te_flax.training import (
     init_optimizer,
     merge_fp8_state,
 )
-from tests.helpers import F32, amax_of, assert_tree_close, reference_norm
+from tests.helpers import F32, amax_of, assert_delayed_step, assert_tree_close, reference_norm
 
 HISTORY_LEN = 4
 RECIPE = DelayedScaling(amax_history_len=HISTORY_LEN)
-E4M3_MAX, E5M2_MAX = 448.0, 57344.0
-ROLE_FP8_MAX = {"x": E4M3_MAX, "kernel": E4M3_MAX, "grad": E5M2_MAX}
-# ``scale_inv = amax * (1 / fp8_max)`` rounds twice in float32: within 2**-22 of amax / fp8_max.
-SCALE_RTOL = 2.0**-22
 # An amax recomputed here from an unfused float32 reference (a norm output, a loss gradient).
 RECOMPUTED_RTOL = 1e-5
 N_STEPS = 10
@@ -49,29 +45,6 @@ def _batches(seed: int, n: int, shape, scale: float = 1.0) -> list[jax.Array]:
     # NumPy draws: jax.random would compile a sampler for every shape.
     rng = np.random.default_rng(seed)
     return [jnp.asarray(scale * rng.standard_normal(shape), F32) for _ in range(n)]
-
-
-def _assert_recipe_step(old: dict, new: dict, postfix: str, amaxes: dict) -> None:
-    """``new`` is ``old`` after one delayed-scaling step (``DelayedScaling(amax_history_len=4)``).
-
-    ``amaxes`` maps a role (``"x"``, ``"kernel"``, ``"grad"``) to ``(amax, rtol)``: the amax of
-    that step's tensor, which must be the history's newest entry. Roles not in it are checked for
-    the shift and the scale only.
-    """
-    for role, fp8_max in ROLE_FP8_MAX.items():
-        name = f"{role}{postfix}"
-        old_history = np.asarray(old[f"{name}_amax_history"])
-        history = np.asarray(new[f"{name}_amax_history"])
-        scale_inv = np.asarray(new[f"{name}_scale_inv"])
-        assert history.shape == (HISTORY_LEN,) and scale_inv.shape == (1,), name
-        # Every entry moves one slot older; the oldest drops out.
-        np.testing.assert_array_equal(history[1:], old_history[:-1], err_msg=name)
-        assert history[0] > 0, name
-        if role in amaxes:
-            amax, rtol = amaxes[role]
-            np.testing.assert_allclose(history[0], amax, rtol=rtol, err_msg=name)
-        # The scale the next step uses: the history's max over the format's max (margin 0).
-        np.testing.assert_allclose(scale_inv, [history.max() / fp8_max], rtol=SCALE_RTOL)
 
 
 def _assert_no_fp8_in(opt_state) -> None:
@@ -180,7 +153,7 @@ def test_train_state_fp8_training_loop(name, make_layer, fp8_context):
             state, _ = train_step(state, x, target)
             assert int(state.step) == step + 1
             for postfix, amaxes in expected.items():
-                _assert_recipe_step(fp8, _fp8(state.params), postfix, amaxes)
+                assert_delayed_step(fp8, _fp8(state.params), postfix, amaxes)
             fp8 = _fp8(state.params)
             changed = jax.tree.map(
                 lambda a, b: bool(jnp.any(a != b)), old_params, _params(state.params)
@@ -268,7 +241,7 @@ def test_apply_gradients_overwrites_fp8_state_untouched_by_clipping_and_decay(op
             "kernel": (amax_of(_params(variables)["kernel"]), 0),
             "grad": (amax_of(grad_y), RECOMPUTED_RTOL),
         }
-        _assert_recipe_step(_fp8(variables), _fp8(new_variables), "", amaxes)
+        assert_delayed_step(_fp8(variables), _fp8(new_variables), "", amaxes)
         # The parameters follow the optimizer, which saw the parameter gradients only.
         if optimizer == "sgd":
             expected = _expected_sgd_chain_params(_params(variables), _params(grads))
@@ -362,7 +335,7 @@ def test_multi_steps_holds_fp8_state_then_applies_the_max_of_the_microbatch_upda
         variables, opt_state = update(variables, grads_2, opt_state)
         merged = jax.tree.map(jnp.maximum, _fp8(grads_1), _fp8(grads_2))
         jax.tree.map(np.testing.assert_array_equal, _fp8(variables), merged)
-        _assert_recipe_step(_fp8(start), _fp8(variables), "", _merged_amaxes(start, microbatches))
+        assert_delayed_step(_fp8(start), _fp8(variables), "", _merged_amaxes(start, microbatches))
 
         # The parameters take one sgd step on the mean of the microbatch gradients.
         mean_grads = jax.tree.map(lambda a, b: (a + b) / 2, _params(grads_1), _params(grads_2))
@@ -416,7 +389,7 @@ def test_one_step_over_microbatches_max_merges_the_module_state(where):
     summed = jax.tree.map(lambda a, b: a + b, _params(separate[0]), _params(separate[1]))
     assert_tree_close(_params(combined), summed, 1e-5)
     # ... and the FP8 state updates merge by elementwise max.
-    _assert_recipe_step(
+    assert_delayed_step(
         _fp8(variables), _fp8(combined), "", _merged_amaxes(variables, microbatches)
     )
     merged = jax.tree.map(jnp.maximum, _fp8(separate[0]), _fp8(separate[1]))
