@@ -148,7 +148,7 @@ def _mesh(config: Config) -> jax.sharding.Mesh:
     return make_mesh(shape, devices=jax.devices()[:n])
 
 
-def _checkpoint_manager(directory: Path, config: Config) -> ocp.CheckpointManager:
+def _checkpoint_manager(directory: Path) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
     return ocp.CheckpointManager(directory.resolve(), options=options)
 
@@ -226,7 +226,7 @@ def train(
         start = 0
         manager = None
         if config.checkpoint_every:
-            manager = _checkpoint_manager(Path(config.output_dir) / name / "checkpoints", config)
+            manager = _checkpoint_manager(Path(config.output_dir) / name / "checkpoints")
             if resume and manager.latest_step() is not None:
                 start = manager.latest_step()
                 # Restored onto this run's mesh and layout, whatever the saving run's were.
