@@ -2,7 +2,9 @@
 
 One GEMM's delayed-scaling state is six float32 variables in the ``_overwrite_with_gradient``
 collection: ``{x,kernel,grad}{postfix}_amax_history`` (``[L]``) and ``..._scale_inv`` (``[1]``).
-Current scaling and no quantization keep none. Both the Linen and the NNX shells go through here.
+Current scaling, the block-scaled recipes and no quantization keep none; NVFP4 with stochastic
+rounding takes an RNG key per call from the ``"sr_rng"`` stream instead. Both the Linen and the
+NNX shells go through here.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from jax import Array
 from te_flax.quantize import (
     DelayedScaleQuantizer,
     DelayedScaling,
+    NVFP4BlockScaling,
     QuantizerFactory,
     QuantizerSet,
     Recipe,
@@ -24,8 +27,10 @@ from te_flax.quantize import (
 
 __all__ = [
     "OVERWRITE_WITH_GRADIENT",
+    "SR_RNG",
     "check_state_matches",
     "fresh_state",
+    "needs_sr_key",
     "quantizer_set",
     "resolve_recipe",
     "state_names",
@@ -33,6 +38,14 @@ __all__ = [
 
 # Variable role -> QuantizerSet field. "grad" quantizes the gradient of the GEMM's output.
 _ROLES = {"x": "x", "kernel": "kernel", "grad": "dgrad"}
+
+# The RNG stream stochastic rounding draws from (TransformerEngine's name).
+SR_RNG = "sr_rng"
+
+
+def needs_sr_key(recipe: Recipe | None) -> bool:
+    """Whether a module applied with ``recipe`` must draw a stochastic-rounding key."""
+    return isinstance(recipe, NVFP4BlockScaling) and recipe.stochastic_rounding
 
 
 def resolve_recipe(recipe: Recipe | None) -> Recipe | None:
@@ -60,8 +73,12 @@ def fresh_state(recipe: Recipe | None, postfix: str) -> dict[str, Array]:
     return values
 
 
-def quantizer_set(recipe: Recipe | None, postfix: str, state: dict[str, Array]) -> QuantizerSet:
+def quantizer_set(
+    recipe: Recipe | None, postfix: str, state: dict[str, Array], sr_key: Array | None = None
+) -> QuantizerSet:
     """The quantizer set of one GEMM, its state leaves read from ``state`` (variable values).
+
+    ``sr_key`` is the stochastic-rounding key when ``needs_sr_key(recipe)``.
 
     The gradient of the loss with respect to these variables is their new value. Reuses of
     the variables merge by max when the step marked them (``te_flax.training.merge_fp8_state``)
@@ -69,7 +86,7 @@ def quantizer_set(recipe: Recipe | None, postfix: str, state: dict[str, Array]) 
     """
     if recipe is None:
         return noop_quantizer_set
-    qs = QuantizerFactory.create_set(fp8_recipe=recipe)
+    qs = QuantizerFactory.create_set(fp8_recipe=recipe, sr_key=sr_key)
     if not isinstance(recipe, DelayedScaling):
         return qs
     members = {}

@@ -8,18 +8,30 @@ All functions here are pure and run inside ``jax.custom_vjp`` rules.
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
-from te_flax.quantize import Quantizer, ScaledTensor, quantize_operand
+from te_flax.quantize import (
+    LEADING,
+    TRAILING,
+    BlockOperand,
+    BlockScaledTensor,
+    GemmOperand,
+    Quantizer,
+    ScaledTensor,
+    quantize_operand,
+)
 from te_flax.sharding import LogicalAxes, with_logical_constraint
 
 __all__ = [
     "NormSpec",
     "NormStats",
     "apply_norm",
+    "constrained",
     "dense_backward",
     "dense_forward",
     "norm_operand",
@@ -126,27 +138,83 @@ def norm_operand(
     spec: NormSpec,
     quantizer: Quantizer | None,
     axes: LogicalAxes,
-) -> tuple[ScaledTensor, Quantizer | None]:
+    uses: tuple[str, ...] = (TRAILING,),
+) -> tuple[GemmOperand, Quantizer | None]:
     """The norm output as a GEMM operand: quantized straight from float32, or cast to x's dtype.
 
     The float32 norm output exists only inside this fusion; what leaves it is the operand.
+    ``uses`` are the block-scaled layouts to prepare (the forward GEMM contracts the hidden
+    axis, ``TRAILING``; the weight gradient the tokens, ``LEADING``).
     """
     ln = apply_norm(x, stats, gamma, beta, spec)  # f32[batch..., hidden]
-    operand, new_quantizer = quantize_operand(ln, quantizer, x.dtype)
-    return operand._replace(data=with_logical_constraint(operand.data, axes)), new_quantizer
+    operand, new_quantizer = quantize_operand(ln, quantizer, x.dtype, x.ndim - 1, uses)
+    return constrained(operand, axes), new_quantizer
+
+
+def constrained(operand: GemmOperand, axes: LogicalAxes) -> GemmOperand:
+    """A per-tensor operand with its data constrained to the logical ``axes``.
+
+    Block-scaled operands are flattened matrices, which the tensor's axes do not describe;
+    they follow the sharding of the tensor they were quantized from.
+    """
+    if isinstance(operand, BlockOperand):
+        return operand
+    return operand._replace(data=with_logical_constraint(operand.data, axes))
 
 
 # ----------------------------------------------------------------------------- GEMMs
 
 
+def _scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype):
+    # JAX's block-scaled GEMM: cuDNN on Blackwell; XLA dequantizes and runs a cuBLAS GEMM on
+    # older GPUs.
+    return jax.nn.scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=out_dtype)
+
+
+def _scaled_dot(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype):
+    # The same GEMM as lax.scaled_dot, which every XLA backend can lower (jax.nn.scaled_matmul
+    # has GPU lowerings only).
+    return lax.scaled_dot(
+        lhs,
+        rhs,
+        lhs_scale=lhs_scales,
+        rhs_scale=rhs_scales,
+        dimension_numbers=(((2,), (2,)), ((0,), (0,))),
+        preferred_element_type=out_dtype,
+    )
+
+
+def _block_gemm(lhs: BlockScaledTensor, rhs: BlockScaledTensor, out_dtype) -> Array:
+    """``lhs [M, K] . rhs [N, K]`` with block scales -> ``[*lhs.row_shape, *rhs.row_shape]``."""
+    operands = (lhs.data[None], rhs.data[None], lhs.scale_inv[None], rhs.scale_inv[None])
+    # The output dtype is also the dequantization dtype of an emulated GEMM: block-scaled values
+    # are exact in bfloat16, so a bfloat16 step runs bfloat16 GEMMs there.
+    out = lax.platform_dependent(
+        *operands,
+        cuda=partial(_scaled_matmul, out_dtype=out_dtype),
+        default=partial(_scaled_dot, out_dtype=out_dtype),
+    )[0]
+    if lhs.tensor_scale_inv is not None:
+        tensor_scale_inv = lhs.tensor_scale_inv * rhs.tensor_scale_inv
+        out = (out.astype(jnp.float32) * tensor_scale_inv).astype(out_dtype)
+    return out.reshape(lhs.row_shape + rhs.row_shape)
+
+
 def _gemm(
-    lhs: ScaledTensor,
-    rhs: ScaledTensor,
+    lhs: GemmOperand,
+    rhs: GemmOperand,
     contracting: tuple[tuple[int, ...], tuple[int, ...]],
     out_dtype,
     fp8_precision: lax.Precision,
 ) -> Array:
-    """``lhs . rhs`` over ``contracting``: a float8 GEMM when both operands carry a scale."""
+    """``lhs . rhs`` over ``contracting``: a float8 GEMM when both operands carry a scale.
+
+    Block-scaled operands use the quantization they prepared for this contraction.
+    """
+    if isinstance(lhs, BlockOperand):
+        assert isinstance(rhs, BlockOperand), "mixed block-scaled and per-tensor GEMM"
+        lhs_matrix = lhs.for_contraction(contracting[0])
+        return _block_gemm(lhs_matrix, rhs.for_contraction(contracting[1]), out_dtype)
     dimension_numbers = (contracting, ((), ()))
     if lhs.scale_inv is None and rhs.scale_inv is None:
         return lax.dot_general(
@@ -166,13 +234,11 @@ def _gemm(
 
 
 def dense_forward(
-    lhs: ScaledTensor, rhs: ScaledTensor, n_contract: int, out_dtype, bias: Array | None
+    lhs: GemmOperand, rhs: GemmOperand, n_contract: int, out_dtype, bias: Array | None
 ) -> Array:
     """``lhs[batch..., K...] . rhs[K..., F...] (+ bias[F...])`` -> ``[batch..., F...]``."""
-    contracting = (
-        tuple(range(lhs.data.ndim - n_contract, lhs.data.ndim)),
-        tuple(range(n_contract)),
-    )
+    lhs_ndim = operand_ndim(lhs)
+    contracting = (tuple(range(lhs_ndim - n_contract, lhs_ndim)), tuple(range(n_contract)))
     # Forward GEMM with fast accumulation: its error is far below e4m3's rounding.
     out = _gemm(lhs, rhs, contracting, out_dtype, lax.Precision.DEFAULT)
     # The bias is added in the output dtype so that XLA fuses it as the GEMM's BIAS epilogue
@@ -186,6 +252,11 @@ def sum_to_bias(grad: Array, bias_ndim: int, bias_dtype) -> Array:
     return jnp.sum(grad.astype(jnp.float32), axis=batch_axes).astype(bias_dtype)
 
 
+def operand_ndim(operand: GemmOperand) -> int:
+    """The rank of the tensor an operand was made from."""
+    return len(operand.shape) if isinstance(operand, BlockOperand) else operand.data.ndim
+
+
 class DenseGrads(NamedTuple):
     lhs: Array
     rhs: Array
@@ -195,8 +266,8 @@ class DenseGrads(NamedTuple):
 
 def dense_backward(
     grad: Array,
-    lhs: ScaledTensor,
-    rhs: ScaledTensor,
+    lhs: GemmOperand,
+    rhs: GemmOperand,
     grad_quantizer: Quantizer | None,
     n_contract: int,
     lhs_dtype,
@@ -207,17 +278,21 @@ def dense_backward(
 
     ``grad`` (``[batch..., F...]``) is quantized once with ``grad_quantizer`` and feeds both
     GEMMs, which reuse the operands saved by the forward: ``dlhs = q(grad) . q(rhs)`` and
-    ``drhs = q(lhs) . q(grad)``.
+    ``drhs = q(lhs) . q(grad)``. A block-scaled ``grad`` is quantized once for each GEMM (along
+    its features for dgrad, along its tokens for wgrad), and the saved block-scaled operands
+    are the ones the forward prepared for these contractions.
     """
-    n_features = rhs.data.ndim - n_contract
+    n_features = operand_ndim(rhs) - n_contract
     n_batch = grad.ndim - n_features
     d_bias = None if bias_dtype is None else sum_to_bias(grad, n_features, bias_dtype)
-    grad_operand, new_grad_quantizer = quantize_operand(grad, grad_quantizer, grad.dtype)
+    grad_operand, new_grad_quantizer = quantize_operand(
+        grad, grad_quantizer, grad.dtype, n_batch, (TRAILING, LEADING)
+    )
     # Backward GEMMs accumulate with split (HIGHEST) precision: gradients are summed over many
     # tokens, where fast accumulation's error would grow.
     precision = lax.Precision.HIGHEST
     feature_axes_of_grad = tuple(range(n_batch, grad.ndim))
-    feature_axes_of_rhs = tuple(range(n_contract, rhs.data.ndim))
+    feature_axes_of_rhs = tuple(range(n_contract, n_contract + n_features))
     # [batch..., F...] x [K..., F...] -> [batch..., K...]
     d_lhs = _gemm(
         grad_operand, rhs, (feature_axes_of_grad, feature_axes_of_rhs), lhs_dtype, precision

@@ -12,10 +12,14 @@ import numpy as np
 from jax import Array
 
 from te_flax import _validation as check
-from te_flax._stages import dense_backward, dense_forward
+from te_flax._stages import constrained, dense_backward, dense_forward
 from te_flax.quantize import (
+    LEADING,
+    TRAILING,
+    GemmOperand,
     QuantizerSet,
     ScaledTensor,
+    as_cotangent,
     float32_state,
     noop_quantizer_set,
     quantize_operand,
@@ -36,25 +40,33 @@ class _Config:
 
 
 class _Residuals(NamedTuple):
-    # FP8: the float8 operands of the forward GEMM. Without FP8: x and the kernel themselves.
-    lhs: ScaledTensor | Array
-    rhs: ScaledTensor | Array
+    # FP8: the quantized operands as the backward GEMMs contract them (per-tensor: the forward
+    # GEMM's own). Without FP8: x and the kernel themselves.
+    lhs: GemmOperand | Array
+    rhs: GemmOperand | Array
     quantizers: QuantizerSet  # x and kernel already updated by the forward
 
 
-def _forward(config: _Config, x, kernel, bias, quantizer_set: QuantizerSet):
+def _forward(config: _Config, x, kernel, bias, quantizer_set: QuantizerSet, for_backward=True):
+    # The forward GEMM contracts x's trailing axes and the kernel's leading ones; wgrad then
+    # contracts x's leading (token) axes, dgrad the kernel's trailing (feature) axes.
+    n_batch = x.ndim - config.n_contract
     x = with_logical_constraint(x, config.input_axes)
-    lhs, x_quantizer = quantize_operand(x, quantizer_set.x, x.dtype)
-    lhs = lhs._replace(data=with_logical_constraint(lhs.data, config.input_axes))
-    rhs, kernel_quantizer = quantize_operand(kernel, quantizer_set.kernel, x.dtype)
-    rhs = rhs._replace(data=with_logical_constraint(rhs.data, config.kernel_axes))
+    x_uses = (TRAILING, LEADING) if for_backward else (TRAILING,)
+    lhs, x_quantizer = quantize_operand(x, quantizer_set.x, x.dtype, n_batch, x_uses)
+    lhs = constrained(lhs, config.input_axes)
+    kernel_uses = (LEADING, TRAILING) if for_backward else (LEADING,)
+    rhs, kernel_quantizer = quantize_operand(
+        kernel, quantizer_set.kernel, x.dtype, config.n_contract, kernel_uses
+    )
+    rhs = constrained(rhs, config.kernel_axes)
     # [batch..., K...] x [K..., features...] -> [batch..., features...]
     out = dense_forward(lhs, rhs, config.n_contract, x.dtype, bias)
     out = with_logical_constraint(out, config.output_axes)
     fp8 = not quantizer_set.is_noop
     residuals = _Residuals(
-        lhs=lhs if fp8 else x,
-        rhs=rhs if fp8 else kernel,
+        lhs=lhs.keep(LEADING) if fp8 else x,
+        rhs=rhs.keep(TRAILING) if fp8 else kernel,
         quantizers=dataclasses.replace(quantizer_set, x=x_quantizer, kernel=kernel_quantizer),
     )
     return out, residuals
@@ -62,7 +74,8 @@ def _forward(config: _Config, x, kernel, bias, quantizer_set: QuantizerSet):
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _dense(config, x, kernel, bias, quantizer_set):
-    return _forward(config, x, kernel, bias, quantizer_set)[0]
+    # Not differentiated: no quantization for the backward GEMMs.
+    return _forward(config, x, kernel, bias, quantizer_set, for_backward=False)[0]
 
 
 def _backward(config: _Config, residuals: _Residuals, grad):
@@ -87,7 +100,7 @@ def _backward(config: _Config, residuals: _Residuals, grad):
     d_x = with_logical_constraint(grads.lhs, config.input_axes)
     d_kernel = with_logical_constraint(grads.rhs, config.kernel_axes)
     new_state = dataclasses.replace(quantizers, dgrad=grads.dgrad_quantizer)
-    return d_x, d_kernel, grads.bias, new_state
+    return d_x, d_kernel, grads.bias, as_cotangent(new_state)
 
 
 _dense.defvjp(_forward, _backward)
@@ -155,7 +168,9 @@ def dense(
 
     With an FP8 ``quantizer_set`` x and the kernel are quantized directly to float8 for the
     forward GEMM and the output gradient for the two backward GEMMs; the new quantizer state
-    comes back as the gradient of ``quantizer_set``.
+    comes back as the gradient of ``quantizer_set``. Block-scaled sets (MXFP8, NVFP4) quantize
+    each tensor once per GEMM that contracts it, so the contracted sizes must be multiples of
+    the block (input and output features; the tokens when differentiated).
 
     Args:
       x: ``[batch..., K...]``.

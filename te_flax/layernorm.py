@@ -10,7 +10,15 @@ from jax import Array
 
 from te_flax import _validation as check
 from te_flax._stages import NormSpec, NormStats, normalize, normalize_backward
-from te_flax.quantize import Quantizer, check_quantizer, float32_state, scaling
+from te_flax.quantize import (
+    TRAILING,
+    BlockOperand,
+    Quantizer,
+    as_cotangent,
+    check_quantizer,
+    float32_state,
+    scaling,
+)
 
 __all__ = ["layernorm"]
 
@@ -26,9 +34,13 @@ class _Residuals(NamedTuple):
 def _forward(spec: NormSpec, x, gamma, beta, quantizer):
     out, stats = normalize(x, gamma, beta, spec)  # f32
     if quantizer is not None:
-        # Fake quantization: the output is the float8 value, dequantized to x's dtype.
-        operand, quantizer = quantizer.quantize(out)
-        out = scaling.dequantize(operand.data, operand.scale_inv)
+        # Fake quantization: the output is the quantized value, dequantized to x's dtype
+        # (block-scaled: in blocks along the hidden axis, as the next GEMM contracts it).
+        operand, quantizer = quantizer.quantize(out, x.ndim - 1, (TRAILING,))
+        if isinstance(operand, BlockOperand):
+            out = operand.trailing.dequantize().reshape(out.shape)
+        else:
+            out = scaling.dequantize(operand.data, operand.scale_inv)
     return out.astype(x.dtype), _Residuals(x, stats, gamma, beta, quantizer)
 
 
@@ -42,7 +54,7 @@ def _backward(spec: NormSpec, residuals: _Residuals, grad):
     d_x, d_gamma, d_beta = normalize_backward(
         grad, residuals.x, residuals.stats, residuals.gamma, residuals.beta, spec
     )
-    return d_x, d_gamma, d_beta, residuals.quantizer
+    return d_x, d_gamma, d_beta, as_cotangent(residuals.quantizer)
 
 
 _layernorm.defvjp(_forward, _backward)

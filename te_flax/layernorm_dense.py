@@ -14,6 +14,7 @@ from te_flax._stages import (
     NormSpec,
     NormStats,
     apply_norm,
+    constrained,
     dense_backward,
     dense_forward,
     norm_operand,
@@ -21,8 +22,12 @@ from te_flax._stages import (
     normalize_backward,
 )
 from te_flax.quantize import (
+    LEADING,
+    TRAILING,
+    GemmOperand,
     QuantizerSet,
     ScaledTensor,
+    as_cotangent,
     float32_state,
     noop_quantizer_set,
     quantize_operand,
@@ -49,37 +54,50 @@ class _Residuals(NamedTuple):
     stats: NormStats
     gamma: Array
     beta: Array | None
-    # FP8: the float8 norm output and kernel the forward GEMM used. Without FP8 the norm output
-    # is recomputed from x and the statistics, and the kernel is the parameter itself, so that
-    # no high-precision [tokens, hidden] copy is kept alive until the backward.
-    ln_operand: ScaledTensor | None
-    kernel_operand: ScaledTensor | Array
+    # FP8: the quantized norm output and kernel as the backward GEMMs contract them (per-tensor:
+    # the forward GEMM's own). Without FP8 the norm output is recomputed from x and the
+    # statistics, and the kernel is the parameter itself, so that no high-precision
+    # [tokens, hidden] copy is kept alive until the backward.
+    ln_operand: GemmOperand | None
+    kernel_operand: GemmOperand | Array
     quantizers: QuantizerSet  # x and kernel already updated by the forward
 
 
-def _forward(config: _Config, x, kernel, gamma, beta, bias, quantizer_set: QuantizerSet):
+def _forward(
+    config: _Config, x, kernel, gamma, beta, bias, quantizer_set: QuantizerSet, for_backward=True
+):
     x = with_logical_constraint(x, config.layernorm_input_axes)
     _, stats = normalize(x, gamma, beta, config.norm)
     lhs, x_quantizer = norm_operand(
-        x, stats, gamma, beta, config.norm, quantizer_set.x, config.dot_input_axes
+        x,
+        stats,
+        gamma,
+        beta,
+        config.norm,
+        quantizer_set.x,
+        config.dot_input_axes,
+        (TRAILING, LEADING) if for_backward else (TRAILING,),
     )
-    rhs, kernel_quantizer = quantize_operand(kernel, quantizer_set.kernel, x.dtype)
-    rhs = rhs._replace(data=with_logical_constraint(rhs.data, config.kernel_axes))
+    kernel_uses = (LEADING, TRAILING) if for_backward else (LEADING,)
+    rhs, kernel_quantizer = quantize_operand(
+        kernel, quantizer_set.kernel, x.dtype, 1, kernel_uses
+    )
+    rhs = constrained(rhs, config.kernel_axes)
     # [batch..., hidden] x [hidden, features...] -> [batch..., features...]
     out = dense_forward(lhs, rhs, 1, x.dtype, bias)
+    fp8 = not quantizer_set.is_noop
     if config.return_norm_output:
         # Without FP8 the GEMM operand is that very array; under FP8 a second cast of the
         # float32 norm output, which XLA computes in the same fusion.
-        ln = lhs.data if lhs.scale_inv is None else apply_norm(x, stats, gamma, beta, config.norm)
+        ln = apply_norm(x, stats, gamma, beta, config.norm) if fp8 else lhs.data
         out = (out, ln.astype(x.dtype))
-    fp8 = not quantizer_set.is_noop
     residuals = _Residuals(
         x=x,
         stats=stats,
         gamma=gamma,
         beta=beta,
-        ln_operand=lhs if fp8 else None,
-        kernel_operand=rhs if fp8 else kernel,
+        ln_operand=lhs.keep(LEADING) if fp8 else None,
+        kernel_operand=rhs.keep(TRAILING) if fp8 else kernel,
         quantizers=dataclasses.replace(quantizer_set, x=x_quantizer, kernel=kernel_quantizer),
     )
     return out, residuals
@@ -87,7 +105,9 @@ def _forward(config: _Config, x, kernel, gamma, beta, bias, quantizer_set: Quant
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _layernorm_dense(config, x, kernel, gamma, beta, bias, quantizer_set):
-    return _forward(config, x, kernel, gamma, beta, bias, quantizer_set)[0]
+    # Not differentiated: no quantization for the backward GEMMs.
+    args = (config, x, kernel, gamma, beta, bias, quantizer_set)
+    return _forward(*args, for_backward=False)[0]
 
 
 def _backward(config: _Config, residuals: _Residuals, grad):
@@ -116,7 +136,7 @@ def _backward(config: _Config, residuals: _Residuals, grad):
         d_ln, x, residuals.stats, residuals.gamma, residuals.beta, config.norm
     )
     new_state = dataclasses.replace(quantizers, dgrad=grads.dgrad_quantizer)
-    return d_x, d_kernel, d_gamma, d_beta, grads.bias, new_state
+    return d_x, d_kernel, d_gamma, d_beta, grads.bias, as_cotangent(new_state)
 
 
 _layernorm_dense.defvjp(_forward, _backward)

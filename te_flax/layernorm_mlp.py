@@ -24,6 +24,7 @@ from te_flax._activations import (
 from te_flax._stages import (
     NormSpec,
     NormStats,
+    constrained,
     dense_backward,
     dense_forward,
     norm_operand,
@@ -31,8 +32,12 @@ from te_flax._stages import (
     normalize_backward,
 )
 from te_flax.quantize import (
+    LEADING,
+    TRAILING,
+    GemmOperand,
     QuantizerSet,
     ScaledTensor,
+    as_cotangent,
     float32_state,
     noop_quantizer_set,
     quantize_operand,
@@ -62,43 +67,57 @@ class _Residuals(NamedTuple):
     stats: NormStats
     gamma: Array
     beta: Array | None
-    # FP8: the float8 operands of both GEMMs. Without FP8 the norm output and the activation
-    # output are recomputed (from x and the statistics, from the pre-activation), so that no
+    # FP8: the quantized operands of both GEMMs as the backward GEMMs contract them (per-tensor:
+    # the forward GEMMs' own). Without FP8 the norm output and the activation output are
+    # recomputed (from x and the statistics, from the pre-activation), so that no
     # high-precision [tokens, hidden] or [tokens, intermediate] copy waits for the backward.
-    ln_operand: ScaledTensor | None
-    kernel_1_operand: ScaledTensor | Array
+    ln_operand: GemmOperand | None
+    kernel_1_operand: GemmOperand | Array
     pre_activation: Array  # [batch..., n_act, intermediate], named ffn1_ckpt_name for remat
-    activation_operand: ScaledTensor | None
-    kernel_2_operand: ScaledTensor | Array
+    activation_operand: GemmOperand | None
+    kernel_2_operand: GemmOperand | Array
     quantizer_sets: tuple[QuantizerSet, QuantizerSet]  # x and kernel already updated
 
 
-def _activation_operand(config: _Config, pre_activation: Array, quantizer, dtype):
+def _uses(for_backward: bool, forward: str, backward: str) -> tuple[str, ...]:
+    return (forward, backward) if for_backward else (forward,)
+
+
+def _activation_operand(config: _Config, pre_activation: Array, quantizer, dtype, uses):
     activated = activation_forward(pre_activation, config.activation_type)
-    operand, new_quantizer = quantize_operand(activated, quantizer, dtype)
-    return operand._replace(
-        data=with_logical_constraint(operand.data, config.dot_2_input_axes)
-    ), new_quantizer
+    operand, new_quantizer = quantize_operand(
+        activated, quantizer, dtype, activated.ndim - 1, uses
+    )
+    return constrained(operand, config.dot_2_input_axes), new_quantizer
 
 
-def _kernel_operand(kernel: Array, quantizer, dtype, axes):
-    operand, new_quantizer = quantize_operand(kernel, quantizer, dtype)
-    return operand._replace(data=with_logical_constraint(operand.data, axes)), new_quantizer
+def _kernel_operand(kernel: Array, quantizer, dtype, axes, uses):
+    # Kernels are [inputs, outputs...]: the forward contracts the leading axis.
+    operand, new_quantizer = quantize_operand(kernel, quantizer, dtype, 1, uses)
+    return constrained(operand, axes), new_quantizer
 
 
-def _forward(config: _Config, x, gamma, beta, kernels, biases, quantizer_sets):
+def _forward(config: _Config, x, gamma, beta, kernels, biases, quantizer_sets, for_backward=True):
     set_1, set_2 = quantizer_sets
     kernel_1, kernel_2 = kernels
+    input_uses = _uses(for_backward, TRAILING, LEADING)
+    kernel_uses = _uses(for_backward, LEADING, TRAILING)
     x = with_logical_constraint(x, config.norm_input_axes)
     _, stats = normalize(x, gamma, beta, config.norm)
-    ln, x_1 = norm_operand(x, stats, gamma, beta, config.norm, set_1.x, config.dot_1_input_axes)
-    k_1, kernel_q_1 = _kernel_operand(kernel_1, set_1.kernel, x.dtype, config.kernel_1_axes)
+    ln, x_1 = norm_operand(
+        x, stats, gamma, beta, config.norm, set_1.x, config.dot_1_input_axes, input_uses
+    )
+    k_1, kernel_q_1 = _kernel_operand(
+        kernel_1, set_1.kernel, x.dtype, config.kernel_1_axes, kernel_uses
+    )
     # [batch..., hidden] x [hidden, n_act, intermediate] -> [batch..., n_act, intermediate]
     pre_activation = dense_forward(ln, k_1, 1, x.dtype, biases[0])
     pre_activation = checkpoint_name(pre_activation, config.ffn1_ckpt_name)
     # [batch..., n_act, intermediate] -> [batch..., intermediate]
-    activated, x_2 = _activation_operand(config, pre_activation, set_2.x, x.dtype)
-    k_2, kernel_q_2 = _kernel_operand(kernel_2, set_2.kernel, x.dtype, config.kernel_2_axes)
+    activated, x_2 = _activation_operand(config, pre_activation, set_2.x, x.dtype, input_uses)
+    k_2, kernel_q_2 = _kernel_operand(
+        kernel_2, set_2.kernel, x.dtype, config.kernel_2_axes, kernel_uses
+    )
     # [batch..., intermediate] x [intermediate, hidden] -> [batch..., hidden]
     out = dense_forward(activated, k_2, 1, x.dtype, biases[1])
     fp8 = not (set_1.is_noop and set_2.is_noop)
@@ -107,11 +126,11 @@ def _forward(config: _Config, x, gamma, beta, kernels, biases, quantizer_sets):
         stats=stats,
         gamma=gamma,
         beta=beta,
-        ln_operand=ln if fp8 else None,
-        kernel_1_operand=k_1 if fp8 else kernel_1,
+        ln_operand=ln.keep(LEADING) if fp8 else None,
+        kernel_1_operand=k_1.keep(TRAILING) if fp8 else kernel_1,
         pre_activation=pre_activation,
-        activation_operand=activated if fp8 else None,
-        kernel_2_operand=k_2 if fp8 else kernel_2,
+        activation_operand=activated.keep(LEADING) if fp8 else None,
+        kernel_2_operand=k_2.keep(TRAILING) if fp8 else kernel_2,
         quantizer_sets=(
             dataclasses.replace(set_1, x=x_1, kernel=kernel_q_1),
             dataclasses.replace(set_2, x=x_2, kernel=kernel_q_2),
@@ -122,7 +141,9 @@ def _forward(config: _Config, x, gamma, beta, kernels, biases, quantizer_sets):
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _layernorm_mlp(config, x, gamma, beta, kernels, biases, quantizer_sets):
-    return _forward(config, x, gamma, beta, kernels, biases, quantizer_sets)[0]
+    # Not differentiated: no quantization for the backward GEMMs.
+    args = (config, x, gamma, beta, kernels, biases, quantizer_sets)
+    return _forward(*args, for_backward=False)[0]
 
 
 def _gemm_operands(config: _Config, residuals: _Residuals, dtype):
@@ -143,7 +164,7 @@ def _gemm_operands(config: _Config, residuals: _Residuals, dtype):
         None,
         config.dot_1_input_axes,
     )
-    activated, _ = _activation_operand(config, residuals.pre_activation, None, dtype)
+    activated, _ = _activation_operand(config, residuals.pre_activation, None, dtype, ())
     kernel_1 = ScaledTensor(residuals.kernel_1_operand.astype(dtype))
     kernel_2 = ScaledTensor(residuals.kernel_2_operand.astype(dtype))
     return ln, kernel_1, activated, kernel_2
@@ -181,7 +202,7 @@ def _backward(config: _Config, residuals: _Residuals, grad):
         dataclasses.replace(set_1, dgrad=grads_1.dgrad_quantizer),
         dataclasses.replace(set_2, dgrad=grads_2.dgrad_quantizer),
     )
-    return d_x, d_gamma, d_beta, d_kernels, (grads_1.bias, grads_2.bias), new_sets
+    return d_x, d_gamma, d_beta, d_kernels, (grads_1.bias, grads_2.bias), as_cotangent(new_sets)
 
 
 _layernorm_mlp.defvjp(_forward, _backward)

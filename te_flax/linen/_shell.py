@@ -10,8 +10,10 @@ from jax import Array
 
 from te_flax._fp8_state import (
     OVERWRITE_WITH_GRADIENT,
+    SR_RNG,
     check_state_matches,
     fresh_state,
+    needs_sr_key,
     quantizer_set,
     resolve_recipe,
     state_names,
@@ -61,4 +63,5 @@ class LinenShell(nn.Module):
                     "re-initialise the FP8 state (amax_history_len changed)"
                 )
             state[name] = variable.value
-        return quantizer_set(recipe, postfix, state)
+        sr_key = self.make_rng(SR_RNG) if needs_sr_key(recipe) else None
+        return quantizer_set(recipe, postfix, state, sr_key)

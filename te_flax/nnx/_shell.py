@@ -10,8 +10,10 @@ from flax import nnx
 from jax import Array
 
 from te_flax._fp8_state import (
+    SR_RNG,
     check_state_matches,
     fresh_state,
+    needs_sr_key,
     quantizer_set,
     resolve_recipe,
     state_names,
@@ -54,6 +56,8 @@ class NnxShell(nnx.Module):
         for postfix in self.fp8_postfixes:
             for name, value in fresh_state(recipe, postfix).items():
                 setattr(self, name, Fp8Meta(value))
+        # Stochastic rounding draws a key per call from its own stream ("sr_rng", else default).
+        self.sr_rngs = rngs[SR_RNG].fork() if needs_sr_key(recipe) else None
 
     def _run(self, inputs: Array, dropout: Callable[[Array], Array] | None = None):
         if tuple(self.in_features(inputs)) != self.in_features_:
@@ -83,4 +87,14 @@ class NnxShell(nnx.Module):
                     "(amax_history_len changed)"
                 )
             state[name] = stored
-        return quantizer_set(recipe, postfix, state)
+        sr_key = None
+        if needs_sr_key(recipe):
+            if self.sr_rngs is None:
+                raise ValueError(
+                    f"{type(self).__name__} is applied with {recipe}, whose stochastic rounding "
+                    "needs an RNG stream, but it was built without that recipe; build it inside "
+                    "the same te_flax.autocast (or with recipe=), so that it keeps an 'sr_rng' "
+                    "stream from its rngs"
+                )
+            sr_key = self.sr_rngs()
+        return quantizer_set(recipe, postfix, state, sr_key)

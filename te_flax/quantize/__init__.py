@@ -2,9 +2,11 @@
 
 Public API::
 
-  Format, DelayedScaling, Float8CurrentScaling        recipes
+  Format, DelayedScaling, Float8CurrentScaling        per-tensor recipes
+  MXFP8BlockScaling, NVFP4BlockScaling                block-scaled recipes
   QuantizerSet, QuantizerFactory, noop_quantizer_set  per-GEMM quantizer state (pytrees)
-  DelayedScaleQuantizer, CurrentScaleQuantizer        the quantizers a set holds
+  DelayedScaleQuantizer, CurrentScaleQuantizer,       the quantizers a set holds
+  BlockScaleQuantizer, NVFP4Quantizer
   merge_by_max                                        max-merge the updates of a reused state
   autocast, get_autocast_recipe                       the default recipe of a code region
 """
@@ -12,29 +14,54 @@ Public API::
 from te_flax.quantize.autocast import autocast, get_autocast_recipe
 from te_flax.quantize.max_merge import float32_state, merge_by_max
 from te_flax.quantize.quantizer import (
+    LEADING,
+    TRAILING,
+    BlockOperand,
+    BlockScaledTensor,
+    BlockScaleQuantizer,
     CurrentScaleQuantizer,
     DelayedScaleQuantizer,
+    GemmOperand,
+    NVFP4Quantizer,
     Quantizer,
     QuantizerFactory,
     QuantizerSet,
     ScaledTensor,
+    as_cotangent,
     check_quantizer,
     noop_quantizer_set,
     quantize_operand,
 )
-from te_flax.quantize.recipes import DelayedScaling, Float8CurrentScaling, Format, Recipe
+from te_flax.quantize.recipes import (
+    DelayedScaling,
+    Float8CurrentScaling,
+    Format,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+    Recipe,
+)
 
 __all__ = [
+    "LEADING",
+    "TRAILING",
+    "BlockOperand",
+    "BlockScaleQuantizer",
+    "BlockScaledTensor",
     "CurrentScaleQuantizer",
     "DelayedScaleQuantizer",
     "DelayedScaling",
     "Float8CurrentScaling",
     "Format",
+    "GemmOperand",
+    "MXFP8BlockScaling",
+    "NVFP4BlockScaling",
+    "NVFP4Quantizer",
     "Quantizer",
     "QuantizerFactory",
     "QuantizerSet",
     "Recipe",
     "ScaledTensor",
+    "as_cotangent",
     "autocast",
     "check_quantizer",
     "float32_state",

@@ -96,11 +96,14 @@ def merge_by_max(state: T) -> T:
       Array([5., 0., 0., 0.], dtype=float32)
 
     Marking is idempotent: leaves already marked pass through, so state marked at the top of a
-    step stays marked when a module marks what it reads again.
+    step stays marked when a module marks what it reads again. Leaves that are not float32
+    (the RNG key of stochastic rounding) are not state and pass through too.
     """
 
     def mark(leaf):
-        return leaf if _is_max_merged(leaf) else _to_max_merged(leaf)
+        if _is_max_merged(leaf) or jnp.dtype(leaf.dtype) != jnp.float32:
+            return leaf
+        return _to_max_merged(leaf)
 
     return jax.tree.map(mark, state)
 

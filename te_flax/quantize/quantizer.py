@@ -1,34 +1,60 @@
 """Quantizers: the state of each quantized tensor as a pytree, and the sets the ops take.
 
-A quantizer knows one tensor's float8 dtype and scaling rule and, for delayed scaling, carries
-that tensor's state (``scale_inv`` f32[1] and ``amax_history`` f32[L]) as pytree leaves. The ops
-take a ``QuantizerSet(x, kernel, dgrad)`` per GEMM as a differentiable argument; the "gradient"
-they return for it is the set with its new state.
+A quantizer knows one tensor's low-precision dtype and scaling rule and, for delayed scaling,
+carries that tensor's state (``scale_inv`` f32[1] and ``amax_history`` f32[L]) as pytree leaves.
+The ops take a ``QuantizerSet(x, kernel, dgrad)`` per GEMM as a differentiable argument; the
+"gradient" they return for it is the set with its new state.
+
+Per-tensor quantizers turn a tensor into one ``ScaledTensor``, which every GEMM that uses the
+tensor shares. Block-scaled quantizers need to know how the tensor is contracted: ``quantize``
+takes ``split`` (the tensor is ``[leading..., trailing...]`` with ``split`` leading axes) and the
+``uses`` to prepare, ``TRAILING`` (a GEMM contracts the trailing axes) and/or ``LEADING``; each
+use is quantized from high precision into its own ``BlockScaledTensor``, in a ``BlockOperand``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array
 
-from te_flax.quantize import scaling
+from te_flax.quantize import block_scaling, scaling
 from te_flax.quantize.autocast import get_autocast_recipe
-from te_flax.quantize.recipes import DelayedScaling, Float8CurrentScaling, Recipe, check_recipe
+from te_flax.quantize.recipes import (
+    DelayedScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+    Recipe,
+    check_recipe,
+)
 
 __all__ = [
+    "LEADING",
+    "TRAILING",
+    "BlockOperand",
+    "BlockScaleQuantizer",
+    "BlockScaledTensor",
     "CurrentScaleQuantizer",
     "DelayedScaleQuantizer",
+    "NVFP4Quantizer",
     "Quantizer",
     "QuantizerFactory",
     "QuantizerSet",
+    "GemmOperand",
     "ScaledTensor",
+    "as_cotangent",
     "check_quantizer",
     "noop_quantizer_set",
 ]
+
+TRAILING = "trailing"  # a GEMM contracts the tensor's axes from ``split`` on
+LEADING = "leading"  # a GEMM contracts the tensor's first ``split`` axes
 
 
 class ScaledTensor(NamedTuple):
@@ -37,9 +63,78 @@ class ScaledTensor(NamedTuple):
     data: Array
     scale_inv: Array | None = None
 
+    def keep(self, use: str) -> ScaledTensor:
+        """The operand for one use only; a per-tensor operand serves every use as it is."""
+        del use
+        return self
+
 
 def _static(default=dataclasses.MISSING):
     return dataclasses.field(default=default, metadata={"static": True})
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockScaledTensor:
+    """A block-scaled GEMM operand as a matrix whose last axis is the contraction.
+
+    Attributes:
+      data: ``[rows, K]`` float8 or float4 values.
+      scale_inv: ``[rows, K // block]`` block scales (e8m0 or e4m3).
+      tensor_scale_inv: float32 scalar applied to the whole tensor (NVFP4), or None.
+      row_shape: the shape the ``rows`` axis unflattens to in a GEMM's output (static).
+    """
+
+    data: Array
+    scale_inv: Array
+    tensor_scale_inv: Array | None
+    row_shape: tuple[int, ...] = _static()
+
+    def dequantize(self, dtype=jnp.float32) -> Array:
+        """The ``[rows, K]`` values the operand stands for."""
+        return block_scaling.dequantize_blocks(
+            self.data, self.scale_inv, self.tensor_scale_inv, dtype
+        )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockOperand:
+    """One tensor ``[leading..., trailing...]`` quantized for each way a GEMM contracts it.
+
+    Attributes:
+      trailing: the tensor as ``[prod(leading), prod(trailing)]``, for a GEMM that contracts its
+        trailing axes (None when not prepared).
+      leading: the tensor as ``[prod(trailing), prod(leading)]``, for a GEMM that contracts its
+        leading axes (None when not prepared).
+      shape: the tensor's shape (static).
+      split: how many leading axes it has (static).
+    """
+
+    trailing: BlockScaledTensor | None
+    leading: BlockScaledTensor | None
+    shape: tuple[int, ...] = _static()
+    split: int = _static()
+
+    def keep(self, use: str) -> BlockOperand:
+        """The operand with only ``use`` (``TRAILING`` or ``LEADING``) prepared."""
+        return dataclasses.replace(
+            self,
+            trailing=self.trailing if use == TRAILING else None,
+            leading=self.leading if use == LEADING else None,
+        )
+
+    def for_contraction(self, axes: tuple[int, ...]) -> BlockScaledTensor:
+        """The prepared quantization of a GEMM that contracts ``axes`` of the tensor."""
+        ndim = len(self.shape)
+        if tuple(axes) == tuple(range(self.split, ndim)):
+            use, operand = TRAILING, self.trailing
+        elif tuple(axes) == tuple(range(self.split)):
+            use, operand = LEADING, self.leading
+        else:
+            raise AssertionError(f"contraction {axes} of a block operand split at {self.split}")
+        assert operand is not None, f"the {use} quantization was not prepared"
+        return operand
 
 
 @jax.tree_util.register_dataclass
@@ -54,6 +149,8 @@ class DelayedScaleQuantizer:
       margin: powers of two of headroom (static).
       amax_compute_algo: ``"max"`` or ``"most_recent"`` (static).
     """
+
+    block_scaled = False  # quantizes per block along a contraction
 
     scale_inv: Array
     amax_history: Array
@@ -72,8 +169,12 @@ class DelayedScaleQuantizer:
             amax_compute_algo=recipe.amax_compute_algo,
         )
 
-    def quantize(self, x: Array) -> tuple[ScaledTensor, DelayedScaleQuantizer]:
-        """Returns ``x`` quantized with the stored scale, and the quantizer with the new state."""
+    def quantize(self, x: Array, split=None, uses=()) -> tuple[ScaledTensor, DelayedScaleQuantizer]:
+        """Returns ``x`` quantized with the stored scale, and the quantizer with the new state.
+
+        One scale serves every use, so ``split`` and ``uses`` do not matter.
+        """
+        del split, uses
         scale_inv = self.scale_inv.reshape(())
         quantized = ScaledTensor(scaling.quantize(x, self.q_dtype, scale_inv), scale_inv)
         return quantized, self.update(scaling.amax(x))
@@ -95,17 +196,115 @@ class DelayedScaleQuantizer:
 class CurrentScaleQuantizer:
     """Quantizes with a scale from the tensor's own amax; keeps no state."""
 
+    block_scaled = False  # quantizes per block along a contraction
+
     q_dtype: Any = _static(jnp.float8_e4m3fn)  # noqa: RUF009
 
-    def quantize(self, x: Array) -> tuple[ScaledTensor, CurrentScaleQuantizer]:
+    def quantize(self, x: Array, split=None, uses=()) -> tuple[ScaledTensor, CurrentScaleQuantizer]:
         """Returns ``x`` quantized with ``amax(x) / fp8_max``, and this (stateless) quantizer."""
+        del split, uses
         one = jnp.ones((), jnp.float32)
         scale_inv = scaling.compute_scale_inv(scaling.amax(x), self.q_dtype, 0, one)
         return ScaledTensor(scaling.quantize(x, self.q_dtype, scale_inv), scale_inv), self
 
 
-Quantizer = DelayedScaleQuantizer | CurrentScaleQuantizer
+def _as_matrix(x: Array, split: int, use: str) -> tuple[Array, tuple[int, ...], tuple[int, ...]]:
+    """``x`` as ``[rows, K]`` with the contracted axes of ``use`` last; also rows' and K's shape."""
+    leading, trailing = x.shape[:split], x.shape[split:]
+    n_leading, n_trailing = math.prod(leading), math.prod(trailing)
+    if use == TRAILING:
+        return x.reshape(n_leading, n_trailing), leading, trailing
+    return x.reshape(n_leading, n_trailing).T, trailing, leading
+
+
+def _check_blocks(recipe: str, block: int, x: Array, split: int, use: str) -> None:
+    contracted = x.shape[split:] if use == TRAILING else x.shape[:split]
+    size = math.prod(contracted)
+    if size % block:
+        raise ValueError(
+            f"{recipe} quantizes in blocks of {block} consecutive elements along each GEMM's "
+            f"contraction, but a GEMM contracts the {use} axes {contracted} ({size} elements) of "
+            f"a tensor of shape {tuple(x.shape)}, which is not a multiple of {block}. Every "
+            "contracted size must be one: the input features, the output features and, for "
+            "training, the tokens (batch x sequence) of the weight-gradient GEMM"
+        )
+
+
+def _block_operand(x: Array, split: int, uses, quantize_matrix) -> BlockOperand:
+    """``x`` quantized for each of ``uses`` by ``quantize_matrix(matrix, use)``."""
+    prepared = {}
+    for use in uses:
+        matrix, row_shape, _ = _as_matrix(x, split, use)
+        data, scale_inv, tensor_scale_inv = quantize_matrix(matrix, use)
+        prepared[use] = BlockScaledTensor(data, scale_inv, tensor_scale_inv, row_shape)
+    return BlockOperand(
+        prepared.get(TRAILING), prepared.get(LEADING), shape=tuple(x.shape), split=split
+    )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockScaleQuantizer:
+    """MXFP8: blocks of 32 along the contraction, float8 data, e8m0 power-of-two scales."""
+
+    block_scaled = True  # quantizes per block along a contraction
+
+    q_dtype: Any = _static(jnp.float8_e4m3fn)  # noqa: RUF009
+    block_size: int = _static(block_scaling.MXFP8_BLOCK)
+
+    def quantize(self, x: Array, split: int, uses) -> tuple[BlockOperand, BlockScaleQuantizer]:
+        """``x`` quantized for each of ``uses`` (``TRAILING``, ``LEADING``), and this quantizer."""
+        for use in uses:
+            _check_blocks("MXFP8BlockScaling", self.block_size, x, split, use)
+
+        def quantize_matrix(matrix, use):
+            del use
+            data, scale_inv = block_scaling.quantize_mxfp8(matrix, self.q_dtype, self.block_size)
+            return data, scale_inv, None
+
+        return _block_operand(x, split, uses, quantize_matrix), self
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NVFP4Quantizer:
+    """NVFP4: blocks of 16 along the contraction, e2m1 data, e4m3 scales, a float32 tensor scale.
+
+    Attributes:
+      key: the RNG key of stochastic rounding (a leaf), or None to round to nearest.
+    """
+
+    block_scaled = True  # quantizes per block along a contraction
+
+    key: Array | None = None
+    q_dtype: Any = _static(jnp.float4_e2m1fn)  # noqa: RUF009
+    block_size: int = _static(block_scaling.NVFP4_BLOCK)
+
+    def quantize(self, x: Array, split: int, uses) -> tuple[BlockOperand, NVFP4Quantizer]:
+        """``x`` quantized for each of ``uses`` with one tensor scale, and this quantizer."""
+        for use in uses:
+            _check_blocks("NVFP4BlockScaling", self.block_size, x, split, use)
+        tensor_scale_inv = block_scaling.nvfp4_tensor_scale_inv(scaling.amax(x))
+
+        def quantize_matrix(matrix, use):
+            key = None if self.key is None else jax.random.fold_in(self.key, int(use == LEADING))
+            data, scale_inv = block_scaling.quantize_nvfp4(
+                matrix, tensor_scale_inv, key, self.block_size
+            )
+            return data, scale_inv, tensor_scale_inv
+
+        return _block_operand(x, split, uses, quantize_matrix), self
+
+
+Quantizer = DelayedScaleQuantizer | CurrentScaleQuantizer | BlockScaleQuantizer | NVFP4Quantizer
+_QUANTIZER_TYPES = (DelayedScaleQuantizer, CurrentScaleQuantizer, BlockScaleQuantizer, NVFP4Quantizer)
 _FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+_DTYPES = {
+    DelayedScaleQuantizer: _FP8_DTYPES,
+    CurrentScaleQuantizer: _FP8_DTYPES,
+    BlockScaleQuantizer: _FP8_DTYPES,
+    NVFP4Quantizer: (jnp.dtype(jnp.float4_e2m1fn),),
+}
 
 
 @jax.tree_util.register_dataclass
@@ -140,6 +339,15 @@ class QuantizerSet:
                 check_quantizer(quantizer, f"{argument}.{name}")
         if not present:
             return
+        if self.x.block_scaled != self.kernel.block_scaled or (
+            self.x.block_scaled != self.dgrad.block_scaled
+        ):
+            raise ValueError(
+                f"{argument} mixes block-scaled and per-tensor quantizers "
+                f"({type(self.x).__name__}, {type(self.kernel).__name__}, "
+                f"{type(self.dgrad).__name__}); build sets with "
+                "QuantizerFactory.create_set(fp8_recipe=...)"
+            )
         e5m2 = jnp.dtype(jnp.float8_e5m2)
         for a, b in (("x", "kernel"), ("dgrad", "kernel"), ("x", "dgrad")):
             if jnp.dtype(members[a].q_dtype) == e5m2 == jnp.dtype(members[b].q_dtype):
@@ -153,16 +361,19 @@ noop_quantizer_set = QuantizerSet()
 
 
 def check_quantizer(quantizer: object, argument: str) -> None:
-    """Raises a clear error unless ``quantizer`` is a quantizer to a supported float8 dtype."""
-    if not isinstance(quantizer, DelayedScaleQuantizer | CurrentScaleQuantizer):
+    """Raises a clear error unless ``quantizer`` is a quantizer to a dtype it supports."""
+    if not isinstance(quantizer, _QUANTIZER_TYPES):
+        names = [cls.__name__ for cls in _QUANTIZER_TYPES]
         raise TypeError(
-            f"{argument} must be a DelayedScaleQuantizer or CurrentScaleQuantizer (or None), got "
+            f"{argument} must be a {', '.join(names[:-1])} or {names[-1]} (or None), got "
             f"{quantizer!r}"
         )
-    if jnp.dtype(quantizer.q_dtype) not in _FP8_DTYPES:
+    supported = _DTYPES[type(quantizer)]
+    if jnp.dtype(quantizer.q_dtype) not in supported:
         raise ValueError(
-            f"{argument} quantizes to {quantizer.q_dtype}, but only float8_e4m3fn and "
-            "float8_e5m2 are supported"
+            f"{argument} quantizes to {jnp.dtype(quantizer.q_dtype)}, but only "
+            f"{' and '.join(str(d) for d in supported)} are supported by "
+            f"{type(quantizer).__name__}"
         )
 
 
@@ -171,7 +382,10 @@ class QuantizerFactory:
 
     @staticmethod
     def create_set(
-        n_quantizer_sets: int = 1, *, fp8_recipe: Recipe | None = None
+        n_quantizer_sets: int = 1,
+        *,
+        fp8_recipe: Recipe | None = None,
+        sr_key: Array | None = None,
     ) -> QuantizerSet | tuple[QuantizerSet, ...]:
         """Fresh quantizer sets for ``n_quantizer_sets`` GEMMs.
 
@@ -179,6 +393,9 @@ class QuantizerFactory:
           n_quantizer_sets: how many sets to create (default 1; ``layernorm_mlp`` takes 2).
           fp8_recipe: the recipe; None means the recipe of the active ``te_flax.autocast``,
             or no quantization outside of one.
+          sr_key: the RNG key of stochastic rounding, required by
+            ``NVFP4BlockScaling(stochastic_rounding=True)`` (each set gets its own key split
+            from it) and unused by the other recipes.
 
         Returns:
           One ``QuantizerSet`` when ``n_quantizer_sets == 1``, else a tuple of them.
@@ -186,25 +403,41 @@ class QuantizerFactory:
         Example usage::
 
           >>> import jax
-          >>> from te_flax.quantize import DelayedScaling, QuantizerFactory
+          >>> from te_flax.quantize import DelayedScaling, MXFP8BlockScaling, QuantizerFactory
           >>> qs = QuantizerFactory.create_set(fp8_recipe=DelayedScaling(amax_history_len=16))
           >>> qs.x.scale_inv.shape, qs.x.amax_history.shape, qs.x.q_dtype.__name__
           ((1,), (16,), 'float8_e4m3fn')
           >>> qs.dgrad.q_dtype.__name__
           'float8_e5m2'
+          >>> type(QuantizerFactory.create_set(fp8_recipe=MXFP8BlockScaling()).x).__name__
+          'BlockScaleQuantizer'
         """
         if not isinstance(n_quantizer_sets, int) or n_quantizer_sets < 1:
             raise ValueError(f"n_quantizer_sets must be an int >= 1, got {n_quantizer_sets!r}")
         recipe = get_autocast_recipe() if fp8_recipe is None else fp8_recipe
-        sets = tuple(_set_from_recipe(recipe) for _ in range(n_quantizer_sets))
+        keys = [None] * n_quantizer_sets
+        if isinstance(recipe, NVFP4BlockScaling) and recipe.stochastic_rounding:
+            if sr_key is None:
+                raise ValueError(
+                    "NVFP4BlockScaling(stochastic_rounding=True) needs an RNG key: pass "
+                    "sr_key=jax.random.key(...) (modules draw it from the 'sr_rng' stream)"
+                )
+            keys = list(jax.random.split(sr_key, n_quantizer_sets))
+        sets = tuple(_set_from_recipe(recipe, key) for key in keys)
         return sets[0] if n_quantizer_sets == 1 else sets
 
 
-def _set_from_recipe(recipe: Recipe | None) -> QuantizerSet:
+def _set_from_recipe(recipe: Recipe | None, sr_key: Array | None) -> QuantizerSet:
     if recipe is None:
         return noop_quantizer_set
     check_recipe(recipe)
+    if isinstance(recipe, NVFP4BlockScaling):
+        return QuantizerSet(NVFP4Quantizer(), NVFP4Quantizer(), NVFP4Quantizer(key=sr_key))
     forward, backward = recipe.fp8_format.forward_dtype, recipe.fp8_format.backward_dtype
+    if isinstance(recipe, MXFP8BlockScaling):
+        return QuantizerSet(
+            BlockScaleQuantizer(forward), BlockScaleQuantizer(forward), BlockScaleQuantizer(backward)
+        )
     if isinstance(recipe, Float8CurrentScaling):
         return QuantizerSet(
             CurrentScaleQuantizer(forward),
@@ -218,10 +451,36 @@ def _set_from_recipe(recipe: Recipe | None) -> QuantizerSet:
     )
 
 
+GemmOperand = ScaledTensor | BlockOperand
+
+
 def quantize_operand(
-    x: Array, quantizer: Quantizer | None, compute_dtype
-) -> tuple[ScaledTensor, Quantizer | None]:
-    """A GEMM operand from ``x``: quantized by ``quantizer``, or cast to ``compute_dtype``."""
+    x: Array,
+    quantizer: Quantizer | None,
+    compute_dtype,
+    split: int | None = None,
+    uses: tuple[str, ...] = (TRAILING,),
+) -> tuple[GemmOperand, Quantizer | None]:
+    """A GEMM operand from ``x``: quantized by ``quantizer``, or cast to ``compute_dtype``.
+
+    ``split`` and ``uses`` say how the GEMMs contract ``x`` (see the module docstring); only
+    block-scaled quantizers need them.
+    """
     if quantizer is None:
         return ScaledTensor(x.astype(compute_dtype)), None
-    return quantizer.quantize(x)
+    if quantizer.block_scaled and split is None:
+        raise AssertionError("a block-scaled quantization needs the contraction split")
+    return quantizer.quantize(x, split, uses)
+
+
+def as_cotangent(state):
+    """Quantizer state as the ops return it from a backward pass: the new state as is, and a
+    ``float0`` zero (no gradient) for every integer or RNG-key leaf (stochastic rounding keys).
+    """
+
+    def leaf(value):
+        if jnp.issubdtype(value.dtype, jnp.floating):
+            return value
+        return np.zeros(value.shape, jax.dtypes.float0)
+
+    return jax.tree.map(leaf, state)

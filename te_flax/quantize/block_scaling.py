@@ -1,0 +1,150 @@
+"""The scale math of block-scaled quantization (MXFP8 and NVFP4), as small pure functions.
+
+A block-scaled operand is a matrix ``[rows, K]`` whose last axis is the GEMM's contraction,
+cut into blocks of ``block`` consecutive elements, each with its own scale:
+``x[r, k] ~= data[r, k] * scale_inv[r, k // block] (* tensor_scale_inv)``.
+
+* MXFP8: float8 data, ``float8_e8m0fnu`` scales (powers of two), 32 elements per block.
+* NVFP4: ``float4_e2m1fn`` data, ``float8_e4m3fn`` scales, 16 elements per block, and one
+  float32 scale for the whole tensor that brings the block scales into e4m3's range.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import Array, lax
+
+from te_flax.quantize import scaling
+
+__all__ = [
+    "E2M1_MAX",
+    "MXFP8_BLOCK",
+    "NVFP4_BLOCK",
+    "dequantize_blocks",
+    "e8m0_round_up",
+    "nvfp4_tensor_scale_inv",
+    "quantize_mxfp8",
+    "quantize_nvfp4",
+    "stochastic_round_e2m1",
+]
+
+MXFP8_BLOCK = 32
+NVFP4_BLOCK = 16
+E2M1_MAX = 6.0
+_E4M3_MAX = 448.0
+_F32 = jnp.finfo(jnp.float32)
+
+
+def _blocks(x: Array, block: int) -> Array:
+    """``[rows, K]`` -> ``[rows, K // block, block]`` in float32."""
+    rows, k = x.shape
+    return x.astype(jnp.float32).reshape(rows, k // block, block)
+
+
+def _block_amax(blocks: Array) -> Array:
+    return jnp.max(jnp.abs(blocks), axis=-1)
+
+
+def e8m0_round_up(scale: Array) -> Array:
+    """The smallest power of two ``>= scale`` (float32, non-negative) as ``float8_e8m0fnu``.
+
+    e8m0 holds ``2**(byte - 127)`` for bytes 0..254 and NaN for 255. The float32 exponent is
+    the byte of ``scale`` rounded down; a non-zero mantissa rounds it up. Scales at or below
+    ``2**-127`` (zero and most denormals) become byte 0, ``2**-127``; denormals above it byte 1.
+    An infinite or NaN scale becomes NaN.
+    """
+    bits = lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.uint32)
+    exponent = bits >> 23
+    mantissa = bits & 0x7FFFFF
+    denormal_at_most_smallest = (exponent == 0) & (mantissa <= 0x400000)
+    # exponent 0xFE cannot round up (0xFF is NaN); 0xFF is already inf or NaN.
+    round_up = (mantissa > 0) & (exponent < 0xFE) & ~denormal_at_most_smallest
+    byte = (exponent + round_up.astype(jnp.uint32)).astype(jnp.uint8)
+    return lax.bitcast_convert_type(byte, jnp.float8_e8m0fnu)
+
+
+def _e8m0_reciprocal(scale: Array) -> Array:
+    """``1 / scale`` in float32, exactly: ``2**(127 - byte)`` (NaN for a NaN scale).
+
+    Built from the exponent bits rather than divided: the smallest scales are float32
+    denormals, which some backends flush to zero before dividing.
+    """
+    byte = lax.bitcast_convert_type(scale, jnp.uint8).astype(jnp.int32)
+    # Bytes 0..253 give float32 exponents 254..1; a finite amax never reaches byte 254.
+    bits = (jnp.clip(254 - byte, 1, 254) << 23).astype(jnp.uint32)
+    reciprocal = lax.bitcast_convert_type(bits, jnp.float32)
+    return jnp.where(byte == 255, jnp.nan, reciprocal)
+
+
+def quantize_mxfp8(x: Array, dtype, block: int = MXFP8_BLOCK) -> tuple[Array, Array]:
+    """``x [rows, K]`` -> (float8 data ``[rows, K]``, e8m0 scales ``[rows, K // block]``).
+
+    Each block's scale is ``amax(block) / fp8_max`` rounded up to a power of two, so every
+    element of the block divided by it stays within ``+-fp8_max``; the division by a power of
+    two is exact, and only the cast to float8 rounds.
+    """
+    blocks = _blocks(x, block)
+    scale = e8m0_round_up(_block_amax(blocks) / scaling.fp8_max(dtype))
+    scaled = blocks * _e8m0_reciprocal(scale)[..., None]
+    limit = scaling.fp8_max(dtype)
+    data = jnp.clip(scaled, -limit, limit).astype(dtype)
+    return data.reshape(x.shape), scale
+
+
+def nvfp4_tensor_scale_inv(amax_value: Array) -> Array:
+    """NVFP4's tensor-level scale: ``amax / (6 * 448)``, so the largest block scale is e4m3's
+    maximum; 1 for a zero, NaN or infinite amax, and clipped to float32's normal range."""
+    scale_inv = amax_value / (E2M1_MAX * _E4M3_MAX)
+    valid = jnp.isfinite(amax_value) & (amax_value > 0)
+    scale_inv = jnp.where(valid, scale_inv, 1.0)
+    return jnp.clip(scale_inv, _F32.tiny, _F32.max).astype(jnp.float32)
+
+
+def stochastic_round_e2m1(y: Array, key: Array) -> Array:
+    """``y`` (float32 within ``+-6``) rounded to a neighbouring e2m1 value, up with probability
+    equal to its distance from the lower one, so that the expected result is ``y``.
+
+    e2m1's positive values are 0, 0.5, 1, 1.5 (spacing 0.5), 2, 3 (spacing 1), 4 and 6 (spacing
+    2); ``floor(|y| / spacing + u) * spacing`` with ``u ~ U[0, 1)`` picks one of the two
+    neighbours with those probabilities.
+    """
+    magnitude = jnp.abs(y)
+    spacing = jnp.where(magnitude < 2.0, 0.5, jnp.where(magnitude < 4.0, 1.0, 2.0))
+    noise = jax.random.uniform(key, y.shape, jnp.float32)
+    rounded = jnp.minimum(jnp.floor(magnitude / spacing + noise) * spacing, E2M1_MAX)
+    return jnp.copysign(rounded, y)
+
+
+def quantize_nvfp4(
+    x: Array, tensor_scale_inv: Array, key: Array | None = None, block: int = NVFP4_BLOCK
+) -> tuple[Array, Array]:
+    """``x [rows, K]`` -> (e2m1 data ``[rows, K]``, e4m3 scales ``[rows, K // block]``).
+
+    The block scale is ``amax(block) / 6 / tensor_scale_inv`` rounded to nearest e4m3 (it can
+    round down, and the block's largest elements then saturate at 6); the data is
+    ``x / (block scale * tensor_scale_inv)`` rounded to e2m1, to nearest or, with ``key``,
+    stochastically. A block whose scale is 0 (all zeros, or far below the tensor's amax) is 0.
+    """
+    blocks = _blocks(x, block)
+    block_scale = _block_amax(blocks) / E2M1_MAX / tensor_scale_inv
+    scale = jnp.clip(block_scale, 0.0, _E4M3_MAX).astype(jnp.float8_e4m3fn)
+    divisor = (scale.astype(jnp.float32) * tensor_scale_inv)[..., None]
+    scaled = jnp.where(divisor > 0, blocks / jnp.where(divisor > 0, divisor, 1.0), 0.0)
+    scaled = jnp.clip(scaled, -E2M1_MAX, E2M1_MAX)
+    if key is not None:
+        scaled = stochastic_round_e2m1(scaled, key)
+    return scaled.astype(jnp.float4_e2m1fn).reshape(x.shape), scale
+
+
+def dequantize_blocks(
+    data: Array, scale_inv: Array, tensor_scale_inv: Array | None = None, dtype=jnp.float32
+) -> Array:
+    """``data [rows, K] * scale_inv`` repeated over each block (``* tensor_scale_inv``)."""
+    rows, k = data.shape
+    block = k // scale_inv.shape[-1]
+    values = data.astype(jnp.float32).reshape(rows, k // block, block)
+    values = values * scale_inv.astype(jnp.float32)[..., None]
+    if tensor_scale_inv is not None:
+        values = values * tensor_scale_inv
+    return values.reshape(rows, k).astype(dtype)
