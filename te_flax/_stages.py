@@ -22,7 +22,6 @@ from te_flax.quantize import (
     BlockScaledTensor,
     GemmOperand,
     Quantizer,
-    ScaledTensor,
     quantize_operand,
 )
 from te_flax.sharding import LogicalAxes, with_logical_constraint

@@ -79,9 +79,7 @@ def _forward(
         (TRAILING, LEADING) if for_backward else (TRAILING,),
     )
     kernel_uses = (LEADING, TRAILING) if for_backward else (LEADING,)
-    rhs, kernel_quantizer = quantize_operand(
-        kernel, quantizer_set.kernel, x.dtype, 1, kernel_uses
-    )
+    rhs, kernel_quantizer = quantize_operand(kernel, quantizer_set.kernel, x.dtype, 1, kernel_uses)
     rhs = constrained(rhs, config.kernel_axes)
     # [batch..., hidden] x [hidden, features...] -> [batch..., features...]
     out = dense_forward(lhs, rhs, 1, x.dtype, bias)

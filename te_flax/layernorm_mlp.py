@@ -85,9 +85,7 @@ def _uses(for_backward: bool, forward: str, backward: str) -> tuple[str, ...]:
 
 def _activation_operand(config: _Config, pre_activation: Array, quantizer, dtype, uses):
     activated = activation_forward(pre_activation, config.activation_type)
-    operand, new_quantizer = quantize_operand(
-        activated, quantizer, dtype, activated.ndim - 1, uses
-    )
+    operand, new_quantizer = quantize_operand(activated, quantizer, dtype, activated.ndim - 1, uses)
     return constrained(operand, config.dot_2_input_axes), new_quantizer
 
 

@@ -3,8 +3,6 @@ against NumPy fake quantization and the unquantized references, and the errors."
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -279,17 +277,14 @@ def test_dense_matches_numpy_fake_quantization_in_every_gemm(name):
     d_x, d_kernel, d_bias = vjp(cotangent)
     x2, g2 = np.asarray(x).reshape(64, 64), np.asarray(cotangent).reshape(64, 96)
     k2 = np.asarray(kernel)
-    grad_recipe = recipe
-    if isinstance(recipe, MXFP8BlockScaling):
-        grad_recipe = dataclasses.replace(recipe, fp8_format=Format.E4M3)
-        grad_dtype = recipe.fp8_format.backward_dtype
+    q = lambda m: np_fake_quant(m, recipe)  # noqa: E731
+    if isinstance(recipe, MXFP8BlockScaling):  # gradients in the format's backward dtype
 
         def grad_quant(m):
-            data, scale_bytes = np_mxfp8(m, grad_dtype)
+            data, scale_bytes = np_mxfp8(m, recipe.fp8_format.backward_dtype)
             return np_dequantize(data, np.exp2(scale_bytes.astype(np.float64) - 127))
     else:
-        grad_quant = lambda m: np_fake_quant(m, grad_recipe)  # noqa: E731
-    q = lambda m: np_fake_quant(m, recipe)  # noqa: E731
+        grad_quant = q
     # Forward: x along the hidden axis, the kernel along its input axis.
     expected_out = q(x2) @ q(k2.T).T + np.asarray(bias)
     # dgrad: the gradient and the kernel along the features; wgrad: x and the gradient along
@@ -424,11 +419,14 @@ def test_stochastic_rounding_follows_its_key():
         _, vjp = jax.vjp(lambda x, k: dense(x, k, bias, quantizer_set=qs), x, kernel)
         return vjp(cotangent)
 
-    first, again, other = grads(jax.random.key(1)), grads(jax.random.key(1)), grads(jax.random.key(2))
+    first, again, other = (grads(jax.random.key(seed)) for seed in (1, 1, 2))
     jax.tree.map(np.testing.assert_array_equal, first, again)
     assert not np.array_equal(first[0], other[0])
     # The forward rounds to nearest: the key only changes the backward.
-    qs = [QuantizerFactory.create_set(fp8_recipe=NVFP4_SR, sr_key=jax.random.key(k)) for k in (1, 2)]
+    qs = [
+        QuantizerFactory.create_set(fp8_recipe=NVFP4_SR, sr_key=jax.random.key(seed))
+        for seed in (1, 2)
+    ]
     np.testing.assert_array_equal(
         dense(x, kernel, bias, quantizer_set=qs[0]), dense(x, kernel, bias, quantizer_set=qs[1])
     )
@@ -440,7 +438,7 @@ def test_stochastic_rounding_follows_its_key():
 
 
 def test_layernorm_dense_with_norm_output_under_mxfp8():
-    x, kernel, _, cotangent = _dense_case()
+    x, kernel, _, _ = _dense_case()
     gamma, beta = jnp.ones(64), jnp.zeros(64)
     out, ln = layernorm_dense_with_norm_output(x, kernel, gamma, beta, quantizer_set=_sets(MXFP8))
     np.testing.assert_allclose(ln, reference_norm(x, gamma, beta), rtol=1e-5, atol=1e-5)

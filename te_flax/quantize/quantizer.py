@@ -42,11 +42,11 @@ __all__ = [
     "BlockScaledTensor",
     "CurrentScaleQuantizer",
     "DelayedScaleQuantizer",
+    "GemmOperand",
     "NVFP4Quantizer",
     "Quantizer",
     "QuantizerFactory",
     "QuantizerSet",
-    "GemmOperand",
     "ScaledTensor",
     "as_cotangent",
     "check_quantizer",
@@ -297,7 +297,12 @@ class NVFP4Quantizer:
 
 
 Quantizer = DelayedScaleQuantizer | CurrentScaleQuantizer | BlockScaleQuantizer | NVFP4Quantizer
-_QUANTIZER_TYPES = (DelayedScaleQuantizer, CurrentScaleQuantizer, BlockScaleQuantizer, NVFP4Quantizer)
+_QUANTIZER_TYPES = (
+    DelayedScaleQuantizer,
+    CurrentScaleQuantizer,
+    BlockScaleQuantizer,
+    NVFP4Quantizer,
+)
 _FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 _DTYPES = {
     DelayedScaleQuantizer: _FP8_DTYPES,
@@ -436,7 +441,9 @@ def _set_from_recipe(recipe: Recipe | None, sr_key: Array | None) -> QuantizerSe
     forward, backward = recipe.fp8_format.forward_dtype, recipe.fp8_format.backward_dtype
     if isinstance(recipe, MXFP8BlockScaling):
         return QuantizerSet(
-            BlockScaleQuantizer(forward), BlockScaleQuantizer(forward), BlockScaleQuantizer(backward)
+            BlockScaleQuantizer(forward),
+            BlockScaleQuantizer(forward),
+            BlockScaleQuantizer(backward),
         )
     if isinstance(recipe, Float8CurrentScaling):
         return QuantizerSet(
