@@ -45,7 +45,7 @@ def _config(tmp_path, *overrides):
 
 
 @pytest.mark.parametrize("frontend", ["linen", "nnx"])
-@pytest.mark.parametrize("recipe", ["delayed", "none"])
+@pytest.mark.parametrize("recipe", ["delayed", "mxfp8", "nvfp4", "none"])
 def test_training_reduces_the_loss(tmp_path, corpus, frontend, recipe):
     config = _config(
         tmp_path,

@@ -40,7 +40,8 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 4
     seed: int = 0
-    recipe: str = "delayed"  # "delayed", "current" or "none" (BF16)
+    # "delayed", "current", "mxfp8", "nvfp4" or "none" (BF16)
+    recipe: str = "delayed"
     amax_history_len: int = 16
     # Stop after this step, keeping the schedule of train.steps (to split a run in parts).
     stop_at: int | None = None
@@ -70,7 +71,7 @@ class Config:
 _CHOICES = {
     "model.activation": ("gelu", "swiglu"),
     "model.frontend": ("linen", "nnx"),
-    "train.recipe": ("delayed", "current", "none"),
+    "train.recipe": ("delayed", "current", "mxfp8", "nvfp4", "none"),
 }
 
 

@@ -25,7 +25,12 @@ from tqdm import tqdm
 
 import te_flax
 import te_flax.nnx as te_nnx
-from te_flax.quantize import DelayedScaling, Float8CurrentScaling
+from te_flax.quantize import (
+    DelayedScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+)
 from te_flax.sharding import load_axis_rules, make_mesh
 from te_flax.training import (
     OVERWRITE_WITH_GRADIENT,
@@ -63,6 +68,10 @@ def make_recipe(config: Config):
         return DelayedScaling(amax_history_len=t.amax_history_len)
     if t.recipe == "current":
         return Float8CurrentScaling()
+    if t.recipe == "mxfp8":
+        return MXFP8BlockScaling()
+    if t.recipe == "nvfp4":
+        return NVFP4BlockScaling()
     return None
 
 
