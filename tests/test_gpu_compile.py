@@ -32,6 +32,8 @@ from te_flax.quantize import (
     DelayedScaling,
     Float8CurrentScaling,
     Format,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
     QuantizerFactory,
     noop_quantizer_set,
 )
@@ -58,6 +60,9 @@ RECIPES = {
     "current": Float8CurrentScaling,
 }
 OPS = ("layernorm_dense", "dense")
+# Block-scaled recipes, which the H100 has no GEMM for: XLA dequantizes their operands.
+BLOCK_RECIPES = {"mxfp8": MXFP8BlockScaling(), "nvfp4": NVFP4BlockScaling()}
+BLOCK_TYPES = {"mxfp8": ("f8e4m3fn", "f8e8m0fnu"), "nvfp4": ("f4e2m1fn", "f8e4m3fn")}
 
 
 # ----------------------------------------------------------------------------- reading the HLO
@@ -76,7 +81,9 @@ class Gemm:
 
     @property
     def role(self) -> str:
-        return ROLES.get(frozenset(self.dims), f"unknown GEMM of shape {self.dims}")
+        # Without unit dims: block-scaled GEMMs carry a batch dim of 1.
+        dims = frozenset(d for d in self.dims if d != 1)
+        return ROLES.get(dims, f"unknown GEMM of shape {self.dims}")
 
 
 # `%name = f8e4m3fn[512,1024]{1,0} ...` or, for a tuple result, `%name = (bf16[512,2048]{1,0}, ...`
@@ -142,13 +149,15 @@ def _h100_sharding() -> jax.sharding.NamedSharding:
 def _quantizer_set(recipe: str, fp8_format: str):
     if recipe == "none":
         return noop_quantizer_set
+    if recipe in BLOCK_RECIPES:
+        return QuantizerFactory.create_set(fp8_recipe=BLOCK_RECIPES[recipe])
     return QuantizerFactory.create_set(fp8_recipe=RECIPES[recipe](fp8_format=Format[fp8_format]))
 
 
 def optimized_hlo(op: str, recipe: str, use_bias: bool, fp8_format: str = "HYBRID") -> str:
     """The optimized HLO of one training step of ``op`` on the H100, compiled without a GPU.
 
-    ``recipe`` is "delayed", "current" or "none" (the noop quantizer set).
+    ``recipe`` is "delayed", "current", "mxfp8", "nvfp4" or "none" (the noop quantizer set).
     """
     # One cache key per distinct program, however the caller spells the arguments.
     return _compile_step(op, recipe, bool(use_bias), fp8_format)
@@ -339,3 +348,33 @@ def test_noop_mlp_step_has_six_plain_gemms_and_no_float8(activation_type):
     gemms = parse_gemms(hlo_text)
     assert len(gemms) == 6 and all(g.target in NON_FP8_GEMMS for g in gemms), gemms
     assert not FLOAT8_TYPE.search(hlo_text)
+
+
+# ----------------------------------------------------------------------------- block scaling
+
+PLAIN_GEMM = "__cublas$lt$matmul"
+
+
+def _assert_dequantized_gemms(hlo_text: str, recipe: str, count: int) -> list[Gemm]:
+    gemms = parse_gemms(hlo_text)
+    assert [g.target for g in gemms] == [PLAIN_GEMM] * count, gemms
+    assert_no_other_gemm(hlo_text, allowed=PLAIN_GEMM)
+    # The step quantizes into the recipe's types; the GEMMs read their dequantized values.
+    for element_type in BLOCK_TYPES[recipe]:
+        assert re.search(rf"\b{element_type}\[", hlo_text), element_type
+    return gemms
+
+
+@pytest.mark.parametrize("recipe", list(BLOCK_RECIPES))
+@pytest.mark.parametrize("op", OPS)
+def test_block_scaled_step_on_hopper_is_three_dequantized_gemms(op, recipe):
+    gemms = by_role(_assert_dequantized_gemms(optimized_hlo(op, recipe, True), recipe, 3))
+    # Dequantized to the output dtype: bf16 operands for the bf16 forward and dgrad, f32 for
+    # the weight gradient of the f32 kernel.
+    assert gemms["forward"].operand_types == gemms["dgrad"].operand_types == ("bf16", "bf16")
+    assert gemms["wgrad"].operand_types == ("f32", "f32")
+
+
+@pytest.mark.parametrize("recipe", list(BLOCK_RECIPES))
+def test_block_scaled_mlp_step_on_hopper_is_six_dequantized_gemms(recipe):
+    _assert_dequantized_gemms(mlp_optimized_hlo(("silu", "linear"), recipe), recipe, 6)
