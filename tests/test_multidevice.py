@@ -20,7 +20,12 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 import te_flax.linen as te_nn
 import te_flax.nnx as te_nnx
 from te_flax.dense import dense
-from te_flax.quantize import DelayedScaling, QuantizerFactory
+from te_flax.quantize import (
+    DelayedScaling,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+    QuantizerFactory,
+)
 from te_flax.sharding import (
     LOGICAL_AXES,
     RULES_DIR,
@@ -863,3 +868,18 @@ def test_use_sharding_refuses_bad_arguments_and_leaves_nothing_active():
         pass
     assert jax.sharding.get_abstract_mesh().empty
     assert not nn.get_logical_axis_rules()
+
+
+@pytest.mark.parametrize(
+    "recipe", [MXFP8BlockScaling(), NVFP4BlockScaling()], ids=["mxfp8", "nvfp4"]
+)
+@pytest.mark.parametrize("framework", ["linen", "nnx"])
+def test_block_scaled_sharded_step_equals_the_single_device_step(framework, recipe):
+    # Blocks run along the global tensors' contractions, whatever the sharding; NVFP4's tensor
+    # scale is the global amax.
+    expected_out, expected = _run(framework, "layernorm_mlp", recipe, None)[:2]
+    out, grads, _ = _run(framework, "layernorm_mlp", recipe, "dp_fsdp_tp")
+    assert not grads["fp8"] and not expected["fp8"]
+    assert_close(out, expected_out, VALUE_TOLERANCE, "output")
+    for name, grad in grads["params"].items():
+        assert_close(grad, expected["params"][name], VALUE_TOLERANCE, f"d {name}")
