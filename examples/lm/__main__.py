@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         train(fp8, "fp8", resume=args.resume, corpus=corpus, progress=progress),
         train(bf16, "bf16", resume=args.resume, corpus=corpus, progress=progress),
     ]
-    path = write_report(config, results)
+    path = write_report(fp8, results)
     print(f"wrote {path}")
     return 0
 

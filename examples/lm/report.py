@@ -54,7 +54,8 @@ def write_report(config: Config, results: list[RunResult]) -> Path:
         f"Model: {m.layers} layers, d_model {m.d_model}, {m.heads} heads x {m.head_dim}, MLP "
         f"{m.mlp_dim} ({m.activation}), {m.frontend}. Data: "
         f"{config.data or 'Python standard library source (built-in)'}. {t.steps} steps of "
-        f"{t.batch} x {t.seq_len} bytes, AdamW lr {t.learning_rate}, seed {t.seed}.",
+        f"{t.batch} x {t.seq_len} bytes, AdamW lr {t.learning_rate}, seed {t.seed}. "
+        f"The fp8 run's recipe: {t.recipe}.",
         f"Machine: {platform.machine()}, {jax.device_count()} x {jax.devices()[0].device_kind}, "
         f"jax {jax.__version__}.",
         "",
