@@ -7,7 +7,9 @@ collection, whose "gradient" is its new value (``te_flax.training`` applies it).
 
 Common attributes: ``dtype`` is the compute dtype (None: the input's), ``param_dtype`` the
 storage dtype (default float32; FP8 kernels are quantized from it), ``recipe`` the FP8 recipe
-(None: the one of the active ``te_flax.autocast``, or no FP8).
+(None: the one of the active ``te_flax.autocast``, or no FP8). The block-scaled recipes
+(``MXFP8BlockScaling``, ``NVFP4BlockScaling``) keep no variables; NVFP4 with stochastic rounding
+draws a key from the ``"sr_rng"`` RNG stream at every call (``rngs={"sr_rng": key}``).
 """
 
 from __future__ import annotations

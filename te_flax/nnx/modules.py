@@ -6,7 +6,8 @@ Linen twin in ``te_flax.linen`` (which documents them). Parameters are ``nnx.Par
 logical axes of the ``*_axes`` attributes as sharding metadata (``nnx.get_partition_spec``);
 FP8 state is ``Fp8Meta`` variables named as in Linen. The recipe is read when the module is
 built (its ``recipe`` attribute, else the active ``te_flax.autocast``) and again when called;
-the two must agree.
+the two must agree. A module built for NVFP4 with stochastic rounding keeps a fork of ``rngs``'
+``"sr_rng"`` stream (else its default stream) and draws a key from it at every call.
 """
 
 from __future__ import annotations
