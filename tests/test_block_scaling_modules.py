@@ -15,8 +15,13 @@ import te_flax.linen as te_nn
 import te_flax.nnx as te_nnx
 from te_flax.quantize import MXFP8BlockScaling, NVFP4BlockScaling
 from te_flax.training import OVERWRITE_WITH_GRADIENT
-from tests.helpers import F32, normal, relative_error
-from tests.test_block_scaling import BACKWARD_TOLERANCE, FORWARD_TOLERANCE
+from tests.helpers import (
+    BLOCK_BACKWARD_TOLERANCE,
+    BLOCK_FORWARD_TOLERANCE,
+    F32,
+    normal,
+    relative_error,
+)
 
 HIDDEN = 64
 RECIPES = {"mxfp8": MXFP8BlockScaling(), "nvfp4": NVFP4BlockScaling()}
@@ -87,8 +92,8 @@ def test_modules_match_the_unquantized_module_and_nnx_matches_linen(module_name,
     (reference_loss, (reference_vars, reference_d_x)) = grads(layer.clone(recipe=None))
     out = _first(layer.apply(variables, x))
     reference = _first(layer.clone(recipe=None).apply(variables, x))
-    assert 1e-3 < relative_error(out, reference) < FORWARD_TOLERANCE[recipe_name]
-    tolerance = BACKWARD_TOLERANCE[recipe_name]
+    assert 1e-3 < relative_error(out, reference) < BLOCK_FORWARD_TOLERANCE[recipe_name]
+    tolerance = BLOCK_BACKWARD_TOLERANCE[recipe_name]
     assert relative_error(d_x, reference_d_x) < tolerance
     for name, grad in d_vars["params"].items():
         assert relative_error(grad, reference_vars["params"][name]) < tolerance, name
