@@ -171,8 +171,8 @@ def _scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype):
 
 
 def _scaled_dot(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype):
-    # The same GEMM as lax.scaled_dot, which every XLA backend can lower (jax.nn.scaled_matmul
-    # has GPU lowerings only).
+    # The same GEMM through lax.scaled_dot, which every XLA backend can lower
+    # (jax.nn.scaled_matmul has GPU lowerings only).
     return lax.scaled_dot(
         lhs,
         rhs,
