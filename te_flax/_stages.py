@@ -33,6 +33,8 @@ __all__ = [
     "constrained",
     "dense_backward",
     "dense_forward",
+    "input_uses",
+    "kernel_uses",
     "norm_operand",
     "normalize",
     "normalize_backward",
@@ -162,6 +164,18 @@ def constrained(operand: GemmOperand, axes: LogicalAxes) -> GemmOperand:
 
 
 # ----------------------------------------------------------------------------- GEMMs
+
+
+def input_uses(for_backward: bool) -> tuple[str, ...]:
+    """The block-scaled layouts of a GEMM input ``[tokens..., features...]``: contracted along
+    its features by the forward GEMM and, when differentiated, along its tokens by wgrad."""
+    return (TRAILING, LEADING) if for_backward else (TRAILING,)
+
+
+def kernel_uses(for_backward: bool) -> tuple[str, ...]:
+    """The block-scaled layouts of a kernel ``[inputs..., outputs...]``: contracted along its
+    inputs by the forward GEMM and, when differentiated, along its outputs by dgrad."""
+    return (LEADING, TRAILING) if for_backward else (LEADING,)
 
 
 def _scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype):

@@ -12,7 +12,13 @@ import numpy as np
 from jax import Array
 
 from te_flax import _validation as check
-from te_flax._stages import constrained, dense_backward, dense_forward
+from te_flax._stages import (
+    constrained,
+    dense_backward,
+    dense_forward,
+    input_uses,
+    kernel_uses,
+)
 from te_flax.quantize import (
     LEADING,
     TRAILING,
@@ -52,12 +58,12 @@ def _forward(config: _Config, x, kernel, bias, quantizer_set: QuantizerSet, for_
     # contracts x's leading (token) axes, dgrad the kernel's trailing (feature) axes.
     n_batch = x.ndim - config.n_contract
     x = with_logical_constraint(x, config.input_axes)
-    x_uses = (TRAILING, LEADING) if for_backward else (TRAILING,)
-    lhs, x_quantizer = quantize_operand(x, quantizer_set.x, x.dtype, n_batch, x_uses)
+    lhs, x_quantizer = quantize_operand(
+        x, quantizer_set.x, x.dtype, n_batch, input_uses(for_backward)
+    )
     lhs = constrained(lhs, config.input_axes)
-    kernel_uses = (LEADING, TRAILING) if for_backward else (LEADING,)
     rhs, kernel_quantizer = quantize_operand(
-        kernel, quantizer_set.kernel, x.dtype, config.n_contract, kernel_uses
+        kernel, quantizer_set.kernel, x.dtype, config.n_contract, kernel_uses(for_backward)
     )
     rhs = constrained(rhs, config.kernel_axes)
     # [batch..., K...] x [K..., features...] -> [batch..., features...]

@@ -17,6 +17,8 @@ from te_flax._stages import (
     constrained,
     dense_backward,
     dense_forward,
+    input_uses,
+    kernel_uses,
     norm_operand,
     normalize,
     normalize_backward,
@@ -76,10 +78,11 @@ def _forward(
         config.norm,
         quantizer_set.x,
         config.dot_input_axes,
-        (TRAILING, LEADING) if for_backward else (TRAILING,),
+        input_uses(for_backward),
     )
-    kernel_uses = (LEADING, TRAILING) if for_backward else (LEADING,)
-    rhs, kernel_quantizer = quantize_operand(kernel, quantizer_set.kernel, x.dtype, 1, kernel_uses)
+    rhs, kernel_quantizer = quantize_operand(
+        kernel, quantizer_set.kernel, x.dtype, 1, kernel_uses(for_backward)
+    )
     rhs = constrained(rhs, config.kernel_axes)
     # [batch..., hidden] x [hidden, features...] -> [batch..., features...]
     out = dense_forward(lhs, rhs, 1, x.dtype, bias)

@@ -27,6 +27,8 @@ from te_flax._stages import (
     constrained,
     dense_backward,
     dense_forward,
+    input_uses,
+    kernel_uses,
     norm_operand,
     normalize,
     normalize_backward,
@@ -79,10 +81,6 @@ class _Residuals(NamedTuple):
     quantizer_sets: tuple[QuantizerSet, QuantizerSet]  # x and kernel already updated
 
 
-def _uses(for_backward: bool, forward: str, backward: str) -> tuple[str, ...]:
-    return (forward, backward) if for_backward else (forward,)
-
-
 def _activation_operand(config: _Config, pre_activation: Array, quantizer, dtype, uses):
     activated = activation_forward(pre_activation, config.activation_type)
     operand, new_quantizer = quantize_operand(activated, quantizer, dtype, activated.ndim - 1, uses)
@@ -98,23 +96,22 @@ def _kernel_operand(kernel: Array, quantizer, dtype, axes, uses):
 def _forward(config: _Config, x, gamma, beta, kernels, biases, quantizer_sets, for_backward=True):
     set_1, set_2 = quantizer_sets
     kernel_1, kernel_2 = kernels
-    input_uses = _uses(for_backward, TRAILING, LEADING)
-    kernel_uses = _uses(for_backward, LEADING, TRAILING)
+    input_layouts, kernel_layouts = input_uses(for_backward), kernel_uses(for_backward)
     x = with_logical_constraint(x, config.norm_input_axes)
     _, stats = normalize(x, gamma, beta, config.norm)
     ln, x_1 = norm_operand(
-        x, stats, gamma, beta, config.norm, set_1.x, config.dot_1_input_axes, input_uses
+        x, stats, gamma, beta, config.norm, set_1.x, config.dot_1_input_axes, input_layouts
     )
     k_1, kernel_q_1 = _kernel_operand(
-        kernel_1, set_1.kernel, x.dtype, config.kernel_1_axes, kernel_uses
+        kernel_1, set_1.kernel, x.dtype, config.kernel_1_axes, kernel_layouts
     )
     # [batch..., hidden] x [hidden, n_act, intermediate] -> [batch..., n_act, intermediate]
     pre_activation = dense_forward(ln, k_1, 1, x.dtype, biases[0])
     pre_activation = checkpoint_name(pre_activation, config.ffn1_ckpt_name)
     # [batch..., n_act, intermediate] -> [batch..., intermediate]
-    activated, x_2 = _activation_operand(config, pre_activation, set_2.x, x.dtype, input_uses)
+    activated, x_2 = _activation_operand(config, pre_activation, set_2.x, x.dtype, input_layouts)
     k_2, kernel_q_2 = _kernel_operand(
-        kernel_2, set_2.kernel, x.dtype, config.kernel_2_axes, kernel_uses
+        kernel_2, set_2.kernel, x.dtype, config.kernel_2_axes, kernel_layouts
     )
     # [batch..., intermediate] x [intermediate, hidden] -> [batch..., hidden]
     out = dense_forward(activated, k_2, 1, x.dtype, biases[1])

@@ -208,33 +208,34 @@ class CurrentScaleQuantizer:
         return ScaledTensor(scaling.quantize(x, self.q_dtype, scale_inv), scale_inv), self
 
 
-def _as_matrix(x: Array, split: int, use: str) -> tuple[Array, tuple[int, ...], tuple[int, ...]]:
-    """``x`` as ``[rows, K]`` with the contracted axes of ``use`` last; also rows' and K's shape."""
+def _as_matrix(x: Array, split: int, use: str) -> tuple[Array, tuple[int, ...]]:
+    """``x`` as ``[rows, K]`` with the contracted axes of ``use`` last, and the rows' shape."""
     leading, trailing = x.shape[:split], x.shape[split:]
-    n_leading, n_trailing = math.prod(leading), math.prod(trailing)
+    matrix = x.reshape(math.prod(leading), math.prod(trailing))  # [leading, trailing]
     if use == TRAILING:
-        return x.reshape(n_leading, n_trailing), leading, trailing
-    return x.reshape(n_leading, n_trailing).T, trailing, leading
+        return matrix, leading
+    return matrix.T, trailing  # [trailing, leading]
 
 
-def _check_blocks(recipe: str, block: int, x: Array, split: int, use: str) -> None:
-    contracted = x.shape[split:] if use == TRAILING else x.shape[:split]
-    size = math.prod(contracted)
-    if size % block:
-        raise ValueError(
-            f"{recipe} quantizes in blocks of {block} consecutive elements along each GEMM's "
-            f"contraction, but a GEMM contracts the {use} axes {contracted} ({size} elements) of "
-            f"a tensor of shape {tuple(x.shape)}, which is not a multiple of {block}. Every "
-            "contracted size must be one: the input features, the output features and, for "
-            "training, the tokens (batch x sequence) of the weight-gradient GEMM"
-        )
-
-
-def _block_operand(x: Array, split: int, uses, quantize_matrix) -> BlockOperand:
-    """``x`` quantized for each of ``uses`` by ``quantize_matrix(matrix, use)``."""
+def _block_operand(
+    recipe: str, block: int, x: Array, split: int, uses, quantize_matrix
+) -> BlockOperand:
+    """``x`` quantized for each of ``uses`` by ``quantize_matrix(matrix, use)``, in blocks of
+    ``block`` along each use's contraction (refused where that is not a multiple of it)."""
     prepared = {}
     for use in uses:
-        matrix, row_shape, _ = _as_matrix(x, split, use)
+        contracted = x.shape[split:] if use == TRAILING else x.shape[:split]
+        size = math.prod(contracted)
+        if size % block:
+            raise ValueError(
+                f"{recipe} quantizes in blocks of {block} consecutive elements along each GEMM's "
+                f"contraction, but a GEMM contracts the {use} axes {contracted} ({size} elements)"
+                f" of a tensor of shape {tuple(x.shape)}, which is not a multiple of {block}. "
+                "Every contracted size must be one: the input features, the output features "
+                "and, for training, the tokens (batch x sequence) of the weight-gradient GEMM"
+            )
+    for use in uses:
+        matrix, row_shape = _as_matrix(x, split, use)
         data, scale_inv, tensor_scale_inv = quantize_matrix(matrix, use)
         prepared[use] = BlockScaledTensor(data, scale_inv, tensor_scale_inv, row_shape)
     return BlockOperand(
@@ -254,15 +255,16 @@ class BlockScaleQuantizer:
 
     def quantize(self, x: Array, split: int, uses) -> tuple[BlockOperand, BlockScaleQuantizer]:
         """``x`` quantized for each of ``uses`` (``TRAILING``, ``LEADING``), and this quantizer."""
-        for use in uses:
-            _check_blocks("MXFP8BlockScaling", self.block_size, x, split, use)
 
         def quantize_matrix(matrix, use):
             del use
             data, scale_inv = block_scaling.quantize_mxfp8(matrix, self.q_dtype, self.block_size)
             return data, scale_inv, None
 
-        return _block_operand(x, split, uses, quantize_matrix), self
+        operand = _block_operand(
+            "MXFP8BlockScaling", self.block_size, x, split, uses, quantize_matrix
+        )
+        return operand, self
 
 
 @jax.tree_util.register_dataclass
@@ -282,8 +284,6 @@ class NVFP4Quantizer:
 
     def quantize(self, x: Array, split: int, uses) -> tuple[BlockOperand, NVFP4Quantizer]:
         """``x`` quantized for each of ``uses`` with one tensor scale, and this quantizer."""
-        for use in uses:
-            _check_blocks("NVFP4BlockScaling", self.block_size, x, split, use)
         tensor_scale_inv = block_scaling.nvfp4_tensor_scale_inv(scaling.amax(x))
 
         def quantize_matrix(matrix, use):
@@ -293,7 +293,10 @@ class NVFP4Quantizer:
             )
             return data, scale_inv, tensor_scale_inv
 
-        return _block_operand(x, split, uses, quantize_matrix), self
+        operand = _block_operand(
+            "NVFP4BlockScaling", self.block_size, x, split, uses, quantize_matrix
+        )
+        return operand, self
 
 
 Quantizer = DelayedScaleQuantizer | CurrentScaleQuantizer | BlockScaleQuantizer | NVFP4Quantizer
@@ -344,9 +347,7 @@ class QuantizerSet:
                 check_quantizer(quantizer, f"{argument}.{name}")
         if not present:
             return
-        if self.x.block_scaled != self.kernel.block_scaled or (
-            self.x.block_scaled != self.dgrad.block_scaled
-        ):
+        if len({quantizer.block_scaled for quantizer in members.values()}) > 1:
             raise ValueError(
                 f"{argument} mixes block-scaled and per-tensor quantizers "
                 f"({type(self.x).__name__}, {type(self.kernel).__name__}, "
