@@ -2,9 +2,28 @@
 
 Public API::
 
-  LayerNorm, DenseGeneral, LayerNormDenseGeneral, LayerNormMLP
+  LayerNorm, DenseGeneral, LayerNormDenseGeneral, LayerNormMLP      the FP8 building blocks
+  DotProductAttention, MultiHeadAttention, RelativePositionBiases,
+  TransformerLayer, TransformerLayerType                            TE's higher layers
 """
 
 from te_flax.linen.modules import DenseGeneral, LayerNorm, LayerNormDenseGeneral, LayerNormMLP
+from te_flax.linen.transformer import (
+    DotProductAttention,
+    MultiHeadAttention,
+    RelativePositionBiases,
+    TransformerLayer,
+    TransformerLayerType,
+)
 
-__all__ = ["DenseGeneral", "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP"]
+__all__ = [
+    "DenseGeneral",
+    "DotProductAttention",
+    "LayerNorm",
+    "LayerNormDenseGeneral",
+    "LayerNormMLP",
+    "MultiHeadAttention",
+    "RelativePositionBiases",
+    "TransformerLayer",
+    "TransformerLayerType",
+]

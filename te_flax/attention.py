@@ -1,0 +1,378 @@
+"""The attention core: masks, scaled dot-product attention, rotary and relative positions.
+
+Functional and stateless, like the other ops; the attention modules (``te_flax.linen`` and
+``te_flax.nnx``) call these. Tensors are ``[batch, seq, heads, head_dim]``. Masks follow
+TransformerEngine's convention: ``True`` means *masked out*, and a padding mask is
+``[batch, 1, q_len, kv_len]``.
+
+Mask types (``attn_mask_type``):
+
+* ``"no_mask"``: every query sees every key (a given mask is ignored).
+* ``"padding"``: the given mask only.
+* ``"causal"``: query ``i`` sees keys ``j <= i`` (aligned at the top left; a mask is ignored).
+* ``"padding_causal"`` (also ``"causal_padding"``): both.
+* ``"causal_bottom_right"`` / ``"padding_causal_bottom_right"``: causal aligned at the bottom
+  right, query ``i`` sees keys ``j <= i + kv_len - q_len`` (the queries are the last ones).
+
+``window_size=(left, right)`` further limits query ``i`` to keys ``i - left <= j <= i + right``
+(``-1``: unbounded on that side). Bias types (``attn_bias_type``): ``"no_bias"``,
+``"pre_scale_bias"`` (``softmax((q.k + bias) * scale)``) and ``"post_scale_bias"``
+(``softmax(q.k * scale + bias)``, the default when a bias is given).
+
+The attention itself is ``jax.nn.dot_product_attention``: cuDNN's fused flash attention on GPUs
+where it supports the case (bf16/f16, no attention dropout), XLA elsewhere. Attention dropout
+needs the probabilities, so with dropout the same maths runs as explicit XLA ops.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import einops
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+__all__ = [
+    "BIAS_TYPES",
+    "MASK_TYPES",
+    "canonical_bias_type",
+    "canonical_mask_type",
+    "dot_product_attention",
+    "relative_position_buckets",
+    "rotary_pos_emb",
+]
+
+MASK_TYPES = (
+    "no_mask",
+    "padding",
+    "causal",
+    "padding_causal",
+    "causal_bottom_right",
+    "padding_causal_bottom_right",
+)
+_MASK_ALIASES = {
+    "causal_padding": "padding_causal",
+    "causal_padding_bottom_right": "padding_causal_bottom_right",
+}
+BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias")
+IMPLEMENTATIONS = (None, "xla", "cudnn")
+
+
+def canonical_mask_type(attn_mask_type: object) -> str:
+    """One of ``MASK_TYPES``; TE's spellings (any case, ``causal_padding``) are accepted."""
+    if isinstance(attn_mask_type, str):
+        name = attn_mask_type.strip().lower()
+        name = _MASK_ALIASES.get(name, name)
+        if name in MASK_TYPES:
+            return name
+    raise ValueError(
+        f"attn_mask_type must be one of {MASK_TYPES} (or 'causal_padding'), got "
+        f"{attn_mask_type!r}"
+    )
+
+
+def canonical_bias_type(attn_bias_type: object, bias: Array | None) -> str:
+    """One of ``BIAS_TYPES``; None picks ``post_scale_bias`` with a bias, else ``no_bias``."""
+    if attn_bias_type is None:
+        return "no_bias" if bias is None else "post_scale_bias"
+    name = attn_bias_type.strip().lower() if isinstance(attn_bias_type, str) else None
+    if name not in BIAS_TYPES:
+        raise ValueError(f"attn_bias_type must be None or one of {BIAS_TYPES}, got {name!r}")
+    if (name == "no_bias") != (bias is None):
+        raise ValueError(
+            f"attn_bias_type={name!r} but a bias was {'not ' if bias is None else ''}given; "
+            "pass a bias with 'pre_scale_bias' / 'post_scale_bias', none with 'no_bias', or "
+            "leave attn_bias_type=None to follow the bias"
+        )
+    return name
+
+
+def _check_window(window_size) -> tuple[int, int] | None:
+    if window_size is None:
+        return None
+    window = tuple(window_size)
+    if len(window) != 2 or not all(isinstance(w, int) and w >= -1 for w in window):
+        raise ValueError(
+            f"window_size must be None or (left, right) ints >= -1 (-1: unbounded), got "
+            f"{window_size!r}"
+        )
+    return None if window == (-1, -1) else window
+
+
+def _keep_mask(
+    mask_type: str,
+    mask: Array | None,
+    q_len: int,
+    kv_len: int,
+    window: tuple[int, int] | None,
+    q_offset: Array | int,
+) -> Array | None:
+    """The positions to attend as a boolean ``[batch or 1, 1, q_len, kv_len]`` (True: keep).
+
+    ``q_offset`` is the position of the first query among the keys (a decoding step's cache
+    index); causality and windows are measured from there.
+    """
+    keep = None
+    if "padding" in mask_type:
+        keep = jnp.logical_not(mask)
+    query = jnp.arange(q_len)[:, None] + q_offset  # [q, 1] absolute positions
+    keys = jnp.arange(kv_len)[None, :]  # [1, kv]
+    limits = []
+    if "causal" in mask_type:
+        limits.append(keys <= query)
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            limits.append(keys >= query - left)
+        if right >= 0:
+            limits.append(keys <= query + right)
+    for limit in limits:
+        limit = limit[None, None]  # [1, 1, q, kv]
+        keep = limit if keep is None else jnp.logical_and(keep, limit)
+    return keep
+
+
+def _check_qkv(query: Array, key: Array, value: Array) -> None:
+    for name, array in (("query", query), ("key", key), ("value", value)):
+        if array.ndim != 4:
+            raise ValueError(
+                f"{name} must be [batch, seq, heads, head_dim], got shape {array.shape}"
+            )
+    if key.shape != value.shape:
+        raise ValueError(f"key {key.shape} and value {value.shape} must have the same shape")
+    if query.shape[0] != key.shape[0] or query.shape[3] != key.shape[3]:
+        raise ValueError(
+            f"query {query.shape} and key {key.shape} must agree in batch and head_dim"
+        )
+    if query.shape[2] % key.shape[2]:
+        raise ValueError(
+            f"query has {query.shape[2]} heads, key/value {key.shape[2]}: the query heads must "
+            "be a multiple of the key/value heads (GQA groups)"
+        )
+    if query.dtype != key.dtype or key.dtype != value.dtype:
+        raise TypeError(
+            f"query, key and value must share one dtype, got {query.dtype}, {key.dtype}, "
+            f"{value.dtype}"
+        )
+
+
+def dot_product_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    mask: Array | None = None,
+    bias: Array | None = None,
+    *,
+    attn_mask_type: str = "causal",
+    attn_bias_type: str | None = None,
+    scale_factor: float | None = None,
+    window_size: tuple[int, int] | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: Array | None = None,
+    q_offset: Array | int = 0,
+    implementation: str | None = None,
+) -> Array:
+    """``softmax(q.k * scale + bias, masked) . v`` per head, with GQA.
+
+    Args:
+      query: ``[batch, q_len, heads, head_dim]``.
+      key, value: ``[batch, kv_len, kv_heads, head_dim]``; ``heads`` must be a multiple of
+        ``kv_heads`` (query head ``n`` reads key/value head ``n // (heads // kv_heads)``).
+      mask: boolean, True = masked out, broadcastable to ``[batch, 1, q_len, kv_len]``;
+        needed by the padding mask types, ignored by the others.
+      bias: broadcastable to ``[batch, heads, q_len, kv_len]``, or None.
+      attn_mask_type, attn_bias_type, window_size: see the module docstring.
+      scale_factor: multiplies the logits (default ``1 / sqrt(head_dim)``).
+      dropout_rate, dropout_rng: dropout of the attention probabilities, applied when the rate
+        is positive and a key is given.
+      q_offset: the position of the first query among the keys (an autoregressive cache
+        index); keys past a query's position are then never attended.
+      implementation: None (cuDNN on a GPU where it applies, else XLA), ``"xla"`` or
+        ``"cudnn"``.
+
+    Returns:
+      ``[batch, q_len, heads, head_dim]`` in the dtype of ``query``.
+    """
+    _check_qkv(query, key, value)
+    mask_type = canonical_mask_type(attn_mask_type)
+    bias_type = canonical_bias_type(attn_bias_type, bias)
+    window = _check_window(window_size)
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if "padding" in mask_type and mask is None:
+        raise ValueError(
+            f"attn_mask_type={mask_type!r} needs a mask ([batch, 1, q_len, kv_len], True = "
+            "masked out); pass one, or use 'causal' / 'no_mask'"
+        )
+    if mask is not None and "padding" in mask_type and mask.dtype != jnp.bool_:
+        raise TypeError(f"mask must be boolean (True = masked out), got {mask.dtype}")
+    q_len, kv_len = query.shape[1], key.shape[1]
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale_factor is None else float(scale_factor)
+    if bias is not None:
+        bias = bias.astype(jnp.float32)
+        if bias_type == "pre_scale_bias":
+            # (q.k + bias) * scale == q.k * scale + bias * scale.
+            bias = bias * jnp.float32(scale)
+    shift = kv_len - q_len if mask_type.endswith("bottom_right") else 0
+    decoding = not (isinstance(q_offset, int) and q_offset == 0)
+    if decoding and "causal" not in mask_type:
+        # Cached keys past the current position are empty: never attend them.
+        mask_type = "padding_causal" if "padding" in mask_type else "causal"
+    top_left_causal = "causal" in mask_type and shift == 0 and not decoding
+    if top_left_causal:
+        # Left to jax as is_causal / local_window_size, so that cuDNN can use its own masks.
+        keep = _keep_mask(mask_type.replace("causal", "no_mask"), mask, q_len, kv_len, None, 0)
+        jax_window = None if window is None else _jax_window(window, q_len, kv_len)
+    else:
+        keep = _keep_mask(mask_type, mask, q_len, kv_len, window, q_offset + shift)
+        jax_window = None
+    if keep is not None:
+        keep = jnp.broadcast_to(keep, (keep.shape[0], 1, q_len, kv_len))
+    if dropout_rate > 0.0 and dropout_rng is not None:
+        if top_left_causal:
+            keep = _and(keep, _keep_mask("causal", None, q_len, kv_len, window, 0))
+        return _attention_with_dropout(
+            query, key, value, keep, bias, scale, dropout_rate, dropout_rng
+        )
+    call = dict(
+        bias=bias,
+        mask=keep,
+        scale=scale,
+        is_causal=top_left_causal,
+        local_window_size=jax_window,
+    )
+    chosen = implementation or _fused_implementation(query)
+    if chosen == "cudnn":
+        try:
+            return jax.nn.dot_product_attention(query, key, value, **call, implementation="cudnn")
+        except (ValueError, NotImplementedError):
+            if implementation == "cudnn":  # asked for explicitly: say why it does not apply
+                raise
+    return jax.nn.dot_product_attention(query, key, value, **call, implementation="xla")
+
+
+def _fused_implementation(query: Array) -> str:
+    """cuDNN flash attention on GPUs for 16-bit inputs (what it supports), XLA elsewhere."""
+    on_gpu = jax.default_backend() == "gpu"
+    return "cudnn" if on_gpu and query.dtype in (jnp.bfloat16, jnp.float16) else "xla"
+
+
+def _jax_window(window: tuple[int, int], q_len: int, kv_len: int) -> tuple[int, int]:
+    left, right = window
+    unbounded = q_len + kv_len
+    return (unbounded if left < 0 else left, unbounded if right < 0 else right)
+
+
+def _and(a: Array | None, b: Array | None) -> Array | None:
+    if a is None or b is None:
+        return b if a is None else a
+    return jnp.logical_and(a, b)
+
+
+def _attention_with_dropout(query, key, value, keep, bias, scale, rate, rng) -> Array:
+    """The XLA attention with dropout on the probabilities (``jax.nn`` has no dropout)."""
+    kv_heads = key.shape[2]
+    # [batch, q, heads, d] -> [batch, q, kv_heads, group, d]: query head n = k * group + g.
+    grouped = einops.rearrange(query, "b q (k g) d -> b q k g d", k=kv_heads)
+    # Logits and softmax in float32, as jax.nn.dot_product_attention computes them.
+    logits = jnp.einsum(
+        "bqkgd,bskd->bkgqs", grouped, key, preferred_element_type=jnp.float32
+    )  # [batch, kv_heads, group, q, kv]
+    logits = einops.rearrange(logits, "b k g q s -> b (k g) q s") * jnp.float32(scale)
+    if bias is not None:
+        logits = logits + bias
+    if keep is not None:
+        large_negative = jnp.float32(-0.7 * np.finfo(np.float32).max)
+        logits = jnp.where(keep, logits, large_negative)
+    probs = jax.nn.softmax(logits, axis=-1)
+    kept = jax.random.bernoulli(rng, 1.0 - rate, probs.shape)
+    probs = jnp.where(kept, probs / jnp.float32(1.0 - rate), jnp.float32(0.0))
+    probs = einops.rearrange(probs.astype(value.dtype), "b (k g) q s -> b k g q s", k=kv_heads)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, value)  # [batch, q, kv_heads, group, d]
+    return einops.rearrange(out, "b q k g d -> b q (k g) d")
+
+
+# ----------------------------------------------------------------------------- positions
+
+
+def rotary_pos_emb(
+    x: Array,
+    windows: Sequence[float] = (1, 10000),
+    transpose_batch_sequence: bool = False,
+    group_method: str = "consecutive",
+    positions: Array | None = None,
+) -> Array:
+    """Rotary position embedding of ``x`` ``[batch, seq, ..., head_dim]`` (TE's convention).
+
+    Feature pair ``i`` (of ``head_dim / 2``) turns by the angle ``position / timescale_i``,
+    ``timescale_i = min * (max / min) ** (2i / head_dim)`` with ``(min, max) = windows``.
+    ``group_method="consecutive"`` pairs features ``2i`` and ``2i + 1``; ``"alternate"`` pairs
+    ``i`` and ``i + head_dim / 2``. Computed in float32, returned in ``x.dtype``.
+
+    Args:
+      x: ``[batch, seq, ..., head_dim]`` (``[seq, batch, ...]`` with
+        ``transpose_batch_sequence``); ``head_dim`` must be even.
+      windows: the ``(min, max)`` timescales.
+      transpose_batch_sequence: the sequence axis is axis 0 rather than axis 1.
+      group_method: ``"consecutive"`` or ``"alternate"``.
+      positions: integer positions ``[seq]`` (default ``0 .. seq - 1``), e.g. offset by a
+        decoding cache index.
+    """
+    head_dim = x.shape[-1]
+    if head_dim % 2:
+        raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
+    method = group_method.strip().lower().replace("-", "").replace("_", "")
+    if method not in ("consecutive", "alternate"):
+        raise ValueError(
+            f"rotary_pos_emb_group_method must be 'consecutive' or 'alternate', got "
+            f"{group_method!r}"
+        )
+    low, high = (float(w) for w in windows)
+    seq_axis = 0 if transpose_batch_sequence else 1
+    if positions is None:
+        positions = jnp.arange(x.shape[seq_axis])
+    fraction = 2 * np.arange(head_dim // 2) / head_dim
+    timescale = jnp.asarray(low * (high / low) ** fraction, jnp.float32)  # [head_dim / 2]
+    angle = positions.astype(jnp.float32)[:, None] / timescale  # [seq, head_dim / 2]
+    # Broadcast over every axis but the sequence and the features.
+    shape = [1] * x.ndim
+    shape[seq_axis], shape[-1] = x.shape[seq_axis], head_dim // 2
+    sin, cos = jnp.sin(angle).reshape(shape), jnp.cos(angle).reshape(shape)
+    # Split the features into the two members of each rotated pair.
+    pairs = "(two half)" if method == "alternate" else "(half two)"
+    first, second = einops.rearrange(x.astype(jnp.float32), f"... {pairs} -> two ... half", two=2)
+    rotated = jnp.stack([first * cos - second * sin, second * cos + first * sin])
+    return einops.rearrange(rotated, f"two ... half -> ... {pairs}").astype(x.dtype)
+
+
+def relative_position_buckets(
+    q_len: int, k_len: int, num_buckets: int, max_distance: int, bidirectional: bool = True
+) -> np.ndarray:
+    """T5's relative position buckets ``[q_len, k_len]`` (int32), computed at trace time.
+
+    Half the buckets (all of them when not bidirectional) hold exact distances up to half
+    their count; the rest grow logarithmically up to ``max_distance``, beyond which all
+    distances share the last bucket. Keys after the query get the upper half when
+    bidirectional, and bucket 0 otherwise.
+    """
+    relative = np.arange(k_len)[None, :] - np.arange(q_len)[:, None]  # key - query
+    distance = -relative
+    buckets = np.zeros_like(relative)
+    if bidirectional:
+        num_buckets //= 2
+        buckets += (distance < 0).astype(np.int64) * num_buckets
+        distance = np.abs(distance)
+    else:
+        distance = np.maximum(distance, 0)
+    max_exact = num_buckets // 2
+    with np.errstate(divide="ignore"):
+        log_ratio = np.log(distance.astype(np.float32) / max_exact + np.finfo(np.float32).eps)
+    large = max_exact + (
+        log_ratio / np.log(max_distance / max_exact) * (num_buckets - max_exact)
+    ).astype(np.int64)
+    large = np.minimum(large, num_buckets - 1)
+    buckets += np.where(distance < max_exact, distance, large)
+    return buckets.astype(np.int32)

@@ -1,0 +1,319 @@
+"""TransformerEngine's attention and transformer layers as Linen modules.
+
+``DotProductAttention``, ``MultiHeadAttention``, ``RelativePositionBiases`` and
+``TransformerLayer`` with TE's attribute names, defaults, call signatures and parameter tree
+(``attention/qkv/kernel``, ``attention/out/kernel``, ``mlp/wi_kernel``, ``relpos_bias/
+rel_embedding``, ...). They are built from te_flax's FP8 layers: the QKV projection is one
+``LayerNormDenseGeneral``, the output projection a ``DenseGeneral``, the MLP a
+``LayerNormMLP``, each with its own FP8 state under the recipe of ``recipe=`` or the active
+``te_flax.autocast``. The attention itself (``te_flax.attention``) is not quantized.
+
+As everywhere in te_flax, ``dtype`` is the compute dtype (None: the input's) and
+``param_dtype`` the storage dtype (TE's ``dtype``). Masks are TE's: ``True`` masks a position
+out. Autoregressive decoding keeps keys and values in the ``"cache"`` collection
+(``cached_key``, ``cached_value``, ``cache_index``): initialise with ``decode=True`` on a
+full-length input to size it, then apply one token at a time with ``mutable=["cache"]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+from jax import Array
+
+from te_flax._transformer import (
+    Child,
+    DotProductAttentionSpec,
+    MultiHeadAttentionSpec,
+    RelativePositionBiasesSpec,
+    TransformerLayerSpec,
+    TransformerLayerType,
+)
+from te_flax.linen import modules
+
+__all__ = [
+    "DotProductAttention",
+    "MultiHeadAttention",
+    "RelativePositionBiases",
+    "TransformerLayer",
+    "TransformerLayerType",
+]
+
+
+class _Slots:
+    def __init__(self, key, value, index):
+        self.key, self.value, self.index = key, value, index
+
+
+class _LinenHost:
+    """Builds a module's children on first use, inside its compact ``__call__``."""
+
+    def __init__(self, module: nn.Module, children: dict[str, Child]):
+        self.module = module
+        self.children = children
+        self.built: dict[str, Any] = {}
+
+    def layer(self, name: str):
+        if name not in self.built:
+            kind, attributes, _ = self.children[name]
+            if kind == "Dropout":
+                self.built[name] = nn.Dropout(**attributes, name=name)
+            else:
+                self.built[name] = _KINDS[kind](**attributes, name=name)
+        return self.built[name]
+
+    def rng(self, stream: str) -> Array:
+        return self.module.make_rng(stream)
+
+    def cache(self, shape, dtype):
+        module = self.module
+        created = not module.has_variable("cache", "cached_key")
+        key = module.variable("cache", "cached_key", jnp.zeros, shape, dtype)
+        value = module.variable("cache", "cached_value", jnp.zeros, shape, dtype)
+        index = module.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
+        return _Slots(key, value, index), created
+
+
+class DotProductAttention(nn.Module, DotProductAttentionSpec):
+    """Scaled dot-product attention: ``softmax(q.k * scale + bias, masked) . v`` per head.
+
+    No parameters. ``jax.nn.dot_product_attention`` computes it (cuDNN flash attention on GPUs
+    where it applies, XLA elsewhere); with attention dropout, explicit XLA ops.
+
+    Attributes:
+      head_dim, num_attention_heads: the query's head size and count (required).
+      num_gqa_groups: key/value heads (None: ``num_attention_heads``; 1 is multi-query).
+      attention_dropout, dropout_rng_name: dropout of the probabilities, from that RNG stream.
+      attn_mask_type: ``"no_mask"``, ``"padding"``, ``"causal"`` (default),
+        ``"padding_causal"``, ``"causal_bottom_right"``, ``"padding_causal_bottom_right"``.
+      attn_bias_type: None (follow ``bias``), ``"no_bias"``, ``"pre_scale_bias"``,
+        ``"post_scale_bias"``.
+      qkv_layout: ``"bshd_bshd_bshd"`` (default), ``"bshd_bs2hd"`` (key is ``[.., 2, h, d]``)
+        or ``"bs3hd"`` (query is ``[.., 3, h, d]``).
+      scale_factor: logits scale (None: ``1 / sqrt(head_dim)``).
+      transpose_batch_sequence: inputs are ``[seq, batch, ...]`` (TE's default here: True).
+      window_size: sliding window ``(left, right)``; -1 is unbounded.
+      float32_logits: accepted for TE compatibility; logits are always float32.
+      implementation: None (automatic), ``"xla"`` or ``"cudnn"``.
+      dtype: the compute dtype (None: the inputs').
+
+    Context parallelism and sequence packing (``thd`` layouts, ``max_segments_per_seq``) are
+    refused with an error.
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> import te_flax.linen as te_nn
+      >>> q = jnp.ones((2, 8, 4, 16))  # [batch, seq, heads, head_dim]
+      >>> kv = jnp.ones((2, 8, 2, 16))  # two GQA groups
+      >>> dpa = te_nn.DotProductAttention(head_dim=16, num_attention_heads=4, num_gqa_groups=2,
+      ...                                 transpose_batch_sequence=False)
+      >>> dpa.apply({}, q, kv, kv).shape
+      (2, 8, 4, 16)
+    """
+
+    @nn.compact
+    def __call__(
+        self,
+        query: Array,
+        key: Array | None = None,
+        value: Array | None = None,
+        mask: Array | None = None,
+        bias: Array | None = None,
+        *,
+        deterministic: bool = False,
+    ) -> Array:
+        """``[batch, seq, heads, head_dim]`` (per ``qkv_layout``) -> the query's shape."""
+        return self.forward(
+            _LinenHost(self, {}), query, key, value, mask, bias, deterministic=deterministic
+        )
+
+
+class MultiHeadAttention(nn.Module, MultiHeadAttentionSpec):
+    """Norm, Q/K/V projections, rotary embeddings, attention, output projection.
+
+    Returns ``(out, ln_output or None)`` as TE's does. Self-attention (``inputs_q is
+    inputs_kv``) without GQA uses one fused ``qkv`` kernel ``[hidden, 3, heads * head_dim]``
+    (``fuse_qkv_params``); otherwise ``query`` (with the norm) and ``kv`` ``[hidden, 2,
+    groups * head_dim]``, or ``query``, ``key`` and ``value`` when not fused. The output
+    projection is ``out`` ``[heads * head_dim, hidden]``.
+
+    Attributes:
+      head_dim, num_attention_heads, num_gqa_groups: head size, query heads, key/value heads.
+      attention_dropout, dropout_rng_name, attn_mask_type, attn_bias_type, window_size,
+        float32_logits, implementation: the attention, as in ``DotProductAttention``.
+      input_layernorm, layernorm_type, layernorm_epsilon, zero_centered_gamma: the norm before
+        the projections (default on, layernorm, 1e-6).
+      return_layernorm_output: also return the norm output.
+      kernel_init (None: variance scaling 1.0, fan-in, normal), use_bias (default False),
+        bias_init: the projections.
+      enable_rotary_pos_emb, rotary_pos_emb_windows (default ``(1, 10000)``),
+        rotary_pos_emb_group_method (``"consecutive"`` or ``"alternate"``): rotary embeddings
+        of the queries and keys.
+      low_rank_adaptation_scope (``"none"``, ``"all"``, ``"qkv_proj"``, ``"output_proj"``,
+        ``"exclude_qkv_proj"``, ``"exclude_output_proj"``), low_rank_adaptation_dim,
+        low_rank_adaptation_alpha: LoRA on the projections.
+      fuse_qkv_params: fused projection kernels (default True).
+      transpose_batch_sequence: inputs are ``[seq, batch, hidden]`` (TE's default here: True).
+      enable_sequence_parallel: the norm input's sequence axis has the logical name
+        ``"length"`` (split under the ``tp_sp`` rules).
+      scale_attn_logits: scale the logits by ``1 / sqrt(head_dim)`` (default False: TE scales
+        the query kernel at init instead, ``scaled_query_init=True``).
+      dtype, param_dtype, recipe: as in the other te_flax modules.
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> import te_flax.linen as te_nn
+      >>> mha = te_nn.MultiHeadAttention(head_dim=8, num_attention_heads=4,
+      ...                                transpose_batch_sequence=False)
+      >>> x = jnp.ones((2, 6, 32))
+      >>> (out, _), variables = mha.init_with_output(jax.random.key(0), x, x)
+      >>> out.shape
+      (2, 6, 32)
+      >>> jax.tree.map(jnp.shape, nn.meta.unbox(variables))["params"]["qkv"]
+      {'kernel': (32, 3, 32), 'ln_bias': (32,), 'scale': (32,)}
+    """
+
+    @nn.compact
+    def __call__(
+        self,
+        inputs_q: Array,
+        inputs_kv: Array,
+        mask: Array | None = None,
+        bias: Array | None = None,
+        *,
+        decode: bool = False,
+        deterministic: bool = False,
+    ) -> tuple[Array, Array | None]:
+        """``[batch, seq, hidden]`` (``[seq, batch, hidden]`` transposed) -> ``(out, ln)``."""
+        self_attention = inputs_q is inputs_kv
+        host = _LinenHost(self, self.children(inputs_q.shape[-1], self_attention))
+        return self.forward(
+            host,
+            inputs_q,
+            inputs_kv,
+            mask,
+            bias,
+            self_attention=self_attention,
+            deterministic=deterministic,
+            decode=decode,
+        )
+
+
+class RelativePositionBiases(nn.Module, RelativePositionBiasesSpec):
+    """T5-style relative position biases: ``rel_embedding[heads, buckets]`` looked up by bucket.
+
+    Attributes:
+      num_buckets, max_distance, num_attention_heads: the table and its bucketing (required).
+      embedding_init: initializer of ``rel_embedding`` (default Flax's embedding init).
+      embedding_axes: its logical axes (default ``("heads", "relpos_buckets")``).
+      dtype, param_dtype: compute and storage dtypes.
+
+    Example usage::
+
+      >>> import jax
+      >>> import te_flax.linen as te_nn
+      >>> rpb = te_nn.RelativePositionBiases(num_buckets=32, max_distance=128,
+      ...                                    num_attention_heads=4)
+      >>> bias, variables = rpb.init_with_output(jax.random.key(0), 6, 6)
+      >>> bias.shape, variables["params"]["rel_embedding"].value.shape
+      ((1, 4, 6, 6), (4, 32))
+    """
+
+    @nn.compact
+    def __call__(self, q_seqlen: int, k_seqlen: int, bidirectional: bool = True) -> Array:
+        """``[1, num_attention_heads, q_seqlen, k_seqlen]`` biases."""
+        embedding = self.param(
+            "rel_embedding",
+            nn.with_logical_partitioning(self.embedding_init, self.embedding_axes),
+            self.shape(),
+            self.param_dtype,
+        )
+        return self.forward(embedding, q_seqlen, k_seqlen, bidirectional)
+
+
+class TransformerLayer(nn.Module, TransformerLayerSpec):
+    """TE's transformer layer: attention, (cross-attention,) MLP, residuals and dropout.
+
+    Pre-norm by default: ``x + attention(norm(x))``, then ``+ mlp(norm(.))``; with
+    ``output_layernorm`` the attention's input norm moves to the output. An ENCODER has
+    ``attention``; a DECODER ``self_attention``, ``encoder_decoder_attention`` over
+    ``encoded`` and a KV cache for ``decode=True``. Relative position biases (``relpos_bias``,
+    on by default as in TE) or rotary embeddings give the positions.
+
+    Attributes:
+      hidden_size (512), mlp_hidden_size (2048), num_attention_heads (8), num_gqa_groups.
+      layernorm_type, layernorm_epsilon, zero_centered_gamma: every norm of the layer.
+      hidden_dropout (0.1), hidden_dropout_dims: dropout of each block's output.
+      attention_dropout (0.1), intermediate_dropout (0.1), intermediate_dropout_dims,
+        dropout_rng_name: the other dropouts and their RNG stream.
+      mha_kernel_init, mlp_kernel_init, mlp_activations (default ``("relu",)``), use_bias,
+        bias_init: the projections and the MLP.
+      apply_residual_connection_post_layernorm: residuals from the norm outputs.
+      output_layernorm: normalize the layer's output rather than the attention's input.
+      float32_attention_logits: accepted (logits are float32).
+      layer_type: ``TransformerLayerType.ENCODER`` (default) or ``DECODER``.
+      self_attn_mask_type (default ``"causal"``), self_attn_bias_type: the self-attention.
+      enable_relative_embedding (default True), relative_embedding (a module to use instead
+        of the default ``RelativePositionBiases(32 buckets, max_distance 128)``).
+      enable_rotary_pos_emb, rotary_pos_emb_windows, rotary_pos_emb_group_method: RoPE.
+      low_rank_adaptation_scope (also ``"mlp"``, ``"exclude_mlp"``), low_rank_adaptation_dim,
+        low_rank_adaptation_alpha: LoRA.
+      drop_path: stochastic depth of the residual branches (default 0).
+      fuse_qkv_params, scale_attn_logits, scaled_query_init, window_size,
+        enable_sequence_parallel, implementation: as in ``MultiHeadAttention``.
+      transpose_batch_sequence: inputs are ``[seq, batch, hidden]`` (default False).
+      dtype, param_dtype, recipe: as in the other te_flax modules.
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> import te_flax.linen as te_nn
+      >>> layer = te_nn.TransformerLayer(hidden_size=32, mlp_hidden_size=64,
+      ...                                num_attention_heads=4)
+      >>> x = jnp.ones((2, 6, 32))
+      >>> y, variables = layer.init_with_output(jax.random.key(0), x, deterministic=True)
+      >>> y.shape
+      (2, 6, 32)
+      >>> sorted(variables["params"])
+      ['attention', 'mlp', 'relpos_bias']
+    """
+
+    @nn.compact
+    def __call__(
+        self,
+        inputs: Array,
+        encoded: Array | None = None,
+        attention_mask: Array | None = None,
+        encoder_decoder_mask: Array | None = None,
+        deterministic: bool = False,
+        decode: bool = False,
+        max_decode_length: int | None = None,
+    ) -> Array:
+        """``[batch, seq, hidden_size]`` (``[seq, batch, ..]`` transposed) -> the same."""
+        host = _LinenHost(self, self.children())
+        if self.relative_embedding is not None:
+            host.built["relpos_bias"] = self.relative_embedding
+        return self.forward(
+            host,
+            inputs,
+            encoded,
+            attention_mask,
+            encoder_decoder_mask,
+            deterministic,
+            decode,
+            max_decode_length,
+        )
+
+
+_KINDS = {
+    "DenseGeneral": modules.DenseGeneral,
+    "LayerNorm": modules.LayerNorm,
+    "LayerNormDenseGeneral": modules.LayerNormDenseGeneral,
+    "LayerNormMLP": modules.LayerNormMLP,
+    "MultiHeadAttention": MultiHeadAttention,
+    "RelativePositionBiases": RelativePositionBiases,
+}
