@@ -15,7 +15,7 @@ import dataclasses
 import enum
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import einops
 import jax
@@ -169,7 +169,9 @@ def _lora_scope(scope: object) -> tuple[bool, bool, bool]:
     }
     name = "none" if scope is None else str(scope).lower()
     if name not in scopes:
-        raise ValueError(f"low_rank_adaptation_scope must be one of {sorted(scopes)}, got {scope!r}")
+        raise ValueError(
+            f"low_rank_adaptation_scope must be one of {sorted(scopes)}, got {scope!r}"
+        )
     return scopes[name]
 
 
@@ -220,12 +222,22 @@ class DotProductAttentionSpec:
                 f"{_PACKED_LAYOUTS} (sequence packing, the thd layouts: pad the sequences and "
                 "pass a padding mask instead)"
             )
-        _refuse(owner, "max_segments_per_seq", self.max_segments_per_seq, 1,
-                "sequence packing is not supported: pad the sequences and use a padding mask")
+        _refuse(
+            owner,
+            "max_segments_per_seq",
+            self.max_segments_per_seq,
+            1,
+            "sequence packing is not supported: pad the sequences and use a padding mask",
+        )
         cp = "context parallelism is not supported: shard the sequence with the tp_sp rule set"
         _refuse(owner, "context_parallel_axis", self.context_parallel_axis, "", cp)
-        _refuse(owner, "context_parallel_causal_load_balanced",
-                self.context_parallel_causal_load_balanced, False, cp)
+        _refuse(
+            owner,
+            "context_parallel_causal_load_balanced",
+            self.context_parallel_causal_load_balanced,
+            False,
+            cp,
+        )
         _refuse(owner, "context_parallel_strategy", str(self.context_parallel_strategy).upper(),
                 "DEFAULT", cp)  # fmt: skip
 
@@ -331,7 +343,7 @@ class MultiHeadAttentionSpec:
     apply_residual_connection_post_layernorm: bool | None = None
     fuse_qkv: bool | None = None
 
-    _DEPRECATED = {
+    _DEPRECATED: ClassVar[dict[str, str]] = {
         "num_heads": "num_attention_heads",
         "dropout_rate": "attention_dropout",
         "output_layernorm": "input_layernorm",
@@ -369,7 +381,7 @@ class MultiHeadAttentionSpec:
         )
 
     def fused_qkv(self, self_attention: bool) -> bool:
-        """One ``qkv`` kernel (self-attention without GQA), else ``query`` + ``kv``/``key, value``."""
+        """One ``qkv`` kernel (self-attention, no GQA), else ``query`` + ``kv`` (or key, value)."""
         return self.fuse_qkv_params and self_attention and self.num_attention_heads == self.groups
 
     def children(self, in_features: int, self_attention: bool) -> dict[str, Child]:
@@ -473,13 +485,13 @@ class MultiHeadAttentionSpec:
         axes = _Axes(self.transpose_batch_sequence, self.enable_sequence_parallel)
         heads, groups = self.num_attention_heads, self.groups
         inputs_q = with_logical_constraint(inputs_q, axes.residual)
-        split = "b s (h d) -> b s h d" if not self.transpose_batch_sequence else "s b (h d) -> s b h d"  # noqa: E501
+        split = (
+            "b s (h d) -> b s h d" if not self.transpose_batch_sequence else "s b (h d) -> s b h d"
+        )  # noqa: E501
         if self.fused_qkv(self_attention):
             qkv, ln_out = host.layer("qkv")(inputs_q)  # [b, s, 3, heads * head_dim]
             qkv = checkpoint_name(qkv, "combined_qkv_proj")
-            query, key, value = (
-                einops.rearrange(qkv[..., i, :], split, h=heads) for i in range(3)
-            )
+            query, key, value = (einops.rearrange(qkv[..., i, :], split, h=heads) for i in range(3))
         else:
             query, ln_out = host.layer("query")(inputs_q)  # [b, s, heads * head_dim]
             if self_attention:
@@ -554,7 +566,11 @@ class MultiHeadAttentionSpec:
         return slots.key.value, slots.value.value, bias
 
 
-# ---------------------------------------------------------------------------- RelativePositionBiases
+# ------------------------------------------------------------------------ RelativePositionBiases
+
+
+# Flax's default_embed_init, TE's default for the relative position table.
+_EMBED_INIT = jax.nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
 
 
 @dataclasses.dataclass
@@ -564,9 +580,7 @@ class RelativePositionBiasesSpec:
     num_buckets: int = None  # required
     max_distance: int = None  # required
     num_attention_heads: int = None  # required
-    embedding_init: Initializer = jax.nn.initializers.variance_scaling(
-        1.0, "fan_in", "normal", out_axis=0
-    )  # Flax's default_embed_init
+    embedding_init: Initializer = _EMBED_INIT
     embedding_axes: tuple[str | None, ...] = ("heads", "relpos_buckets")
     dtype: Any = None
     param_dtype: Any = jnp.float32
@@ -653,8 +667,13 @@ class TransformerLayerSpec:
             )
         for name in ("hidden_dropout", "attention_dropout", "intermediate_dropout", "drop_path"):
             _rate(getattr(self, name), name)
-        _refuse("TransformerLayer", "mlp_activation_params", self.mlp_activation_params, None,
-                "the clamped SwiGLU activation is not implemented; use ('silu', 'linear')")
+        _refuse(
+            "TransformerLayer",
+            "mlp_activation_params",
+            self.mlp_activation_params,
+            None,
+            "the clamped SwiGLU activation is not implemented; use ('silu', 'linear')",
+        )
 
     @property
     def decoder(self) -> bool:

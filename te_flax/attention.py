@@ -69,8 +69,7 @@ def canonical_mask_type(attn_mask_type: object) -> str:
         if name in MASK_TYPES:
             return name
     raise ValueError(
-        f"attn_mask_type must be one of {MASK_TYPES} (or 'causal_padding'), got "
-        f"{attn_mask_type!r}"
+        f"attn_mask_type must be one of {MASK_TYPES} (or 'causal_padding'), got {attn_mask_type!r}"
     )
 
 
