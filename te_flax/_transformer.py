@@ -487,7 +487,7 @@ class MultiHeadAttentionSpec:
         inputs_q = with_logical_constraint(inputs_q, axes.residual)
         split = (
             "b s (h d) -> b s h d" if not self.transpose_batch_sequence else "s b (h d) -> s b h d"
-        )  # noqa: E501
+        )
         if self.fused_qkv(self_attention):
             qkv, ln_out = host.layer("qkv")(inputs_q)  # [b, s, 3, heads * head_dim]
             qkv = checkpoint_name(qkv, "combined_qkv_proj")
@@ -735,14 +735,14 @@ class TransformerLayerSpec:
             attn_bias_type=self.self_attn_bias_type,
         ), hidden)  # fmt: skip
         dropout = dict(rng_collection=self.dropout_rng_name)
-        children["hidden_dropout"] = Child("Dropout", dict(
+        children["dropout"] = Child("Dropout", dict(
             rate=self.hidden_dropout, broadcast_dims=tuple(self.hidden_dropout_dims), **dropout
         ))  # fmt: skip
         if self.drop_path > 0:
             # Stochastic depth: one draw per sample, broadcast over all but the batch axis.
             batch_axis = 1 if self.transpose_batch_sequence else 0
             others = tuple(a for a in range(3) if a != batch_axis)
-            children["drop_path"] = Child(
+            children["stochastic_depth"] = Child(
                 "Dropout", dict(rate=self.drop_path, broadcast_dims=others, **dropout)
             )
         if self.decoder:
@@ -828,9 +828,9 @@ class TransformerLayerSpec:
                 bias = relpos(seq, seq, True)
 
         def residual_add(x, residual, ln_out, drop_path: bool):
-            x = host.layer("hidden_dropout")(x, deterministic=deterministic)
+            x = host.layer("dropout")(x, deterministic=deterministic)
             if drop_path and self.drop_path > 0:
-                x = host.layer("drop_path")(x, deterministic=deterministic)
+                x = host.layer("stochastic_depth")(x, deterministic=deterministic)
             if self.apply_residual_connection_post_layernorm:
                 residual = ln_out
             return with_logical_constraint(x + residual, axes.residual)

@@ -3,6 +3,8 @@
 Public API::
 
   LayerNorm, DenseGeneral, LayerNormDenseGeneral, LayerNormMLP   the modules
+  DotProductAttention, MultiHeadAttention, RelativePositionBiases,
+  TransformerLayer, TransformerLayerType                         TE's higher layers
   Fp8Meta                                                        the FP8 state variable type
   value_and_grad, train_step, update_fp8_state                   the train step
   linen_variables, load_linen_variables                          Linen <-> NNX variables
@@ -12,13 +14,25 @@ from te_flax.nnx._fp8_meta import Fp8Meta
 from te_flax.nnx.convert import linen_variables, load_linen_variables
 from te_flax.nnx.modules import DenseGeneral, LayerNorm, LayerNormDenseGeneral, LayerNormMLP
 from te_flax.nnx.training import train_step, update_fp8_state, value_and_grad
+from te_flax.nnx.transformer import (
+    DotProductAttention,
+    MultiHeadAttention,
+    RelativePositionBiases,
+    TransformerLayer,
+    TransformerLayerType,
+)
 
 __all__ = [
     "DenseGeneral",
+    "DotProductAttention",
     "Fp8Meta",
     "LayerNorm",
     "LayerNormDenseGeneral",
     "LayerNormMLP",
+    "MultiHeadAttention",
+    "RelativePositionBiases",
+    "TransformerLayer",
+    "TransformerLayerType",
     "linen_variables",
     "load_linen_variables",
     "train_step",

@@ -21,7 +21,22 @@ from te_flax._fp8_state import (
 from te_flax.nnx._fp8_meta import Fp8Meta
 from te_flax.quantize import QuantizerSet
 
-__all__ = ["NnxShell"]
+__all__ = ["NnxShell", "set_attributes"]
+
+
+def set_attributes(module: nnx.Module, description: type, attributes: dict, rngs) -> None:
+    """Sets every field of the layer description on ``module``: given, else the default."""
+    fields = {f.name: f for f in dataclasses.fields(description)}
+    unknown = sorted(set(attributes) - set(fields))
+    if unknown:
+        raise TypeError(
+            f"{type(module).__name__} got unknown attributes {unknown}; its attributes are "
+            f"{sorted(fields)}"
+        )
+    for name, field in fields.items():
+        setattr(module, name, attributes.get(name, field.default))
+    if not isinstance(rngs, nnx.Rngs):
+        raise TypeError(f"rngs must be an nnx.Rngs, got {rngs!r}; e.g. rngs=nnx.Rngs(0)")
 
 
 class NnxShell(nnx.Module):
@@ -34,17 +49,7 @@ class NnxShell(nnx.Module):
     _description: type  # the layer description class
 
     def _setup(self, in_features: tuple[int, ...], rngs: nnx.Rngs, attributes: dict) -> None:
-        fields = {f.name: f for f in dataclasses.fields(self._description)}
-        unknown = sorted(set(attributes) - set(fields))
-        if unknown:
-            raise TypeError(
-                f"{type(self).__name__} got unknown attributes {unknown}; its attributes are "
-                f"{sorted(fields)}"
-            )
-        for name, field in fields.items():
-            setattr(self, name, attributes.get(name, field.default))
-        if not isinstance(rngs, nnx.Rngs):
-            raise TypeError(f"rngs must be an nnx.Rngs, got {rngs!r}; e.g. rngs=nnx.Rngs(0)")
+        set_attributes(self, self._description, attributes, rngs)
         self.in_features_ = tuple(in_features)
         for spec in self.param_specs(self.in_features_):
             value = spec.init(rngs.params(), spec.shape, self.param_dtype)

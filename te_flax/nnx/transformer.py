@@ -1,0 +1,341 @@
+"""TransformerEngine's attention and transformer layers, NNX style.
+
+The same layers as ``te_flax.linen``'s (which documents the attributes), built once at
+construction from the same descriptions, with the same submodule and variable names, so that
+``te_flax.nnx.load_linen_variables`` moves a Linen variable tree in and the outputs agree bit
+for bit. Sizes the Linen modules read from their inputs are given at construction:
+``MultiHeadAttention(in_features, head_dim, num_attention_heads, in_kv_features=None)``
+(``in_kv_features=None`` builds self-attention, with the fused ``qkv`` kernel), while
+``TransformerLayer`` reads ``hidden_size``. Dropout draws from ``rngs``' ``dropout_rng_name``
+stream (default ``"dropout"``). For autoregressive decoding, call ``init_cache(batch_size,
+max_length)`` first; the cache is ``nnx.Cache`` variables (``cached_key``, ``cached_value``,
+``cache_index``), as in Linen's ``"cache"`` collection.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+from jax import Array
+
+from te_flax._transformer import (
+    Child,
+    DotProductAttentionSpec,
+    MultiHeadAttentionSpec,
+    RelativePositionBiasesSpec,
+    TransformerLayerSpec,
+    TransformerLayerType,
+)
+from te_flax.nnx import modules
+from te_flax.nnx._shell import set_attributes
+
+__all__ = [
+    "DotProductAttention",
+    "MultiHeadAttention",
+    "RelativePositionBiases",
+    "TransformerLayer",
+    "TransformerLayerType",
+]
+
+
+class _Slot:
+    """An ``nnx.Cache`` seen through ``.value``, as a Linen variable is."""
+
+    def __init__(self, variable: nnx.Cache):
+        self.variable = variable
+
+    @property
+    def value(self) -> Array:
+        return self.variable.get_value()
+
+    @value.setter
+    def value(self, new: Array) -> None:
+        self.variable.set_value(new)
+
+
+class _Slots:
+    def __init__(self, module: nnx.Module):
+        self.key = _Slot(module.cached_key)
+        self.value = _Slot(module.cached_value)
+        self.index = _Slot(module.cache_index)
+
+
+class _NnxHost:
+    """The children built at construction, the module's dropout stream and its cache."""
+
+    def __init__(self, module: nnx.Module):
+        self.module = module
+
+    def layer(self, name: str):
+        return getattr(self.module, name)
+
+    def rng(self, stream: str) -> Array:
+        return self.module.dropout_rngs()
+
+    def cache(self, shape, dtype):
+        module = self.module
+        if getattr(module, "cached_key", None) is None:
+            raise ValueError(
+                f"{type(module).__name__} has no decoding cache: call "
+                "init_cache(batch_size, max_length) before applying it with decode=True"
+            )
+        cached = module.cached_key.get_value()
+        if cached.dtype != dtype:
+            raise TypeError(
+                f"the decoding cache holds {cached.dtype} but the keys are {jnp.dtype(dtype)}; "
+                "call init_cache with dtype= the compute dtype"
+            )
+        return _Slots(module), False
+
+
+def _build(child: Child, rngs: nnx.Rngs):
+    kind, attributes, in_features = child
+    if kind == "Dropout":
+        return nnx.Dropout(**attributes, rngs=rngs)
+    if kind == "RelativePositionBiases":
+        return RelativePositionBiases(**attributes, rngs=rngs)
+    if kind == "MultiHeadAttention" and isinstance(in_features, tuple):
+        query_features, kv_features = in_features
+        return MultiHeadAttention(
+            query_features, in_kv_features=kv_features, **attributes, rngs=rngs
+        )
+    return _KINDS[kind](in_features, **attributes, rngs=rngs)
+
+
+def _dropout_rngs(rate: float, stream: str, rngs: nnx.Rngs):
+    """A fork of the dropout stream when attention dropout is on (else None)."""
+    return rngs[stream].fork() if rate > 0 else None
+
+
+class DotProductAttention(nnx.Module, DotProductAttentionSpec):
+    """Scaled dot-product attention (``te_flax.linen.DotProductAttention``, NNX style).
+
+    Example usage::
+
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import te_flax.nnx as te_nnx
+      >>> dpa = te_nnx.DotProductAttention(16, 4, transpose_batch_sequence=False,
+      ...                                  rngs=nnx.Rngs(0))
+      >>> x = jnp.ones((2, 8, 4, 16))
+      >>> dpa(x, x, x).shape
+      (2, 8, 4, 16)
+    """
+
+    def __init__(self, head_dim: int, num_attention_heads: int, *, rngs: nnx.Rngs, **attributes):
+        attributes = dict(attributes, head_dim=head_dim, num_attention_heads=num_attention_heads)
+        set_attributes(self, DotProductAttentionSpec, attributes, rngs)
+        self.check()
+        self.dropout_rngs = _dropout_rngs(self.attention_dropout, self.dropout_rng_name, rngs)
+
+    def __call__(
+        self,
+        query: Array,
+        key: Array | None = None,
+        value: Array | None = None,
+        mask: Array | None = None,
+        bias: Array | None = None,
+        *,
+        deterministic: bool = False,
+    ) -> Array:
+        """``[batch, seq, heads, head_dim]`` (per ``qkv_layout``) -> the query's shape."""
+        return self.forward(
+            _NnxHost(self), query, key, value, mask, bias, deterministic=deterministic
+        )
+
+
+class MultiHeadAttention(nnx.Module, MultiHeadAttentionSpec):
+    """Norm, projections, attention, output (``te_flax.linen.MultiHeadAttention``, NNX style).
+
+    ``in_features`` is the hidden size of ``inputs_q``; ``in_kv_features`` that of
+    ``inputs_kv`` for cross-attention (None: self-attention, called with ``inputs_kv`` the
+    same array as ``inputs_q``). Returns ``(out, ln_output or None)``.
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import te_flax.nnx as te_nnx
+      >>> mha = te_nnx.MultiHeadAttention(32, 8, 4, transpose_batch_sequence=False,
+      ...                                 rngs=nnx.Rngs(0))
+      >>> x = jnp.ones((2, 6, 32))
+      >>> mha(x, x)[0].shape
+      (2, 6, 32)
+      >>> jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(mha, nnx.Param)))["qkv"]
+      {'kernel': (32, 3, 32), 'ln_bias': (32,), 'scale': (32,)}
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        head_dim: int,
+        num_attention_heads: int,
+        *,
+        in_kv_features: int | None = None,
+        rngs: nnx.Rngs,
+        **attributes,
+    ):
+        attributes = dict(attributes, head_dim=head_dim, num_attention_heads=num_attention_heads)
+        set_attributes(self, MultiHeadAttentionSpec, attributes, rngs)
+        self.in_kv_features = in_kv_features
+        self_attention = in_kv_features is None
+        for name, child in self.children(in_features, self_attention).items():
+            if name == "kv" or name in ("key", "value"):
+                child = child._replace(in_features=in_kv_features or in_features)
+            setattr(self, name, _build(child, rngs))
+        self.dropout_rngs = _dropout_rngs(self.attention_dropout, self.dropout_rng_name, rngs)
+
+    def init_cache(self, batch_size: int, max_length: int, dtype: Any = jnp.float32) -> None:
+        """Zeroed keys and values ``[batch_size, max_length, groups, head_dim]`` for decoding.
+
+        ``dtype`` is the compute dtype of the keys (the module's ``dtype``, else the input's).
+        """
+        shape = (batch_size, max_length, self.groups, self.head_dim)
+        self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
+        self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
+        self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
+
+    def __call__(
+        self,
+        inputs_q: Array,
+        inputs_kv: Array,
+        mask: Array | None = None,
+        bias: Array | None = None,
+        *,
+        decode: bool = False,
+        deterministic: bool = False,
+    ) -> tuple[Array, Array | None]:
+        """``[batch, seq, hidden]`` (``[seq, batch, hidden]`` transposed) -> ``(out, ln)``."""
+        self_attention = self.in_kv_features is None
+        if self_attention and inputs_kv is not inputs_q:
+            raise ValueError(
+                "this MultiHeadAttention was built for self-attention (in_kv_features=None): "
+                "call it with inputs_kv the same array as inputs_q, or build it with "
+                "in_kv_features=<hidden size of inputs_kv> for cross-attention"
+            )
+        return self.forward(
+            _NnxHost(self),
+            inputs_q,
+            inputs_kv,
+            mask,
+            bias,
+            self_attention=self_attention,
+            deterministic=deterministic,
+            decode=decode,
+        )
+
+
+class RelativePositionBiases(nnx.Module, RelativePositionBiasesSpec):
+    """T5 relative position biases (``te_flax.linen.RelativePositionBiases``, NNX style).
+
+    Example usage::
+
+      >>> from flax import nnx
+      >>> import te_flax.nnx as te_nnx
+      >>> rpb = te_nnx.RelativePositionBiases(32, 128, 4, rngs=nnx.Rngs(0))
+      >>> rpb(6, 6).shape, rpb.rel_embedding[...].shape
+      ((1, 4, 6, 6), (4, 32))
+    """
+
+    def __init__(
+        self,
+        num_buckets: int,
+        max_distance: int,
+        num_attention_heads: int,
+        *,
+        rngs: nnx.Rngs,
+        **attributes,
+    ):
+        attributes = dict(
+            attributes,
+            num_buckets=num_buckets,
+            max_distance=max_distance,
+            num_attention_heads=num_attention_heads,
+        )
+        set_attributes(self, RelativePositionBiasesSpec, attributes, rngs)
+        value = self.embedding_init(rngs.params(), self.shape(), self.param_dtype)
+        self.rel_embedding = nnx.Param(
+            value, out_sharding=tuple(self.embedding_axes), eager_sharding=False
+        )
+
+    def __call__(self, q_seqlen: int, k_seqlen: int, bidirectional: bool = True) -> Array:
+        """``[1, num_attention_heads, q_seqlen, k_seqlen]`` biases."""
+        return self.forward(self.rel_embedding[...], q_seqlen, k_seqlen, bidirectional)
+
+
+class TransformerLayer(nnx.Module, TransformerLayerSpec):
+    """TE's transformer layer (``te_flax.linen.TransformerLayer``, NNX style).
+
+    Built from its attributes alone (``hidden_size`` gives the input size). A DECODER's
+    cross-attention reads ``encoded`` of the same hidden size.
+
+    Example usage::
+
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import te_flax.nnx as te_nnx
+      >>> layer = te_nnx.TransformerLayer(hidden_size=32, mlp_hidden_size=64,
+      ...                                 num_attention_heads=4, rngs=nnx.Rngs(0))
+      >>> layer(jnp.ones((2, 6, 32)), deterministic=True).shape
+      (2, 6, 32)
+    """
+
+    def __init__(self, *, rngs: nnx.Rngs, **attributes):
+        set_attributes(self, TransformerLayerSpec, attributes, rngs)
+        for name, child in self.children().items():
+            if name == "encoder_decoder_attention":
+                child = child._replace(in_features=(self.hidden_size, self.hidden_size))
+            # TE names the output norm after its switch: the module takes the attribute's place
+            # (and keeps its truth value), so that its variables sit where Linen puts them.
+            setattr(self, name, nnx.data(_build(child, rngs)))
+
+    def init_cache(self, batch_size: int, max_length: int, dtype: Any = jnp.float32) -> None:
+        """Sizes the self-attention's decoding cache (DECODER layers only)."""
+        if not self.decoder:
+            raise ValueError("only a DECODER TransformerLayer decodes autoregressively")
+        self.self_attention.init_cache(batch_size, max_length, dtype)
+
+    def __call__(
+        self,
+        inputs: Array,
+        encoded: Array | None = None,
+        attention_mask: Array | None = None,
+        encoder_decoder_mask: Array | None = None,
+        deterministic: bool = False,
+        decode: bool = False,
+        max_decode_length: int | None = None,
+    ) -> Array:
+        """``[batch, seq, hidden_size]`` (``[seq, batch, ..]`` transposed) -> the same."""
+        host = _NnxHost(self)
+        if self.relative_embedding is not None:
+            host = _WithRelativeEmbedding(self)
+        return self.forward(
+            host,
+            inputs,
+            encoded,
+            attention_mask,
+            encoder_decoder_mask,
+            deterministic,
+            decode,
+            max_decode_length,
+        )
+
+
+class _WithRelativeEmbedding(_NnxHost):
+    """A user's own relative embedding module stands in for ``relpos_bias``."""
+
+    def layer(self, name: str):
+        if name == "relpos_bias":
+            return self.module.relative_embedding
+        return super().layer(name)
+
+
+_KINDS = {
+    "DenseGeneral": modules.DenseGeneral,
+    "LayerNorm": modules.LayerNorm,
+    "LayerNormDenseGeneral": modules.LayerNormDenseGeneral,
+    "LayerNormMLP": modules.LayerNormMLP,
+    "MultiHeadAttention": MultiHeadAttention,
+}
