@@ -335,7 +335,7 @@ def rotary_pos_emb(
         positions = jnp.arange(x.shape[seq_axis])
     fraction = 2 * np.arange(head_dim // 2) / head_dim
     timescale = jnp.asarray(low * (high / low) ** fraction, jnp.float32)  # [head_dim / 2]
-    angle = positions.astype(jnp.float32)[:, None] / timescale  # [seq, head_dim / 2]
+    angle = positions.astype(jnp.float32)[:, None] / timescale[None, :]  # [seq, head_dim / 2]
     # Broadcast over every axis but the sequence and the features.
     shape = [1] * x.ndim
     shape[seq_axis], shape[-1] = x.shape[seq_axis], head_dim // 2
