@@ -118,6 +118,8 @@ def _markdown(results: dict) -> str:
         f"timed rounds of {results['settings']['iterations']} steps after "
         f"{results['settings']['warmup']} warm-up rounds. Reproduce with `python -m bench.gpu`.",
         "",
+        f"Cases measured: {results['settings']['cases_done']}.",
+        "",
         "Candidates, step and recipe as in `RESULTS.md`: bf16 activations, float32 parameters, "
         "FP8 delayed scaling (HYBRID, history 1024); a step is forward + backward "
         "(`value_and_grad` with respect to variables and input) and the FP8-state overwrite.",
@@ -199,13 +201,27 @@ def main(argv: list[str] | None = None) -> Path:
         "layers": [],
     }
     cases = [Case(*spec) for spec in (SMOKE_CASES if args.smoke else GPU_CASES)]
-    for case in cases:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "GPU_RESULTS.md"
+    # Written after every case, so a run stopped by a time limit leaves what it measured.
+    for index, case in enumerate(cases, 1):
         log(case.name)
         results["layers"].append(_run_case(case, args.repeats, args.warmup, args.iterations, log))
-    largest = max(results["layers"], key=lambda c: c["case"]["step_flops"])
+        results["targets"] = _targets(results["layers"])
+        results["settings"]["cases_done"] = f"{index} of {len(cases)}"
+        results["environment"]["wall_time_s"] = time.perf_counter() - start
+        (out / "gpu_results.json").write_text(json.dumps(results, indent=1) + "\n")
+        path.write_text(_markdown(results))
+    log(f"wrote {path} and {out / 'gpu_results.json'}")
+    return path
+
+
+def _targets(layers: list[dict]) -> list[dict]:
+    """The GPU targets over the cases measured so far."""
+    largest = max(layers, key=lambda c: c["case"]["step_flops"])
     speedup = largest["fp8_speedup"]["te_flax"]["median"]
-    worst = max(results["layers"], key=lambda c: c["te_over_flax"]["delayed"]["median"])
-    results["targets"] = [
+    worst = max(layers, key=lambda c: c["te_over_flax"]["delayed"]["median"])
+    return [
         {
             "key": "gpu_speedup",
             "name": "FP8 / BF16 speed-up of te_flax at the largest shape",
@@ -223,13 +239,6 @@ def main(argv: list[str] | None = None) -> Path:
             "met": worst["te_over_flax"]["delayed"]["median"] <= 1.0,
         },
     ]
-    results["environment"]["wall_time_s"] = time.perf_counter() - start
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_results.json").write_text(json.dumps(results, indent=1) + "\n")
-    path = out / "GPU_RESULTS.md"
-    path.write_text(_markdown(results))
-    log(f"wrote {path} and {out / 'gpu_results.json'}")
-    return path
 
 
 if __name__ == "__main__":

@@ -427,6 +427,23 @@ def _plot(results: dict, path: Path) -> None:
     plt.close(figure)
 
 
+# What RESULTS.md says about the GPU: nothing measured there (this suite runs on a CPU).
+GPU_SECTION = (
+    "No GPU figures have been measured yet: every figure in this file comes from a CPU or "
+    "from XLA's deviceless compile for an H100, and the two GPU targets above read \"not "
+    'measured". On a machine with an NVIDIA GPU (Hopper or newer for FP8 GEMMs), '
+    "`scripts/gpu_check` produces them in one run within a time budget (`--budget`, 480 s by "
+    "default): it installs the project "
+    "with the CUDA build of jaxlib, runs the tests marked `gpu` (the FP8 ops' forward and "
+    "backward on the GPU against the CPU emulation of the same inputs, the FP8 state after "
+    "three steps, the cuBLASLt FP8 GEMMs the GPU ran, the example GPT trained 200 steps in FP8 "
+    "and in BF16) and `python -m bench.gpu` (FP8 vs BF16 and te_flax vs Flax step time and "
+    "TFLOP/s, up to 16384 tokens x 8192 hidden), and writes every figure to "
+    "`runs/gpu_check/` (`SUMMARY.md`, `tests/figures/`, `bench/GPU_RESULTS.md`). "
+    "`scripts/gpu_check --smoke` checks the script on a CPU."
+)
+
+
 def markdown(results: dict, targets: list[dict]) -> str:
     env, settings, layers = results["environment"], results["settings"], results["layers"]
     has_h100 = settings["h100"] == "measured"
@@ -449,10 +466,8 @@ def markdown(results: dict, targets: list[dict]) -> str:
         f"after {settings['warmup']} warm-up round(s)"
         + (" (quick shapes)." if settings["quick"] else "."),
         "",
-        "**GPU figures are not measured here**: this machine has no GPU. `python -m bench.gpu` "
-        "runs the same comparison on one (FP8 vs BF16, te_flax vs Flax, TFLOP/s, up to 16384 "
-        "tokens x 8192 hidden) and writes `GPU_RESULTS.md`; `python -m bench.gpu --smoke` "
-        "checks it on a CPU with tiny shapes.",
+        "**No GPU figures have been measured yet**: this machine has no GPU; see "
+        "[On a GPU](#on-a-gpu) for the command that measures them.",
         "",
         "![ratios](results.png)",
         "",
@@ -467,6 +482,10 @@ def markdown(results: dict, targets: list[dict]) -> str:
         for t in missed:
             lines += [f"**{t['name']}.** {CAUSES[t['key']]}", ""]
     lines += [
+        "## On a GPU",
+        "",
+        GPU_SECTION,
+        "",
         "## Shapes and dtypes",
         "",
         *_shapes(layers),
