@@ -4,8 +4,15 @@ The functional ops live in ``te_flax.layernorm``, ``te_flax.dense`` and
 ``te_flax.layernorm_dense``; recipes and quantizer state in ``te_flax.quantize``.
 """
 
+import importlib.metadata
+
+from te_flax._show_config import show_config
 from te_flax.quantize import autocast
 
-__version__ = "0.1.0"
+try:
+    # One source for the version: the installed package's metadata (pyproject.toml's version).
+    __version__: str = importlib.metadata.version("te-flax")
+except importlib.metadata.PackageNotFoundError:  # imported from a source tree, not installed
+    __version__ = "0+unknown"
 
-__all__ = ["__version__", "autocast"]
+__all__ = ["__version__", "autocast", "show_config"]

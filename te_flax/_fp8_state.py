@@ -100,7 +100,9 @@ def quantizer_set(
     return QuantizerSet(**members)
 
 
-def check_state_matches(module: str, recipe, expected: set[str], present: set[str]) -> None:
+def check_state_matches(
+    module: str, recipe: Recipe | None, expected: set[str], present: set[str]
+) -> None:
     """Refuses FP8 variables that do not fit the recipe a module is applied with."""
     if expected == present:
         return

@@ -13,12 +13,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 from jax import Array
 from jax.ad_checkpoint import checkpoint_name
+from jax.typing import DTypeLike
 
 from te_flax import _validation as check
 from te_flax._activations import activation_forward, canonical_activation_type
@@ -39,6 +40,8 @@ __all__ = [
 
 Initializer = Callable[..., Array]  # init(key, shape, dtype)
 Dropout = Callable[[Array], Array] | None
+# A layer's parameters by name (ParamSpec.name -> array).
+Params = dict[str, Array]
 zeros = jax.nn.initializers.zeros
 ones = jax.nn.initializers.ones
 
@@ -58,15 +61,17 @@ class ParamSpec:
     axes: tuple[str | None, ...]
 
 
-def _param(name: str, shape, init: Initializer, axes: Sequence[str | None]) -> ParamSpec:
-    shape = tuple(int(d) for d in shape)
-    axes = tuple(axes) if axes else (None,) * len(shape)
-    if len(axes) != len(shape):
+def _param(
+    name: str, shape: Sequence[int], init: Initializer, axes: Sequence[str | None]
+) -> ParamSpec:
+    dims = tuple(int(d) for d in shape)
+    names = tuple(axes) if axes else (None,) * len(dims)
+    if len(names) != len(dims):
         raise ValueError(
-            f"the logical axes {axes} of parameter {name!r} name {len(axes)} dimensions but it "
-            f"has shape {shape}; give one logical axis name (or None) per dimension"
+            f"the logical axes {names} of parameter {name!r} name {len(names)} dimensions but it "
+            f"has shape {dims}; give one logical axis name (or None) per dimension"
         )
-    return ParamSpec(name, shape, init, axes)
+    return ParamSpec(name, dims, init, names)
 
 
 def _flat_fan_in(init: Initializer, n_in: int) -> Initializer:
@@ -75,7 +80,7 @@ def _flat_fan_in(init: Initializer, n_in: int) -> Initializer:
     Fan-in and fan-out are then the contracted and the output sizes whatever the kernel's rank.
     """
 
-    def flat_init(key, shape, dtype=jnp.float32):
+    def flat_init(key: Array, shape: Sequence[int], dtype: DTypeLike = jnp.float32) -> Array:
         flat = (math.prod(shape[:n_in]), math.prod(shape[n_in:]))
         return jnp.reshape(init(key, flat, dtype), shape)
 
@@ -85,7 +90,7 @@ def _flat_fan_in(init: Initializer, n_in: int) -> Initializer:
 def _per_activation(init: Initializer) -> Initializer:
     """For ``[hidden, n_act, intermediate]``: each act slice initialised on its own, as in TE."""
 
-    def stacked_init(key, shape, dtype=jnp.float32):
+    def stacked_init(key: Array, shape: Sequence[int], dtype: DTypeLike = jnp.float32) -> Array:
         hidden, n_act, intermediate = shape
         keys = jax.random.split(key, n_act)
         return jnp.stack([init(k, (hidden, intermediate), dtype) for k in keys], axis=-2)
@@ -93,21 +98,21 @@ def _per_activation(init: Initializer) -> Initializer:
     return stacked_init
 
 
-def _features(features) -> tuple[int, ...]:
+def _features(features: int | Sequence[int] | None) -> tuple[int, ...]:
     if features is None:
         raise TypeError("features is required: the output size, an int or a tuple of ints")
-    features = (features,) if isinstance(features, int) else tuple(features)
-    if not features or not all(isinstance(f, int) and f >= 1 for f in features):
-        raise ValueError(f"features must be a positive int or a tuple of them, got {features!r}")
-    return features
+    sizes = (features,) if isinstance(features, int) else tuple(features)
+    if not sizes or not all(isinstance(f, int) and f >= 1 for f in sizes):
+        raise ValueError(f"features must be a positive int or a tuple of them, got {sizes!r}")
+    return sizes
 
 
-def _compute_input(x: Array, dtype) -> Array:
+def _compute_input(x: Array, dtype: DTypeLike | None) -> Array:
     check.check_floating(x, "the input")
     return x if dtype is None else x.astype(dtype)
 
 
-def _check_last_axis(axis, x: Array) -> None:
+def _check_last_axis(axis: object, x: Array) -> None:
     if axis not in (-1, x.ndim - 1):
         raise ValueError(
             f"axis={axis!r} is not supported: this layer normalizes and contracts the last axis "
@@ -118,7 +123,16 @@ def _check_last_axis(axis, x: Array) -> None:
 class _Norm:
     """The parameters and checks of the norm that several layers share."""
 
-    def _norm_params(self, hidden: int, bias_init: Initializer, bias_axes) -> list[ParamSpec]:
+    if TYPE_CHECKING:  # fields of the layer descriptions that use it
+        layernorm_type: str
+        epsilon: float
+        zero_centered_gamma: bool
+        scale_init: Initializer | None
+        scale_axes: tuple[str | None, ...]
+
+    def _norm_params(
+        self, hidden: int, bias_init: Initializer, bias_axes: tuple[str | None, ...]
+    ) -> list[ParamSpec]:
         norm_type = check.canonical_norm_type(self.layernorm_type)
         scale_init = self.scale_init or (zeros if self.zero_centered_gamma else ones)
         params = [_param("scale", (hidden,), scale_init, self.scale_axes)]
@@ -126,7 +140,7 @@ class _Norm:
             params.append(_param("ln_bias", (hidden,), bias_init, bias_axes))
         return params
 
-    def _norm_arguments(self, params: dict) -> dict:
+    def _norm_arguments(self, params: Params) -> dict[str, Any]:
         return dict(
             gamma=params["scale"],
             beta=params.get("ln_bias"),
@@ -139,7 +153,15 @@ class _Norm:
 class _LowRank:
     """Low-rank adaptation beside a GEMM, with TE's attribute and parameter names."""
 
-    def _lora_params(self, prefix: str, in_features, features) -> list[ParamSpec]:
+    if TYPE_CHECKING:  # fields of the layer descriptions that use it
+        kernel_init: Initializer | None
+        enable_low_rank_adaptation: bool
+        low_rank_adaptation_dim: int
+        low_rank_adaptation_alpha: float | None
+
+    def _lora_params(
+        self, prefix: str, in_features: Sequence[int], features: Sequence[int]
+    ) -> list[ParamSpec]:
         if not self.enable_low_rank_adaptation:
             return []
         a_shape, b_shape = lora_shapes(
@@ -151,9 +173,12 @@ class _LowRank:
             _param(f"{prefix}lora_b_kernel", b_shape, zeros, ()),
         ]
 
-    def _with_lora(self, out: Array, x: Array, params: dict, prefix: str, n_contract: int):
+    def _with_lora(
+        self, out: Array, x: Array | None, params: Params, prefix: str, n_contract: int
+    ) -> Array:
         if not self.enable_low_rank_adaptation:
             return out
+        assert x is not None, "the layer keeps the GEMM input when LoRA is on"
         delta = lora_delta(
             x,
             params[f"{prefix}lora_a_kernel"],
@@ -183,15 +208,21 @@ class LayerNormSpec(_Norm):
     param_dtype: Any = jnp.float32
     transpose_batch_sequence: bool = False
 
-    fp8_postfixes = ()
+    fp8_postfixes: tuple[str, ...] = ()
 
     def in_features(self, x: Array) -> tuple[int, ...]:
         return (x.shape[-1],)
 
-    def param_specs(self, in_features) -> list[ParamSpec]:
+    def param_specs(self, in_features: tuple[int, ...]) -> list[ParamSpec]:
         return self._norm_params(in_features[-1], self.bias_init, self.bias_axes)
 
-    def forward(self, params, x, quantizer_sets=(), dropout: Dropout = None) -> Array:
+    def forward(
+        self,
+        params: Params,
+        x: Array,
+        quantizer_sets: Sequence[QuantizerSet] = (),
+        dropout: Dropout = None,
+    ) -> Array:
         x = _compute_input(x, self.dtype)
         return layernorm(x, **self._norm_arguments(params))
 
@@ -203,7 +234,7 @@ class LayerNormSpec(_Norm):
 class DenseGeneralSpec(_LowRank):
     """``x . kernel + bias`` over one or more trailing axes of x."""
 
-    features: int | tuple[int, ...] = None  # required
+    features: int | tuple[int, ...] | None = None  # required
     kernel_init: Initializer | None = None
     kernel_axes: tuple[str | None, ...] = ()
     use_bias: bool = True
@@ -219,7 +250,7 @@ class DenseGeneralSpec(_LowRank):
     transpose_batch_sequence: bool = False
     recipe: Recipe | None = None
 
-    fp8_postfixes = ("",)
+    fp8_postfixes: tuple[str, ...] = ("",)
 
     def _axes(self, ndim: int) -> tuple[int, ...]:
         axes = (self.axis,) if isinstance(self.axis, int) else tuple(self.axis)
@@ -234,7 +265,7 @@ class DenseGeneralSpec(_LowRank):
     def in_features(self, x: Array) -> tuple[int, ...]:
         return tuple(x.shape[a] for a in self._axes(x.ndim))
 
-    def param_specs(self, in_features) -> list[ParamSpec]:
+    def param_specs(self, in_features: tuple[int, ...]) -> list[ParamSpec]:
         features = _features(self.features)
         kernel_init = _flat_fan_in(self.kernel_init or default_kernel_init(), len(in_features))
         params = [_param("kernel", (*in_features, *features), kernel_init, self.kernel_axes)]
@@ -242,7 +273,13 @@ class DenseGeneralSpec(_LowRank):
             params.append(_param("bias", features, self.bias_init, self.bias_axes))
         return params + self._lora_params("", in_features, features)
 
-    def forward(self, params, x, quantizer_sets: Sequence[QuantizerSet], dropout=None) -> Array:
+    def forward(
+        self,
+        params: Params,
+        x: Array,
+        quantizer_sets: Sequence[QuantizerSet],
+        dropout: Dropout = None,
+    ) -> Array:
         x = _compute_input(x, self.dtype)
         axes = self._axes(x.ndim)
         out = dense(
@@ -265,7 +302,7 @@ class DenseGeneralSpec(_LowRank):
 class LayerNormDenseGeneralSpec(_Norm, _LowRank):
     """A norm fused with the GEMM after it; returns ``(out, norm output or None)``."""
 
-    features: int | tuple[int, ...] = None  # required
+    features: int | tuple[int, ...] | None = None  # required
     enable_layernorm: bool = True
     layernorm_type: str = "layernorm"
     epsilon: float = 1e-6
@@ -292,16 +329,16 @@ class LayerNormDenseGeneralSpec(_Norm, _LowRank):
     transpose_batch_sequence: bool = False
     recipe: Recipe | None = None
 
-    fp8_postfixes = ("",)
+    fp8_postfixes: tuple[str, ...] = ("",)
 
     def in_features(self, x: Array) -> tuple[int, ...]:
         _check_last_axis(self.axis, x)
         return (x.shape[-1],)
 
-    def param_specs(self, in_features) -> list[ParamSpec]:
+    def param_specs(self, in_features: tuple[int, ...]) -> list[ParamSpec]:
         hidden = in_features[-1]
         features = _features(self.features)
-        params = []
+        params: list[ParamSpec] = []
         if self.enable_layernorm:
             params += self._norm_params(hidden, self.ln_bias_init, self.ln_bias_axes)
         kernel_init = _flat_fan_in(self.kernel_init or default_kernel_init(), 1)
@@ -310,10 +347,16 @@ class LayerNormDenseGeneralSpec(_Norm, _LowRank):
             params.append(_param("bias", features, self.bias_init, self.bias_axes))
         return params + self._lora_params("", (hidden,), features)
 
-    def forward(self, params, x, quantizer_sets: Sequence[QuantizerSet], dropout=None):
+    def forward(
+        self,
+        params: Params,
+        x: Array,
+        quantizer_sets: Sequence[QuantizerSet],
+        dropout: Dropout = None,
+    ) -> tuple[Array, Array | None]:
         x = _compute_input(x, self.dtype)
         _check_last_axis(self.axis, x)
-        gemm = dict(
+        gemm: dict[str, Any] = dict(
             kernel=params["kernel"],
             bias=params.get("bias"),
             transpose_batch_sequence=self.transpose_batch_sequence,
@@ -333,7 +376,7 @@ class LayerNormDenseGeneralSpec(_Norm, _LowRank):
             out = out / jnp.asarray(self.depth_scaling, out.dtype)
         return out, ln if self.return_layernorm_output else None
 
-    def _fused_norm(self, params) -> dict:
+    def _fused_norm(self, params: Params) -> dict[str, Any]:
         return dict(
             **self._norm_arguments(params),
             layernorm_input_axes=self.layernorm_input_axes,
@@ -383,20 +426,20 @@ class LayerNormMLPSpec(_Norm, _LowRank):
     transpose_batch_sequence: bool = False
     recipe: Recipe | None = None
 
-    fp8_postfixes = ("_0", "_1")
+    fp8_postfixes: tuple[str, ...] = ("_0", "_1")
 
     def in_features(self, x: Array) -> tuple[int, ...]:
         _check_last_axis(self.axis, x)
         return (x.shape[-1],)
 
-    def param_specs(self, in_features) -> list[ParamSpec]:
+    def param_specs(self, in_features: tuple[int, ...]) -> list[ParamSpec]:
         hidden = in_features[-1]
         n_act = len(canonical_activation_type(self.activations))
         intermediate = self.intermediate_dim
         if not isinstance(intermediate, int) or intermediate < 1:
             raise ValueError(f"intermediate_dim must be a positive int, got {intermediate!r}")
         kernel_init = self.kernel_init or default_kernel_init()
-        params = []
+        params: list[ParamSpec] = []
         if self.enable_layernorm:
             params += self._norm_params(hidden, self.ln_bias_init, self.ln_bias_axes)
         params += [
@@ -419,7 +462,13 @@ class LayerNormMLPSpec(_Norm, _LowRank):
             + self._lora_params("wo_", (intermediate,), (hidden,))
         )
 
-    def forward(self, params, x, quantizer_sets: Sequence[QuantizerSet], dropout: Dropout = None):
+    def forward(
+        self,
+        params: Params,
+        x: Array,
+        quantizer_sets: Sequence[QuantizerSet],
+        dropout: Dropout = None,
+    ) -> tuple[Array, Array | None]:
         """``dropout`` is None when the intermediate dropout is off (rate 0 or deterministic)."""
         x = _compute_input(x, self.dtype)
         _check_last_axis(self.axis, x)
@@ -445,14 +494,21 @@ class LayerNormMLPSpec(_Norm, _LowRank):
                 ffn1_ckpt_name=self.ffn1_ckpt_name,
                 ffn2_ckpt_name=self.ffn2_ckpt_name,
                 activation_type=activation_type,
-                quantizer_sets=tuple(quantizer_sets),
+                quantizer_sets=(quantizer_sets[0], quantizer_sets[1]),
             )
             return out, None
         return self._composed(params, x, quantizer_sets, dropout, activation_type)
 
-    def _composed(self, params, x, quantizer_sets, dropout: Dropout, activation_type):
+    def _composed(
+        self,
+        params: Params,
+        x: Array,
+        quantizer_sets: Sequence[QuantizerSet],
+        dropout: Dropout,
+        activation_type: tuple[str, ...],
+    ) -> tuple[Array, Array | None]:
         """The same layer from the ops, where dropout or LoRA must sit between the GEMMs."""
-        gemm_1 = dict(
+        gemm_1: dict[str, Any] = dict(
             kernel=params["wi_kernel"],
             bias=params.get("wi_bias"),
             transpose_batch_sequence=self.transpose_batch_sequence,

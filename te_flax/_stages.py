@@ -14,6 +14,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import Array, lax
+from jax.typing import DTypeLike
 
 from te_flax.quantize import (
     LEADING,
@@ -178,13 +179,17 @@ def kernel_uses(for_backward: bool) -> tuple[str, ...]:
     return (LEADING, TRAILING) if for_backward else (LEADING,)
 
 
-def _scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype):
+def _scaled_matmul(
+    lhs: Array, rhs: Array, lhs_scales: Array, rhs_scales: Array, *, out_dtype: DTypeLike
+) -> Array:
     # JAX's block-scaled GEMM: cuDNN on Blackwell; XLA dequantizes and runs a cuBLAS GEMM on
     # older GPUs.
     return jax.nn.scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=out_dtype)
 
 
-def _scaled_dot(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype):
+def _scaled_dot(
+    lhs: Array, rhs: Array, lhs_scales: Array, rhs_scales: Array, *, out_dtype: DTypeLike
+) -> Array:
     # The same GEMM through lax.scaled_dot, which every XLA backend can lower
     # (jax.nn.scaled_matmul has GPU lowerings only).
     return lax.scaled_dot(
@@ -197,7 +202,7 @@ def _scaled_dot(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype):
     )
 
 
-def _block_gemm(lhs: BlockScaledTensor, rhs: BlockScaledTensor, out_dtype) -> Array:
+def _block_gemm(lhs: BlockScaledTensor, rhs: BlockScaledTensor, out_dtype: DTypeLike) -> Array:
     """``lhs [M, K] . rhs [N, K]`` with block scales -> ``[*lhs.row_shape, *rhs.row_shape]``."""
     operands = (lhs.data[None], rhs.data[None], lhs.scale_inv[None], rhs.scale_inv[None])
     # The output dtype is also the dequantization dtype of an emulated GEMM: block-scaled values
@@ -208,6 +213,7 @@ def _block_gemm(lhs: BlockScaledTensor, rhs: BlockScaledTensor, out_dtype) -> Ar
         default=partial(_scaled_dot, out_dtype=out_dtype),
     )[0]
     if lhs.tensor_scale_inv is not None:
+        assert rhs.tensor_scale_inv is not None, "NVFP4 operands carry a tensor scale"
         tensor_scale_inv = lhs.tensor_scale_inv * rhs.tensor_scale_inv
         out = (out.astype(jnp.float32) * tensor_scale_inv).astype(out_dtype)
     return out.reshape(lhs.row_shape + rhs.row_shape)
@@ -217,7 +223,7 @@ def _gemm(
     lhs: GemmOperand,
     rhs: GemmOperand,
     contracting: tuple[tuple[int, ...], tuple[int, ...]],
-    out_dtype,
+    out_dtype: DTypeLike,
     fp8_precision: lax.Precision,
 ) -> Array:
     """``lhs . rhs`` over ``contracting``: a float8 GEMM when both operands carry a scale.
@@ -228,6 +234,7 @@ def _gemm(
         assert isinstance(rhs, BlockOperand), "mixed block-scaled and per-tensor GEMM"
         lhs_matrix = lhs.for_contraction(contracting[0])
         return _block_gemm(lhs_matrix, rhs.for_contraction(contracting[1]), out_dtype)
+    assert not isinstance(rhs, BlockOperand), "mixed block-scaled and per-tensor GEMM"
     dimension_numbers = (contracting, ((), ()))
     if lhs.scale_inv is None and rhs.scale_inv is None:
         return lax.dot_general(
@@ -247,7 +254,7 @@ def _gemm(
 
 
 def dense_forward(
-    lhs: GemmOperand, rhs: GemmOperand, n_contract: int, out_dtype, bias: Array | None
+    lhs: GemmOperand, rhs: GemmOperand, n_contract: int, out_dtype: DTypeLike, bias: Array | None
 ) -> Array:
     """``lhs[batch..., K...] . rhs[K..., F...] (+ bias[F...])`` -> ``[batch..., F...]``."""
     lhs_ndim = operand_ndim(lhs)
@@ -259,7 +266,7 @@ def dense_forward(
     return out if bias is None else out + _leading_ones(bias.astype(out_dtype), out.ndim)
 
 
-def sum_to_bias(grad: Array, bias_ndim: int, bias_dtype) -> Array:
+def sum_to_bias(grad: Array, bias_ndim: int, bias_dtype: DTypeLike) -> Array:
     """The bias gradient: ``grad`` summed in float32 over all but its last ``bias_ndim`` axes."""
     batch_axes = tuple(range(grad.ndim - bias_ndim))
     return jnp.sum(grad.astype(jnp.float32), axis=batch_axes).astype(bias_dtype)
@@ -283,9 +290,9 @@ def dense_backward(
     rhs: GemmOperand,
     grad_quantizer: Quantizer | None,
     n_contract: int,
-    lhs_dtype,
-    rhs_dtype,
-    bias_dtype=None,
+    lhs_dtype: DTypeLike,
+    rhs_dtype: DTypeLike,
+    bias_dtype: DTypeLike | None = None,
 ) -> DenseGrads:
     """dgrad and wgrad of ``dense_forward`` (and dbias when ``bias_dtype`` is given).
 

@@ -7,6 +7,7 @@ import math
 from collections.abc import Sequence
 
 import jax.numpy as jnp
+from jax import Array
 
 from te_flax._stages import NormSpec
 from te_flax.quantize import QuantizerSet
@@ -23,7 +24,7 @@ __all__ = [
 _NORM_TYPES = ("layernorm", "rmsnorm")
 
 
-def check_floating(array, name: str) -> None:
+def check_floating(array: object, name: str) -> None:
     """``array`` must be a floating-point array of a compute dtype (not float8)."""
     dtype = getattr(array, "dtype", None)
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
@@ -39,7 +40,7 @@ def check_floating(array, name: str) -> None:
         )
 
 
-def check_shape(array, expected: tuple[int, ...], name: str, hint: str) -> None:
+def check_shape(array: Array, expected: tuple[int, ...], name: str, hint: str) -> None:
     if tuple(array.shape) != tuple(expected):
         raise ValueError(f"{name} has shape {tuple(array.shape)} but must be {expected}; {hint}")
 
@@ -54,7 +55,12 @@ def canonical_norm_type(norm_type: object) -> str:
 
 
 def check_norm(
-    x, gamma, beta, norm_type: object, zero_centered_gamma: object, epsilon: object
+    x: Array,
+    gamma: Array,
+    beta: Array | None,
+    norm_type: object,
+    zero_centered_gamma: object,
+    epsilon: object,
 ) -> NormSpec:
     """Validates the norm arguments against ``x`` and returns their static description."""
     norm_type = canonical_norm_type(norm_type)
@@ -85,7 +91,9 @@ def check_norm(
     return NormSpec(norm_type, zero_centered_gamma, float(epsilon))
 
 
-def check_axes(axes: Sequence[str | None] | None, ndim: int, name: str, of: str):
+def check_axes(
+    axes: Sequence[str | None] | None, ndim: int, name: str, of: str
+) -> tuple[str | None, ...] | None:
     """Logical axes as a tuple (or None), one name per dimension of the array they describe."""
     if axes is None:
         return None

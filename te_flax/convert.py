@@ -31,6 +31,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax.numpy as jnp
+from jax import Array
+from jax.typing import ArrayLike
 
 from te_flax._fp8_state import OVERWRITE_WITH_GRADIENT
 
@@ -38,22 +40,25 @@ __all__ = ["TE_FP8_COLLECTION", "from_transformer_engine", "to_transformer_engin
 
 TE_FP8_COLLECTION = "fp8_metas"
 _HISTORY, _TE_SCALE, _SCALE_INV = "_amax_history", "_scale", "_scale_inv"
+# A variable tree: collection -> nested mapping of arrays.
+_Tree = Mapping[str, Any]
+_LeafConverter = Callable[[str, Any], tuple[str, Any]]
 
 
-def _history_from_te(history):
+def _history_from_te(history: ArrayLike) -> Array:
     history = jnp.asarray(history, jnp.float32)
     # TE: [0, oldest, ..., newest] -> te_flax: [newest, ..., oldest, 0]
     return jnp.concatenate([history[1:][::-1], jnp.zeros((1,), jnp.float32)])
 
 
-def _history_to_te(history):
+def _history_to_te(history: ArrayLike) -> Array:
     history = jnp.asarray(history, jnp.float32)
     # te_flax: [newest, ..., oldest kept] -> TE: [0, ..., newest] (TE's slot 0 is cleared)
     return jnp.concatenate([jnp.zeros((1,), jnp.float32), history[:-1][::-1]])
 
 
-def _convert_leaves(tree: Mapping, convert: Callable[[str, Any], tuple[str, Any]]) -> dict:
-    out = {}
+def _convert_leaves(tree: _Tree, convert: _LeafConverter) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     for key, value in tree.items():
         if isinstance(value, Mapping):
             out[key] = _convert_leaves(value, convert)
@@ -63,7 +68,7 @@ def _convert_leaves(tree: Mapping, convert: Callable[[str, Any], tuple[str, Any]
     return out
 
 
-def _from_te_leaf(name: str, value):
+def _from_te_leaf(name: str, value: ArrayLike) -> tuple[str, Array]:
     if name.endswith(_HISTORY):
         return name, _history_from_te(value)
     if name.endswith(_TE_SCALE):
@@ -75,7 +80,7 @@ def _from_te_leaf(name: str, value):
     )
 
 
-def _to_te_leaf(name: str, value):
+def _to_te_leaf(name: str, value: ArrayLike) -> tuple[str, Array]:
     if name.endswith(_HISTORY):
         return name, _history_to_te(value)
     if name.endswith(_SCALE_INV):
@@ -87,7 +92,7 @@ def _to_te_leaf(name: str, value):
     )
 
 
-def _convert(variables: Mapping, source: str, target: str, convert) -> dict:
+def _convert(variables: _Tree, source: str, target: str, convert: _LeafConverter) -> dict[str, Any]:
     if not isinstance(variables, Mapping):
         raise TypeError(f"variables must be a mapping of collections, got {type(variables)}")
     if target in variables:
@@ -98,7 +103,7 @@ def _convert(variables: Mapping, source: str, target: str, convert) -> dict:
     return out
 
 
-def from_transformer_engine(variables: Mapping) -> dict:
+def from_transformer_engine(variables: Mapping[str, Any]) -> dict[str, Any]:
     """A TE Linen variable tree (``params`` + ``fp8_metas``) as a te_flax one.
 
     Collections other than ``fp8_metas`` are copied unchanged.
@@ -106,6 +111,6 @@ def from_transformer_engine(variables: Mapping) -> dict:
     return _convert(variables, TE_FP8_COLLECTION, OVERWRITE_WITH_GRADIENT, _from_te_leaf)
 
 
-def to_transformer_engine(variables: Mapping) -> dict:
+def to_transformer_engine(variables: Mapping[str, Any]) -> dict[str, Any]:
     """A te_flax variable tree (``params`` + ``_overwrite_with_gradient``) as a TE Linen one."""
     return _convert(variables, OVERWRITE_WITH_GRADIENT, TE_FP8_COLLECTION, _to_te_leaf)

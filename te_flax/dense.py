@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import numpy as np
@@ -38,9 +38,9 @@ __all__ = ["dense"]
 @dataclasses.dataclass(frozen=True)
 class _Config:
     n_contract: int
-    input_axes: tuple | None
-    kernel_axes: tuple | None
-    output_axes: tuple | None
+    input_axes: tuple[str | None, ...] | None
+    kernel_axes: tuple[str | None, ...] | None
+    output_axes: tuple[str | None, ...] | None
     kernel_dtype: Any
     bias_dtype: Any  # None without a bias
 
@@ -53,7 +53,14 @@ class _Residuals(NamedTuple):
     quantizers: QuantizerSet  # x and kernel already updated by the forward
 
 
-def _forward(config: _Config, x, kernel, bias, quantizer_set: QuantizerSet, for_backward=True):
+def _forward(
+    config: _Config,
+    x: Array,
+    kernel: Array,
+    bias: Array | None,
+    quantizer_set: QuantizerSet,
+    for_backward: bool = True,
+) -> tuple[Array, _Residuals]:
     # The forward GEMM contracts x's trailing axes and the kernel's leading ones; wgrad then
     # contracts x's leading (token) axes, dgrad the kernel's trailing (feature) axes.
     n_batch = x.ndim - config.n_contract
@@ -79,19 +86,26 @@ def _forward(config: _Config, x, kernel, bias, quantizer_set: QuantizerSet, for_
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _dense(config, x, kernel, bias, quantizer_set):
+def _dense(
+    config: _Config, x: Array, kernel: Array, bias: Array | None, quantizer_set: QuantizerSet
+) -> Array:
     # Not differentiated: no quantization for the backward GEMMs.
     return _forward(config, x, kernel, bias, quantizer_set, for_backward=False)[0]
 
 
-def _backward(config: _Config, residuals: _Residuals, grad):
+def _backward(
+    config: _Config, residuals: _Residuals, grad: Array
+) -> tuple[Array, Array, Array | None, QuantizerSet]:
     quantizers = residuals.quantizers
     grad = with_logical_constraint(grad, config.output_axes)
+    lhs: GemmOperand
+    rhs: GemmOperand
     if quantizers.is_noop:
-        x = residuals.lhs
-        lhs, rhs = ScaledTensor(x), ScaledTensor(residuals.rhs.astype(x.dtype))
+        # Without FP8 the residuals are x and the kernel themselves.
+        x, kernel = cast(Array, residuals.lhs), cast(Array, residuals.rhs)
+        lhs, rhs = ScaledTensor(x), ScaledTensor(kernel.astype(x.dtype))
     else:
-        lhs, rhs = residuals.lhs, residuals.rhs
+        lhs, rhs = cast(GemmOperand, residuals.lhs), cast(GemmOperand, residuals.rhs)
     compute_dtype = grad.dtype
     grads = dense_backward(
         grad,
@@ -112,18 +126,26 @@ def _backward(config: _Config, residuals: _Residuals, grad):
 _dense.defvjp(_forward, _backward)
 
 
-def _contraction_size(x, kernel, contracting_dims) -> int:
+def _contraction_size(
+    x: Array, kernel: Array, contracting_dims: tuple[Sequence[int], Sequence[int]] | None
+) -> int:
     """How many trailing axes of x contract with as many leading axes of kernel."""
     if contracting_dims is None:
         contracting_dims = ((x.ndim - 1,), (0,))
+    x_dims: tuple[int, ...] | None
+    kernel_dims: tuple[int, ...] | None
     try:
         x_dims, kernel_dims = (tuple(dims) for dims in contracting_dims)
     except (TypeError, ValueError):
         x_dims = kernel_dims = None
-    valid = x_dims is not None and all(
-        isinstance(d, int | np.integer) and not isinstance(d, bool) for d in x_dims + kernel_dims
-    )
-    if not valid:
+    if (
+        x_dims is None
+        or kernel_dims is None
+        or not all(
+            isinstance(d, int | np.integer) and not isinstance(d, bool)
+            for d in x_dims + kernel_dims
+        )
+    ):
         raise TypeError(
             "contracting_dims must be a pair of tuples of ints, e.g. ((x.ndim - 1,), (0,)); "
             f"got {contracting_dims!r}"

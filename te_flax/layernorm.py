@@ -31,25 +31,33 @@ class _Residuals(NamedTuple):
     quantizer: Quantizer | None  # already updated by the forward
 
 
-def _forward(spec: NormSpec, x, gamma, beta, quantizer):
+def _forward(
+    spec: NormSpec, x: Array, gamma: Array, beta: Array | None, quantizer: Quantizer | None
+) -> tuple[Array, _Residuals]:
     out, stats = normalize(x, gamma, beta, spec)  # f32
     if quantizer is not None:
         # Fake quantization: the output is the quantized value, dequantized to x's dtype
         # (block-scaled: in blocks along the hidden axis, as the next GEMM contracts it).
         operand, quantizer = quantizer.quantize(out, x.ndim - 1, (TRAILING,))
         if isinstance(operand, BlockOperand):
+            assert operand.trailing is not None, "quantized for a trailing contraction"
             out = operand.trailing.dequantize().reshape(out.shape)
         else:
+            assert operand.scale_inv is not None, "a quantizer's operand has a scale"
             out = scaling.dequantize(operand.data, operand.scale_inv)
     return out.astype(x.dtype), _Residuals(x, stats, gamma, beta, quantizer)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _layernorm(spec, x, gamma, beta, quantizer):
+def _layernorm(
+    spec: NormSpec, x: Array, gamma: Array, beta: Array | None, quantizer: Quantizer | None
+) -> Array:
     return _forward(spec, x, gamma, beta, quantizer)[0]
 
 
-def _backward(spec: NormSpec, residuals: _Residuals, grad):
+def _backward(
+    spec: NormSpec, residuals: _Residuals, grad: Array
+) -> tuple[Array, Array, Array | None, Quantizer | None]:
     # The quantization of the output is treated as the identity (straight-through).
     d_x, d_gamma, d_beta = normalize_backward(
         grad, residuals.x, residuals.stats, residuals.gamma, residuals.beta, spec

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 from jax import Array
@@ -42,9 +42,9 @@ __all__ = ["layernorm_dense", "layernorm_dense_with_norm_output"]
 @dataclasses.dataclass(frozen=True)
 class _Config:
     norm: NormSpec
-    layernorm_input_axes: tuple | None
-    dot_input_axes: tuple | None
-    kernel_axes: tuple | None
+    layernorm_input_axes: tuple[str | None, ...] | None
+    dot_input_axes: tuple[str | None, ...] | None
+    kernel_axes: tuple[str | None, ...] | None
     kernel_dtype: Any
     bias_dtype: Any  # None without a bias
     # Also return the norm output (in x's dtype), for return_layernorm_output and LoRA.
@@ -65,9 +65,20 @@ class _Residuals(NamedTuple):
     quantizers: QuantizerSet  # x and kernel already updated by the forward
 
 
+# The output: [batch..., features...], and the norm output too with return_norm_output.
+_Output = Array | tuple[Array, Array]
+
+
 def _forward(
-    config: _Config, x, kernel, gamma, beta, bias, quantizer_set: QuantizerSet, for_backward=True
-):
+    config: _Config,
+    x: Array,
+    kernel: Array,
+    gamma: Array,
+    beta: Array | None,
+    bias: Array | None,
+    quantizer_set: QuantizerSet,
+    for_backward: bool = True,
+) -> tuple[_Output, _Residuals]:
     x = with_logical_constraint(x, config.layernorm_input_axes)
     _, stats = normalize(x, gamma, beta, config.norm)
     lhs, x_quantizer = norm_operand(
@@ -87,11 +98,12 @@ def _forward(
     # [batch..., hidden] x [hidden, features...] -> [batch..., features...]
     out = dense_forward(lhs, rhs, 1, x.dtype, bias)
     fp8 = not quantizer_set.is_noop
+    output: _Output = out
     if config.return_norm_output:
         # Without FP8 the GEMM operand is that very array; under FP8 a second cast of the
         # float32 norm output, which XLA computes in the same fusion.
-        ln = apply_norm(x, stats, gamma, beta, config.norm) if fp8 else lhs.data
-        out = (out, ln.astype(x.dtype))
+        ln = apply_norm(x, stats, gamma, beta, config.norm) if fp8 else cast(ScaledTensor, lhs).data
+        output = (out, ln.astype(x.dtype))
     residuals = _Residuals(
         x=x,
         stats=stats,
@@ -101,19 +113,33 @@ def _forward(
         kernel_operand=rhs.keep(TRAILING) if fp8 else kernel,
         quantizers=dataclasses.replace(quantizer_set, x=x_quantizer, kernel=kernel_quantizer),
     )
-    return out, residuals
+    return output, residuals
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _layernorm_dense(config, x, kernel, gamma, beta, bias, quantizer_set):
+def _layernorm_dense(
+    config: _Config,
+    x: Array,
+    kernel: Array,
+    gamma: Array,
+    beta: Array | None,
+    bias: Array | None,
+    quantizer_set: QuantizerSet,
+) -> _Output:
     # Not differentiated: no quantization for the backward GEMMs.
     args = (config, x, kernel, gamma, beta, bias, quantizer_set)
     return _forward(*args, for_backward=False)[0]
 
 
-def _backward(config: _Config, residuals: _Residuals, grad):
+def _backward(
+    config: _Config, residuals: _Residuals, grad: _Output
+) -> tuple[Array, Array, Array, Array | None, Array | None, QuantizerSet]:
     x, quantizers = residuals.x, residuals.quantizers
-    grad, d_ln_output = grad if config.return_norm_output else (grad, None)
+    out_grad, d_ln_output = (
+        cast(tuple[Array, Array], grad) if config.return_norm_output else (cast(Array, grad), None)
+    )
+    lhs: GemmOperand
+    rhs: GemmOperand
     if quantizers.is_noop:
         lhs, _ = norm_operand(
             x,
@@ -124,11 +150,13 @@ def _backward(config: _Config, residuals: _Residuals, grad):
             None,
             config.dot_input_axes,
         )
-        rhs = ScaledTensor(residuals.kernel_operand.astype(x.dtype))
+        # Without FP8 the kernel residual is the parameter itself.
+        rhs = ScaledTensor(cast(Array, residuals.kernel_operand).astype(x.dtype))
     else:
-        lhs, rhs = residuals.ln_operand, residuals.kernel_operand
+        lhs = cast(GemmOperand, residuals.ln_operand)
+        rhs = cast(GemmOperand, residuals.kernel_operand)
     grads = dense_backward(
-        grad, lhs, rhs, quantizers.dgrad, 1, x.dtype, config.kernel_dtype, config.bias_dtype
+        out_grad, lhs, rhs, quantizers.dgrad, 1, x.dtype, config.kernel_dtype, config.bias_dtype
     )
     d_ln = grads.lhs if d_ln_output is None else grads.lhs + d_ln_output
     d_ln = with_logical_constraint(d_ln, config.layernorm_input_axes)
@@ -199,7 +227,8 @@ def layernorm_dense(
     """
     config = _config(**locals())
     kernel, gamma, beta, bias = vary_like(x, (kernel, gamma, beta, bias))
-    return _layernorm_dense(config, x, kernel, gamma, beta, bias, float32_state(quantizer_set))
+    out = _layernorm_dense(config, x, kernel, gamma, beta, bias, float32_state(quantizer_set))
+    return cast(Array, out)
 
 
 def layernorm_dense_with_norm_output(
@@ -234,23 +263,24 @@ def layernorm_dense_with_norm_output(
     """
     config = dataclasses.replace(_config(**locals()), return_norm_output=True)
     kernel, gamma, beta, bias = vary_like(x, (kernel, gamma, beta, bias))
-    return _layernorm_dense(config, x, kernel, gamma, beta, bias, float32_state(quantizer_set))
+    out = _layernorm_dense(config, x, kernel, gamma, beta, bias, float32_state(quantizer_set))
+    return cast(tuple[Array, Array], out)
 
 
 def _config(
-    x,
-    kernel,
-    gamma,
-    beta,
-    bias,
-    norm_type,
-    zero_centered_gamma,
-    epsilon,
-    transpose_batch_sequence,
-    layernorm_input_axes,
-    dot_input_axes,
-    kernel_axes,
-    quantizer_set,
+    x: Array,
+    kernel: Array,
+    gamma: Array,
+    beta: Array | None,
+    bias: Array | None,
+    norm_type: str,
+    zero_centered_gamma: bool,
+    epsilon: float,
+    transpose_batch_sequence: bool,
+    layernorm_input_axes: LogicalAxes,
+    dot_input_axes: LogicalAxes,
+    kernel_axes: LogicalAxes,
+    quantizer_set: QuantizerSet,
 ) -> _Config:
     """Validates the arguments of ``layernorm_dense`` and returns its static configuration."""
     check.check_floating(x, "x")

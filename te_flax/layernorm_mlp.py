@@ -9,11 +9,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 from jax import Array
 from jax.ad_checkpoint import checkpoint_name
+from jax.typing import DTypeLike
 
 from te_flax import _validation as check
 from te_flax._activations import (
@@ -37,6 +38,7 @@ from te_flax.quantize import (
     LEADING,
     TRAILING,
     GemmOperand,
+    Quantizer,
     QuantizerSet,
     ScaledTensor,
     as_cotangent,
@@ -53,11 +55,11 @@ __all__ = ["layernorm_mlp"]
 class _Config:
     norm: NormSpec
     activation_type: tuple[str, ...]
-    norm_input_axes: tuple | None
-    dot_1_input_axes: tuple | None
-    dot_2_input_axes: tuple | None
-    kernel_1_axes: tuple | None
-    kernel_2_axes: tuple | None
+    norm_input_axes: tuple[str | None, ...] | None
+    dot_1_input_axes: tuple[str | None, ...] | None
+    dot_2_input_axes: tuple[str | None, ...] | None
+    kernel_1_axes: tuple[str | None, ...] | None
+    kernel_2_axes: tuple[str | None, ...] | None
     ffn1_ckpt_name: str
     ffn2_ckpt_name: str
     kernel_dtypes: tuple[Any, Any]
@@ -81,19 +83,40 @@ class _Residuals(NamedTuple):
     quantizer_sets: tuple[QuantizerSet, QuantizerSet]  # x and kernel already updated
 
 
-def _activation_operand(config: _Config, pre_activation: Array, quantizer, dtype, uses):
+def _activation_operand(
+    config: _Config,
+    pre_activation: Array,
+    quantizer: Quantizer | None,
+    dtype: DTypeLike,
+    uses: tuple[str, ...],
+) -> tuple[GemmOperand, Quantizer | None]:
     activated = activation_forward(pre_activation, config.activation_type)
     operand, new_quantizer = quantize_operand(activated, quantizer, dtype, activated.ndim - 1, uses)
     return constrained(operand, config.dot_2_input_axes), new_quantizer
 
 
-def _kernel_operand(kernel: Array, quantizer, dtype, axes, uses):
+def _kernel_operand(
+    kernel: Array,
+    quantizer: Quantizer | None,
+    dtype: DTypeLike,
+    axes: tuple[str | None, ...] | None,
+    uses: tuple[str, ...],
+) -> tuple[GemmOperand, Quantizer | None]:
     # Kernels are [inputs, outputs...]: the forward contracts the leading axis.
     operand, new_quantizer = quantize_operand(kernel, quantizer, dtype, 1, uses)
     return constrained(operand, axes), new_quantizer
 
 
-def _forward(config: _Config, x, gamma, beta, kernels, biases, quantizer_sets, for_backward=True):
+def _forward(
+    config: _Config,
+    x: Array,
+    gamma: Array,
+    beta: Array | None,
+    kernels: Sequence[Array],
+    biases: Sequence[Array | None],
+    quantizer_sets: tuple[QuantizerSet, QuantizerSet],
+    for_backward: bool = True,
+) -> tuple[Array, _Residuals]:
     set_1, set_2 = quantizer_sets
     kernel_1, kernel_2 = kernels
     input_layouts, kernel_layouts = input_uses(for_backward), kernel_uses(for_backward)
@@ -135,20 +158,31 @@ def _forward(config: _Config, x, gamma, beta, kernels, biases, quantizer_sets, f
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _layernorm_mlp(config, x, gamma, beta, kernels, biases, quantizer_sets):
+def _layernorm_mlp(
+    config: _Config,
+    x: Array,
+    gamma: Array,
+    beta: Array | None,
+    kernels: Sequence[Array],
+    biases: Sequence[Array | None],
+    quantizer_sets: tuple[QuantizerSet, QuantizerSet],
+) -> Array:
     # Not differentiated: no quantization for the backward GEMMs.
     args = (config, x, gamma, beta, kernels, biases, quantizer_sets)
     return _forward(*args, for_backward=False)[0]
 
 
-def _gemm_operands(config: _Config, residuals: _Residuals, dtype):
+def _gemm_operands(
+    config: _Config, residuals: _Residuals, dtype: DTypeLike
+) -> tuple[GemmOperand, GemmOperand, GemmOperand, GemmOperand]:
     """The four GEMM operands of the forward, recomputed where they were not saved."""
     if residuals.ln_operand is not None:
+        # FP8: all four were saved as quantized operands.
         return (
             residuals.ln_operand,
-            residuals.kernel_1_operand,
-            residuals.activation_operand,
-            residuals.kernel_2_operand,
+            cast(GemmOperand, residuals.kernel_1_operand),
+            cast(GemmOperand, residuals.activation_operand),
+            cast(GemmOperand, residuals.kernel_2_operand),
         )
     ln, _ = norm_operand(
         residuals.x,
@@ -160,12 +194,22 @@ def _gemm_operands(config: _Config, residuals: _Residuals, dtype):
         config.dot_1_input_axes,
     )
     activated, _ = _activation_operand(config, residuals.pre_activation, None, dtype, ())
-    kernel_1 = ScaledTensor(residuals.kernel_1_operand.astype(dtype))
-    kernel_2 = ScaledTensor(residuals.kernel_2_operand.astype(dtype))
+    # Without FP8 the kernel residuals are the parameters themselves.
+    kernel_1 = ScaledTensor(cast(Array, residuals.kernel_1_operand).astype(dtype))
+    kernel_2 = ScaledTensor(cast(Array, residuals.kernel_2_operand).astype(dtype))
     return ln, kernel_1, activated, kernel_2
 
 
-def _backward(config: _Config, residuals: _Residuals, grad):
+def _backward(
+    config: _Config, residuals: _Residuals, grad: Array
+) -> tuple[
+    Array,
+    Array,
+    Array | None,
+    tuple[Array, Array],
+    tuple[Array | None, Array | None],
+    tuple[QuantizerSet, QuantizerSet],
+]:
     x = residuals.x
     set_1, set_2 = residuals.quantizer_sets
     ln, kernel_1, activated, kernel_2 = _gemm_operands(config, residuals, x.dtype)
@@ -203,7 +247,7 @@ def _backward(config: _Config, residuals: _Residuals, grad):
 _layernorm_mlp.defvjp(_forward, _backward)
 
 
-def _check_kernels_and_biases(x: Array, kernels, biases, n_act: int):
+def _check_kernels_and_biases(x: Array, kernels: object, biases: object, n_act: int) -> None:
     if not isinstance(kernels, Sequence) or len(kernels) != 2:
         raise TypeError(
             "kernels must be a pair [kernel_1 [hidden, n_act, intermediate], kernel_2 "
@@ -332,10 +376,11 @@ def layernorm_mlp(
             "quantizer_sets must be a pair of QuantizerSets, one per GEMM, e.g. "
             f"QuantizerFactory.create_set(2, fp8_recipe=...); got {quantizer_sets!r}"
         )
-    quantizer_sets = tuple(
+    set_1, set_2 = (
         check.check_quantizer_set(qs, f"quantizer_sets[{i}]") for i, qs in enumerate(quantizer_sets)
     )
     kernel_1, kernel_2 = kernels
+    bias_1, bias_2 = biases
     config = _Config(
         norm=norm,
         activation_type=activation_type,
@@ -349,9 +394,12 @@ def layernorm_mlp(
         ffn1_ckpt_name=_check_name(ffn1_ckpt_name, "ffn1_ckpt_name"),
         ffn2_ckpt_name=_check_name(ffn2_ckpt_name, "ffn2_ckpt_name"),
         kernel_dtypes=(kernel_1.dtype, kernel_2.dtype),
-        bias_dtypes=tuple(None if bias is None else bias.dtype for bias in biases),
+        bias_dtypes=(
+            None if bias_1 is None else bias_1.dtype,
+            None if bias_2 is None else bias_2.dtype,
+        ),
     )
     gamma, beta, kernels, biases = vary_like(x, (gamma, beta, tuple(kernels), tuple(biases)))
-    out = _layernorm_mlp(config, x, gamma, beta, kernels, biases, float32_state(quantizer_sets))
+    out = _layernorm_mlp(config, x, gamma, beta, kernels, biases, float32_state((set_1, set_2)))
     # Named outside the custom_vjp, where remat policies see the op's output as a value.
     return checkpoint_name(out, config.ffn2_ckpt_name)

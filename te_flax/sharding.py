@@ -18,10 +18,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 import flax.linen as nn
 import jax
 import yaml
+from flax.linen.spmd import logical_to_mesh_axes
 from jax import Array
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
@@ -45,9 +47,12 @@ LOGICAL_AXES = (
 )  # fmt: skip
 
 LogicalAxes = Sequence[str | None] | None
+T = TypeVar("T")
+# One entry of a PartitionSpec: a mesh axis, a tuple of them, None or UNCONSTRAINED.
+SpecEntry = Any
 
 
-def _drop_manual(entry, manual: frozenset[str]):
+def _drop_manual(entry: SpecEntry, manual: frozenset[str]) -> SpecEntry:
     """A PartitionSpec entry without mesh axes that are manual (inside ``shard_map``)."""
     if entry is None or entry is PartitionSpec.UNCONSTRAINED:
         return entry
@@ -88,7 +93,8 @@ def with_logical_constraint(x: Array, logical_axes: LogicalAxes) -> Array:
     mesh = jax.sharding.get_abstract_mesh()
     if not rules or mesh.empty:
         return x
-    spec = nn.logical_to_mesh_axes(logical_axes, rules)
+    spec = logical_to_mesh_axes(logical_axes, rules)
+    assert spec is not None  # logical_axes is not empty
     _check_auto_axes(spec, mesh)
     manual = frozenset(mesh.manual_axes)
     if manual:
@@ -102,12 +108,12 @@ def with_logical_constraint(x: Array, logical_axes: LogicalAxes) -> Array:
     return jax.lax.with_sharding_constraint(x, spec)
 
 
-def _varying_axes(array) -> frozenset[str]:
+def _varying_axes(array: Any) -> frozenset[str]:
     manual = getattr(jax.typeof(array), "mat", None)
     return frozenset(manual.varying) if manual is not None else frozenset()
 
 
-def vary_like(x: Array, tree):
+def vary_like(x: Array, tree: T) -> T:
     """``tree``'s arrays marked as varying over the ``shard_map`` axes that ``x`` varies over.
 
     Inside ``shard_map`` a replicated parameter (a kernel, a bias, a norm scale) meets a
@@ -119,14 +125,14 @@ def vary_like(x: Array, tree):
     if not varying:
         return tree
 
-    def mark(array):
+    def mark(array: Array) -> Array:
         missing = tuple(sorted(varying - _varying_axes(array)))
         return jax.lax.pcast(array, missing, to="varying") if missing else array
 
     return jax.tree.map(mark, tree)
 
 
-def _check_auto_axes(spec: PartitionSpec, mesh) -> None:
+def _check_auto_axes(spec: PartitionSpec, mesh: jax.sharding.AbstractMesh) -> None:
     for entry in spec:
         if entry is None or entry is PartitionSpec.UNCONSTRAINED:
             continue
@@ -169,7 +175,9 @@ def load_axis_rules(rule_set: str | Path) -> tuple[tuple[str, str | tuple[str, .
     return tuple(rules)
 
 
-def make_mesh(shape: Mapping[str, int], devices=None) -> jax.sharding.Mesh:
+def make_mesh(
+    shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None
+) -> jax.sharding.Mesh:
     """A mesh with ``AxisType.Auto`` axes, e.g. ``make_mesh({"data": 2, "fsdp": 2, "tensor": 2})``.
 
     Axes of ``data``, ``fsdp`` and ``tensor`` that ``shape`` leaves out get size 1, so every

@@ -42,6 +42,7 @@ Example usage::
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -59,6 +60,9 @@ __all__ = [
     "merge_fp8_state",
 ]
 
+# A Flax variable dict: collection name -> nested dict of arrays (a dict or a FrozenDict).
+Variables = Mapping[str, Any]
+
 
 class OptimizerState(NamedTuple):
     """The optax state of the parameters, and FP8 updates waiting for an accumulated step."""
@@ -69,7 +73,7 @@ class OptimizerState(NamedTuple):
     pending_fp8: Any
 
 
-def merge_fp8_state(variables):
+def merge_fp8_state(variables: Variables) -> Variables:
     """``variables`` with the FP8 collection marked for max-merging (see the module docstring).
 
     Call it first thing inside the differentiated (and jitted) loss; the gradient with respect
@@ -83,7 +87,7 @@ def merge_fp8_state(variables):
     return merged
 
 
-def _keep_unused(new_fp8, old_fp8):
+def _keep_unused(new_fp8: Any, old_fp8: Any) -> Any:
     """The old value where a state got no update in the step (it came back all zeros).
 
     An FP8 state that no op read in the step has a zero gradient, and a zero ``scale_inv`` can
@@ -93,15 +97,17 @@ def _keep_unused(new_fp8, old_fp8):
     return jax.tree.map(lambda new, old: jnp.where(jnp.all(new == 0), old, new), new_fp8, old_fp8)
 
 
-def _multi_steps_state(tx_state) -> optax.MultiStepsState | None:
-    is_multi = lambda node: isinstance(node, optax.MultiStepsState)  # noqa: E731
+def _multi_steps_state(tx_state: optax.OptState) -> optax.MultiStepsState | None:
+    def is_multi(node: Any) -> bool:
+        return isinstance(node, optax.MultiStepsState)
+
     found = [node for node in jax.tree.leaves(tx_state, is_leaf=is_multi) if is_multi(node)]
     if len(found) > 1:
         raise ValueError("more than one optax.MultiSteps in the optimizer is not supported")
     return found[0] if found else None
 
 
-def _check_variables(variables, name: str) -> None:
+def _check_variables(variables: Any, name: str) -> None:
     if not hasattr(variables, "keys") or "params" not in variables:
         raise TypeError(
             f"{name} must be a Flax variable dict with a 'params' collection (and "
@@ -109,7 +115,7 @@ def _check_variables(variables, name: str) -> None:
         )
 
 
-def init_optimizer(tx: optax.GradientTransformation, variables) -> OptimizerState:
+def init_optimizer(tx: optax.GradientTransformation, variables: Variables) -> OptimizerState:
     """The optimizer state for ``variables``: ``tx`` sees only ``variables['params']``."""
     _check_variables(variables, "variables")
     tx_state = tx.init(variables["params"])
@@ -122,7 +128,10 @@ def init_optimizer(tx: optax.GradientTransformation, variables) -> OptimizerStat
 
 
 def apply_gradients(
-    tx: optax.GradientTransformation, variables, grads, opt_state: OptimizerState
+    tx: optax.GradientTransformation,
+    variables: Variables,
+    grads: Variables,
+    opt_state: OptimizerState,
 ) -> tuple[Any, OptimizerState]:
     """One optimizer step on the parameters and the FP8-state overwrite.
 
@@ -161,5 +170,6 @@ def apply_gradients(
             pending = jax.tree.map(lambda m: jnp.where(applied, -jnp.inf, m), merged)
         new_variables[OVERWRITE_WITH_GRADIENT] = new_fp8
     if hasattr(variables, "copy") and not isinstance(variables, dict):
-        new_variables = type(variables)(new_variables)
+        mapping_type: Any = type(variables)  # a FrozenDict in, a FrozenDict out
+        return mapping_type(new_variables), OptimizerState(tx_state, pending)
     return new_variables, OptimizerState(tx_state, pending)

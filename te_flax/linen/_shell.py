@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, cast
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -27,7 +28,7 @@ __all__ = ["LinenShell"]
 class LinenShell(nn.Module):
     """Base of the Linen modules; the layer description supplies attributes and ``forward``."""
 
-    def _run(self, inputs: Array, dropout: Callable[[Array], Array] | None = None):
+    def _run(self, inputs: Array, dropout: Callable[[Array], Array] | None = None) -> Any:
         specs = self.param_specs(self.in_features(inputs))
         params = {spec.name: self._param(spec) for spec in specs}
         sets = tuple(self._quantizer_set(postfix) for postfix in self.fp8_postfixes)
@@ -43,7 +44,8 @@ class LinenShell(nn.Module):
                     "the module was initialised with"
                 )
         init = nn.with_logical_partitioning(spec.init, spec.axes)
-        return self.param(spec.name, init, spec.shape, self.param_dtype)
+        # Linen unboxes the LogicallyPartitioned value when the module reads it.
+        return cast(Array, self.param(spec.name, init, spec.shape, self.param_dtype))
 
     def _quantizer_set(self, postfix: str) -> QuantizerSet:
         recipe = resolve_recipe(self.recipe)

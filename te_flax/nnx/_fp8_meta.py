@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from flax import nnx
 
 from te_flax._fp8_state import OVERWRITE_WITH_GRADIENT
@@ -10,7 +12,7 @@ __all__ = ["Fp8Meta"]
 
 
 @nnx.register_variable_name(OVERWRITE_WITH_GRADIENT)
-class Fp8Meta(nnx.Variable):
+class Fp8Meta(nnx.Variable[Any]):
     """FP8 state (amax history, ``scale_inv``): a variable whose gradient is its new value.
 
     Registered under the Linen collection name ``_overwrite_with_gradient``, so ``nnx.bridge``

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax.numpy as jnp
 from flax import nnx
 from jax import Array
+from jax.typing import DTypeLike
 
 from te_flax._fp8_state import (
     SR_RNG,
@@ -19,12 +21,17 @@ from te_flax._fp8_state import (
     state_names,
 )
 from te_flax.nnx._fp8_meta import Fp8Meta
-from te_flax.quantize import QuantizerSet
+from te_flax.quantize import QuantizerSet, Recipe
+
+if TYPE_CHECKING:
+    from te_flax._layers import ParamSpec
 
 __all__ = ["NnxShell", "set_attributes"]
 
 
-def set_attributes(module: nnx.Module, description: type, attributes: dict, rngs) -> None:
+def set_attributes(
+    module: nnx.Module, description: type, attributes: Mapping[str, Any], rngs: object
+) -> None:
     """Sets every field of the layer description on ``module``: given, else the default."""
     fields = {f.name: f for f in dataclasses.fields(description)}
     unknown = sorted(set(attributes) - set(fields))
@@ -48,7 +55,26 @@ class NnxShell(nnx.Module):
 
     _description: type  # the layer description class
 
-    def _setup(self, in_features: tuple[int, ...], rngs: nnx.Rngs, attributes: dict) -> None:
+    if TYPE_CHECKING:  # supplied by the layer description
+        param_dtype: DTypeLike
+        recipe: Recipe | None
+        fp8_postfixes: tuple[str, ...]
+
+        def in_features(self, x: Array) -> tuple[int, ...]: ...
+
+        def param_specs(self, in_features: tuple[int, ...]) -> list[ParamSpec]: ...
+
+        def forward(
+            self,
+            params: dict[str, Array],
+            x: Array,
+            quantizer_sets: Sequence[QuantizerSet] = (),
+            dropout: Callable[[Array], Array] | None = None,
+        ) -> Any: ...
+
+    def _setup(
+        self, in_features: tuple[int, ...], rngs: nnx.Rngs, attributes: Mapping[str, Any]
+    ) -> None:
         set_attributes(self, self._description, attributes, rngs)
         self.in_features_ = tuple(in_features)
         for spec in self.param_specs(self.in_features_):
@@ -64,7 +90,7 @@ class NnxShell(nnx.Module):
         # Stochastic rounding draws a key per call from its own stream ("sr_rng", else default).
         self.sr_rngs = rngs[SR_RNG].fork() if needs_sr_key(recipe) else None
 
-    def _run(self, inputs: Array, dropout: Callable[[Array], Array] | None = None):
+    def _run(self, inputs: Array, dropout: Callable[[Array], Array] | None = None) -> Any:
         if tuple(self.in_features(inputs)) != self.in_features_:
             raise ValueError(
                 f"{type(self).__name__} was built for input features {self.in_features_} but got "

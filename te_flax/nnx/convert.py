@@ -19,6 +19,7 @@ Example usage::
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -32,9 +33,9 @@ __all__ = ["linen_variables", "load_linen_variables"]
 _COLLECTIONS = (("params", nnx.Param), (OVERWRITE_WITH_GRADIENT, Fp8Meta))
 
 
-def linen_variables(module: nnx.Module) -> dict:
+def linen_variables(module: nnx.Module) -> dict[str, Any]:
     """The module's parameters and FP8 state as a Linen variable dict (plain arrays)."""
-    out = {}
+    out: dict[str, Any] = {}
     for collection, variable_type in _COLLECTIONS:
         tree = nnx.to_pure_dict(nnx.state(module, variable_type))
         if tree:
@@ -42,11 +43,11 @@ def linen_variables(module: nnx.Module) -> dict:
     return out
 
 
-def _paths(tree) -> set[str]:
+def _paths(tree: Any) -> set[str]:
     return {jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-def load_linen_variables(module: nnx.Module, variables: Mapping) -> None:
+def load_linen_variables(module: nnx.Module, variables: Mapping[str, Any]) -> None:
     """Sets the module's parameters and FP8 state from a Linen variable dict, in place.
 
     The dict must hold exactly the module's variables (same names and shapes); boxed

@@ -12,6 +12,9 @@ the two must agree. A module built for NVFP4 with stochastic rounding keeps a fo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from flax import nnx
 from jax import Array
 
@@ -26,7 +29,7 @@ from te_flax.nnx._shell import NnxShell
 __all__ = ["DenseGeneral", "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP"]
 
 
-def _as_tuple(features) -> tuple[int, ...]:
+def _as_tuple(features: int | Sequence[int]) -> tuple[int, ...]:
     return (features,) if isinstance(features, int) else tuple(features)
 
 
@@ -47,7 +50,7 @@ class LayerNorm(NnxShell, LayerNormSpec):
 
     _description = LayerNormSpec
 
-    def __init__(self, num_features: int, *, rngs: nnx.Rngs, **attributes):
+    def __init__(self, num_features: int, *, rngs: nnx.Rngs, **attributes: Any) -> None:
         self._setup((num_features,), rngs, attributes)
 
     def __call__(self, inputs: Array) -> Array:
@@ -80,8 +83,13 @@ class DenseGeneral(NnxShell, DenseGeneralSpec):
     _description = DenseGeneralSpec
 
     def __init__(
-        self, in_features: int | tuple[int, ...], features, *, rngs: nnx.Rngs, **attributes
-    ):
+        self,
+        in_features: int | tuple[int, ...],
+        features: int | tuple[int, ...],
+        *,
+        rngs: nnx.Rngs,
+        **attributes: Any,
+    ) -> None:
         self._setup(_as_tuple(in_features), rngs, {**attributes, "features": features})
 
     def __call__(self, inputs: Array) -> Array:
@@ -110,7 +118,14 @@ class LayerNormDenseGeneral(NnxShell, LayerNormDenseGeneralSpec):
 
     _description = LayerNormDenseGeneralSpec
 
-    def __init__(self, in_features: int, features, *, rngs: nnx.Rngs, **attributes):
+    def __init__(
+        self,
+        in_features: int,
+        features: int | tuple[int, ...],
+        *,
+        rngs: nnx.Rngs,
+        **attributes: Any,
+    ) -> None:
         self._setup((in_features,), rngs, {**attributes, "features": features})
 
     def __call__(self, inputs: Array) -> tuple[Array, Array | None]:
@@ -139,7 +154,7 @@ class LayerNormMLP(NnxShell, LayerNormMLPSpec):
 
     _description = LayerNormMLPSpec
 
-    def __init__(self, in_features: int, *, rngs: nnx.Rngs, **attributes):
+    def __init__(self, in_features: int, *, rngs: nnx.Rngs, **attributes: Any) -> None:
         self._setup((in_features,), rngs, attributes)
         # Assigned once: NNX fixes an attribute as static or data at its first assignment.
         self.dropout = (

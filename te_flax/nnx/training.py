@@ -48,16 +48,22 @@ def value_and_grad(loss_fn: Callable[..., Any], *, has_aux: bool = False) -> Cal
     result is ``((value, aux), grads)``.
     """
 
-    def wrapped(model, *args, **kwargs):
-        graphdef, params, fp8, rest = nnx.split(model, nnx.Param, Fp8Meta, ...)
+    def wrapped(model: nnx.Module, *args: Any, **kwargs: Any) -> Any:
+        graphdef, *states = nnx.split(model, nnx.Param, Fp8Meta, ...)
+        params, fp8, rest = states
 
-        def pure(params, fp8, rest, *args):
+        def pure(
+            params: nnx.State[Any, Any],
+            fp8: nnx.State[Any, Any],
+            rest: nnx.State[Any, Any],
+            *args: Any,
+        ) -> tuple[Any, tuple[Any, nnx.State[Any, Any]]]:
             # Marked where the state enters the step, before it fans out to its uses. Copied:
             # the merged module must own variables of this trace (RNG counters change).
             inner = nnx.merge(graphdef, params, merge_by_max(fp8), rest, copy=True)
             out = loss_fn(inner, *args, **kwargs)
             value, aux = out if has_aux else (out, None)
-            _, _, _, new_rest = nnx.split(inner, nnx.Param, Fp8Meta, ...)
+            new_rest = nnx.split(inner, nnx.Param, Fp8Meta, ...)[-1]
             return value, (aux, new_rest)
 
         grad_fn = jax.value_and_grad(pure, argnums=(0, 1), has_aux=True)
@@ -69,7 +75,7 @@ def value_and_grad(loss_fn: Callable[..., Any], *, has_aux: bool = False) -> Cal
     return wrapped
 
 
-def update_fp8_state(model, grads) -> None:
+def update_fp8_state(model: nnx.Module, grads: nnx.State[Any, Any]) -> None:
     """Overwrites the model's ``Fp8Meta`` variables with their gradients (their new values).
 
     A state that no op read in the step has a zero gradient; it keeps its value.
@@ -79,7 +85,13 @@ def update_fp8_state(model, grads) -> None:
     nnx.update(model, _keep_unused(new, old))
 
 
-def train_step(model, optimizer: nnx.Optimizer, loss_fn: Callable[..., Any], *args, **kwargs):
+def train_step(
+    model: nnx.Module,
+    optimizer: nnx.Optimizer[Any],
+    loss_fn: Callable[..., Any],
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
     """One step: gradients, ``optimizer.update`` on the parameters, FP8-state overwrite.
 
     ``optimizer`` must optimize ``nnx.Param`` only (``wrt=nnx.Param``), so that no optax

@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import Array, lax
+from jax.typing import DTypeLike
 
 from te_flax.quantize import scaling
 
@@ -77,7 +78,7 @@ def _e8m0_reciprocal(scale: Array) -> Array:
     return jnp.where(byte == 255, jnp.nan, reciprocal)
 
 
-def quantize_mxfp8(x: Array, dtype, block: int = MXFP8_BLOCK) -> tuple[Array, Array]:
+def quantize_mxfp8(x: Array, dtype: DTypeLike, block: int = MXFP8_BLOCK) -> tuple[Array, Array]:
     """``x [rows, K]`` -> (float8 data ``[rows, K]``, e8m0 scales ``[rows, K // block]``).
 
     Each block's scale is ``amax(block) / fp8_max`` rounded up to a power of two, so every
@@ -138,7 +139,10 @@ def quantize_nvfp4(
 
 
 def dequantize_blocks(
-    data: Array, scale_inv: Array, tensor_scale_inv: Array | None = None, dtype=jnp.float32
+    data: Array,
+    scale_inv: Array,
+    tensor_scale_inv: Array | None = None,
+    dtype: DTypeLike = jnp.float32,
 ) -> Array:
     """``data [rows, K] * scale_inv`` repeated over each block (``* tensor_scale_inv``)."""
     rows, k = data.shape

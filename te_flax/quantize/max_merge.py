@@ -30,11 +30,11 @@ def _to_max_merged(state: Array) -> Array:
     return lax.convert_element_type(state, fp32_max_grad)
 
 
-def _to_max_merged_fwd(state):
+def _to_max_merged_fwd(state: Array) -> tuple[Array, Array]:
     return _to_max_merged(state), state
 
 
-def _to_max_merged_bwd(state, merged_update):
+def _to_max_merged_bwd(state: Array, merged_update: Array) -> tuple[Array]:
     update = lax.convert_element_type(merged_update, jnp.float32)
     # The zero of fp32_max_grad is -inf: a state that no use updated keeps its value instead of
     # being overwritten with -inf.
@@ -49,18 +49,18 @@ def _from_max_merged(state: Array) -> Array:
     return lax.convert_element_type(state, jnp.float32)
 
 
-def _from_max_merged_fwd(state):
+def _from_max_merged_fwd(state: Array) -> tuple[Array, None]:
     return _from_max_merged(state), None
 
 
-def _from_max_merged_bwd(_, update):
+def _from_max_merged_bwd(_: None, update: Array) -> tuple[Array]:
     return (lax.convert_element_type(update, fp32_max_grad),)
 
 
 _from_max_merged.defvjp(_from_max_merged_fwd, _from_max_merged_bwd)
 
 
-def _is_max_merged(leaf) -> bool:
+def _is_max_merged(leaf: object) -> bool:
     return hasattr(leaf, "dtype") and leaf.dtype == fp32_max_grad
 
 
@@ -100,7 +100,7 @@ def merge_by_max(state: T) -> T:
     (the RNG key of stochastic rounding) are not state and pass through too.
     """
 
-    def mark(leaf):
+    def mark(leaf: Array) -> Array:
         if _is_max_merged(leaf) or jnp.dtype(leaf.dtype) != jnp.float32:
             return leaf
         return _to_max_merged(leaf)
@@ -114,7 +114,7 @@ def float32_state(state: T) -> T:
     Leaves that are already float32 pass through unchanged.
     """
 
-    def to_float32(leaf):
+    def to_float32(leaf: Array) -> Array:
         return _from_max_merged(leaf) if _is_max_merged(leaf) else leaf
 
     return jax.tree.map(to_float32, state)

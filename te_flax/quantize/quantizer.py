@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, NamedTuple, TypeVar, overload
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
+from jax.typing import DTypeLike
 
 from te_flax.quantize import block_scaling, scaling
 from te_flax.quantize.autocast import get_autocast_recipe
@@ -55,6 +57,7 @@ __all__ = [
 
 TRAILING = "trailing"  # a GEMM contracts the tensor's axes from ``split`` on
 LEADING = "leading"  # a GEMM contracts the tensor's first ``split`` axes
+T = TypeVar("T")
 
 
 class ScaledTensor(NamedTuple):
@@ -69,7 +72,7 @@ class ScaledTensor(NamedTuple):
         return self
 
 
-def _static(default=dataclasses.MISSING):
+def _static(default: Any = dataclasses.MISSING) -> Any:
     return dataclasses.field(default=default, metadata={"static": True})
 
 
@@ -90,7 +93,7 @@ class BlockScaledTensor:
     tensor_scale_inv: Array | None
     row_shape: tuple[int, ...] = _static()
 
-    def dequantize(self, dtype=jnp.float32) -> Array:
+    def dequantize(self, dtype: DTypeLike = jnp.float32) -> Array:
         """The ``[rows, K]`` values the operand stands for."""
         return block_scaling.dequantize_blocks(
             self.data, self.scale_inv, self.tensor_scale_inv, dtype
@@ -159,7 +162,7 @@ class DelayedScaleQuantizer:
     amax_compute_algo: str = _static("max")
 
     @classmethod
-    def fresh(cls, q_dtype, recipe: DelayedScaling) -> DelayedScaleQuantizer:
+    def fresh(cls, q_dtype: DTypeLike, recipe: DelayedScaling) -> DelayedScaleQuantizer:
         """A quantizer with the initial state: ``scale_inv = 1`` and an all-zero history."""
         return cls(
             scale_inv=jnp.ones((1,), jnp.float32),
@@ -169,7 +172,9 @@ class DelayedScaleQuantizer:
             amax_compute_algo=recipe.amax_compute_algo,
         )
 
-    def quantize(self, x: Array, split=None, uses=()) -> tuple[ScaledTensor, DelayedScaleQuantizer]:
+    def quantize(
+        self, x: Array, split: int | None = None, uses: Sequence[str] = ()
+    ) -> tuple[ScaledTensor, DelayedScaleQuantizer]:
         """Returns ``x`` quantized with the stored scale, and the quantizer with the new state.
 
         One scale serves every use, so ``split`` and ``uses`` do not matter.
@@ -200,7 +205,9 @@ class CurrentScaleQuantizer:
 
     q_dtype: Any = _static(jnp.float8_e4m3fn)  # noqa: RUF009
 
-    def quantize(self, x: Array, split=None, uses=()) -> tuple[ScaledTensor, CurrentScaleQuantizer]:
+    def quantize(
+        self, x: Array, split: int | None = None, uses: Sequence[str] = ()
+    ) -> tuple[ScaledTensor, CurrentScaleQuantizer]:
         """Returns ``x`` quantized with ``amax(x) / fp8_max``, and this (stateless) quantizer."""
         del split, uses
         one = jnp.ones((), jnp.float32)
@@ -218,11 +225,16 @@ def _as_matrix(x: Array, split: int, use: str) -> tuple[Array, tuple[int, ...]]:
 
 
 def _block_operand(
-    recipe: str, block: int, x: Array, split: int, uses, quantize_matrix
+    recipe: str,
+    block: int,
+    x: Array,
+    split: int,
+    uses: Sequence[str],
+    quantize_matrix: Callable[[Array, str], tuple[Array, Array, Array | None]],
 ) -> BlockOperand:
     """``x`` quantized for each of ``uses`` by ``quantize_matrix(matrix, use)``, in blocks of
     ``block`` along each use's contraction (refused where that is not a multiple of it)."""
-    prepared = {}
+    prepared: dict[str, BlockScaledTensor] = {}
     for use in uses:
         contracted = x.shape[split:] if use == TRAILING else x.shape[:split]
         size = math.prod(contracted)
@@ -253,10 +265,12 @@ class BlockScaleQuantizer:
     q_dtype: Any = _static(jnp.float8_e4m3fn)  # noqa: RUF009
     block_size: int = _static(block_scaling.MXFP8_BLOCK)
 
-    def quantize(self, x: Array, split: int, uses) -> tuple[BlockOperand, BlockScaleQuantizer]:
+    def quantize(
+        self, x: Array, split: int, uses: Sequence[str]
+    ) -> tuple[BlockOperand, BlockScaleQuantizer]:
         """``x`` quantized for each of ``uses`` (``TRAILING``, ``LEADING``), and this quantizer."""
 
-        def quantize_matrix(matrix, use):
+        def quantize_matrix(matrix: Array, use: str) -> tuple[Array, Array, Array | None]:
             del use
             data, scale_inv = block_scaling.quantize_mxfp8(matrix, self.q_dtype, self.block_size)
             return data, scale_inv, None
@@ -282,11 +296,13 @@ class NVFP4Quantizer:
     q_dtype: Any = _static(jnp.float4_e2m1fn)  # noqa: RUF009
     block_size: int = _static(block_scaling.NVFP4_BLOCK)
 
-    def quantize(self, x: Array, split: int, uses) -> tuple[BlockOperand, NVFP4Quantizer]:
+    def quantize(
+        self, x: Array, split: int, uses: Sequence[str]
+    ) -> tuple[BlockOperand, NVFP4Quantizer]:
         """``x`` quantized for each of ``uses`` with one tensor scale, and this quantizer."""
         tensor_scale_inv = block_scaling.nvfp4_tensor_scale_inv(scaling.amax(x))
 
-        def quantize_matrix(matrix, use):
+        def quantize_matrix(matrix: Array, use: str) -> tuple[Array, Array, Array | None]:
             key = None if self.key is None else jax.random.fold_in(self.key, int(use == LEADING))
             data, scale_inv = block_scaling.quantize_nvfp4(
                 matrix, tensor_scale_inv, key, self.block_size
@@ -345,9 +361,10 @@ class QuantizerSet:
         for name, quantizer in members.items():
             if quantizer is not None:
                 check_quantizer(quantizer, f"{argument}.{name}")
-        if not present:
+        quantizers = {n: quantizer for n, quantizer in members.items() if quantizer is not None}
+        if not quantizers:
             return
-        if len({quantizer.block_scaled for quantizer in members.values()}) > 1:
+        if len({quantizer.block_scaled for quantizer in quantizers.values()}) > 1:
             raise ValueError(
                 f"{argument} mixes block-scaled and per-tensor quantizers "
                 f"({type(self.x).__name__}, {type(self.kernel).__name__}, "
@@ -356,7 +373,7 @@ class QuantizerSet:
             )
         e5m2 = jnp.dtype(jnp.float8_e5m2)
         for a, b in (("x", "kernel"), ("dgrad", "kernel"), ("x", "dgrad")):
-            if jnp.dtype(members[a].q_dtype) == e5m2 == jnp.dtype(members[b].q_dtype):
+            if jnp.dtype(quantizers[a].q_dtype) == e5m2 == jnp.dtype(quantizers[b].q_dtype):
                 raise ValueError(
                     f"{argument}: {a} and {b} are both float8_e5m2, and cuBLASLt cannot multiply "
                     "two e5m2 operands; use Format.HYBRID or Format.E4M3"
@@ -385,6 +402,33 @@ def check_quantizer(quantizer: object, argument: str) -> None:
 
 class QuantizerFactory:
     """Builds quantizer sets with fresh state from a recipe."""
+
+    @overload
+    @staticmethod
+    def create_set(
+        n_quantizer_sets: Literal[1] = 1,
+        *,
+        fp8_recipe: Recipe | None = None,
+        sr_key: Array | None = None,
+    ) -> QuantizerSet: ...
+
+    @overload
+    @staticmethod
+    def create_set(
+        n_quantizer_sets: Literal[2],
+        *,
+        fp8_recipe: Recipe | None = None,
+        sr_key: Array | None = None,
+    ) -> tuple[QuantizerSet, QuantizerSet]: ...
+
+    @overload
+    @staticmethod
+    def create_set(
+        n_quantizer_sets: int,
+        *,
+        fp8_recipe: Recipe | None = None,
+        sr_key: Array | None = None,
+    ) -> QuantizerSet | tuple[QuantizerSet, ...]: ...
 
     @staticmethod
     def create_set(
@@ -421,7 +465,7 @@ class QuantizerFactory:
         if not isinstance(n_quantizer_sets, int) or n_quantizer_sets < 1:
             raise ValueError(f"n_quantizer_sets must be an int >= 1, got {n_quantizer_sets!r}")
         recipe = get_autocast_recipe() if fp8_recipe is None else fp8_recipe
-        keys = [None] * n_quantizer_sets
+        keys: list[Array | None] = [None] * n_quantizer_sets
         if isinstance(recipe, NVFP4BlockScaling) and recipe.stochastic_rounding:
             if sr_key is None:
                 raise ValueError(
@@ -465,7 +509,7 @@ GemmOperand = ScaledTensor | BlockOperand
 def quantize_operand(
     x: Array,
     quantizer: Quantizer | None,
-    compute_dtype,
+    compute_dtype: DTypeLike,
     split: int | None = None,
     uses: tuple[str, ...] = (TRAILING,),
 ) -> tuple[GemmOperand, Quantizer | None]:
@@ -476,17 +520,19 @@ def quantize_operand(
     """
     if quantizer is None:
         return ScaledTensor(x.astype(compute_dtype)), None
-    if quantizer.block_scaled and split is None:
-        raise AssertionError("a block-scaled quantization needs the contraction split")
+    if isinstance(quantizer, BlockScaleQuantizer | NVFP4Quantizer):
+        if split is None:
+            raise AssertionError("a block-scaled quantization needs the contraction split")
+        return quantizer.quantize(x, split, uses)
     return quantizer.quantize(x, split, uses)
 
 
-def as_cotangent(state):
+def as_cotangent(state: T) -> T:
     """Quantizer state as the ops return it from a backward pass: the new state as is, and a
     ``float0`` zero (no gradient) for every integer or RNG-key leaf (stochastic rounding keys).
     """
 
-    def leaf(value):
+    def leaf(value: Array) -> Array | np.ndarray:
         if jnp.issubdtype(value.dtype, jnp.floating):
             return value
         return np.zeros(value.shape, jax.dtypes.float0)

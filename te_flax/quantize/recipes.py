@@ -12,6 +12,7 @@ import enum
 import math
 
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 __all__ = [
     "DelayedScaling",
@@ -39,12 +40,12 @@ class Format(enum.Enum):
     E2M1 = (jnp.float4_e2m1fn, jnp.float4_e2m1fn)
 
     @property
-    def forward_dtype(self):
+    def forward_dtype(self) -> DTypeLike:
         """The float8 dtype of activations and kernels."""
         return self.value[0]
 
     @property
-    def backward_dtype(self):
+    def backward_dtype(self) -> DTypeLike:
         """The float8 dtype of gradients."""
         return self.value[1]
 
@@ -90,7 +91,7 @@ class DelayedScaling:
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _check_format("DelayedScaling", self.fp8_format)
         if not isinstance(self.margin, int | float) or not math.isfinite(self.margin):
             raise ValueError(
@@ -125,7 +126,7 @@ class Float8CurrentScaling:
 
     fp8_format: Format = Format.HYBRID
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _check_format("Float8CurrentScaling", self.fp8_format)
 
 
@@ -149,7 +150,7 @@ class MXFP8BlockScaling:
 
     fp8_format: Format = Format.E4M3
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _check_format("MXFP8BlockScaling", self.fp8_format)
 
 
@@ -179,7 +180,7 @@ class NVFP4BlockScaling:
     fp4_format: Format = Format.E2M1
     stochastic_rounding: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.fp4_format is not Format.E2M1:
             raise ValueError(
                 f"NVFP4BlockScaling(fp4_format=...) must be Format.E2M1, got {self.fp4_format!r}"

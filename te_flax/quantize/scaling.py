@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import Array, lax
+from jax.typing import DTypeLike
 
 __all__ = [
     "amax",
@@ -23,7 +24,7 @@ __all__ = [
 _F32 = jnp.finfo(jnp.float32)
 
 
-def fp8_max(dtype) -> float:
+def fp8_max(dtype: DTypeLike) -> float:
     """The largest finite value of a float8 dtype (448 for e4m3fn, 57344 for e5m2)."""
     return float(jnp.finfo(dtype).max)
 
@@ -41,7 +42,9 @@ def amax(x: Array) -> Array:
     return lax.pmax(value, manual) if manual else value
 
 
-def compute_scale_inv(amax_value: Array, dtype, margin: float, previous_scale_inv: Array) -> Array:
+def compute_scale_inv(
+    amax_value: Array, dtype: DTypeLike, margin: float, previous_scale_inv: Array
+) -> Array:
     """``amax * 2**margin / fp8_max``, keeping ``previous_scale_inv`` where amax is 0, NaN or inf.
 
     The result is clipped to the normal float32 range, so it is never 0, inf or NaN as long as
@@ -72,7 +75,7 @@ def reduce_history(history: Array, amax_compute_algo: str) -> Array:
     return history[0]
 
 
-def quantize(x: Array, dtype, scale_inv: Array) -> Array:
+def quantize(x: Array, dtype: DTypeLike, scale_inv: Array) -> Array:
     """``clip(x / scale_inv, -fp8_max, fp8_max)`` cast to ``dtype``.
 
     The division runs in float32 whatever ``x``'s dtype is, so the scale is not rounded to
@@ -85,6 +88,6 @@ def quantize(x: Array, dtype, scale_inv: Array) -> Array:
     return jnp.clip(scaled, -limit, limit).astype(dtype)
 
 
-def dequantize(q: Array, scale_inv: Array, dtype=jnp.float32) -> Array:
+def dequantize(q: Array, scale_inv: Array, dtype: DTypeLike = jnp.float32) -> Array:
     """``q * scale_inv`` in ``dtype``."""
     return (q.astype(jnp.float32) * scale_inv.astype(jnp.float32)).astype(dtype)
