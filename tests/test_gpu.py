@@ -111,6 +111,7 @@ def record(request):
         "accelerator": str(ACCELERATOR),
         "cpu": str(CPU),
         "smoke": SMOKE,
+        "sizes": {"batch": BATCH, "seq": SEQ, "hidden": HIDDEN, "features": FEATURES},
     }
     yield figures
     if FIGURES:
@@ -123,7 +124,14 @@ def record(request):
 # ----------------------------------------------------------------------------- the ops
 
 
+@functools.cache
 def _inputs(op: str) -> dict:
+    """The op's inputs as host arrays, so that both devices get the very same values."""
+    with jax.default_device(CPU):
+        return jax.device_get(_make_inputs(op))
+
+
+def _make_inputs(op: str) -> dict:
     keys = jax.random.split(jax.random.key(17), 9)
     # bf16 activations and float32 parameters, as in training.
     x = normal(keys[0], (BATCH, SEQ, HIDDEN), jnp.bfloat16, 2.0) + jnp.asarray(0.5, jnp.bfloat16)
