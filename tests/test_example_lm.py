@@ -16,7 +16,8 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 
 from examples.lm.config import DEFAULT_CONFIG, load_config
 from examples.lm.data import load_corpus
-from examples.lm.train import train
+from examples.lm.report import loss_ratios
+from examples.lm.train import RunResult, eval_interval, train
 from tests.helpers import relative_error
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,7 +57,8 @@ def test_training_reduces_the_loss(tmp_path, corpus, frontend, recipe):
         "checkpoint_every=0",
     )
     result = train(config, "run", corpus=corpus, progress=False)
-    assert result.eval_steps == [0, 40]
+    # eval_every is capped at a tenth of the run: at least ten evaluations after the first.
+    assert result.eval_steps == list(range(0, 41, 4))
     assert result.eval_loss[-1] < 0.8 * result.eval_loss[0]
     assert np.isfinite(result.train_loss).all()
     fp8 = result.variables.get("_overwrite_with_gradient")
@@ -161,7 +163,30 @@ def test_compare_mode_writes_the_report(tmp_path, corpus, monkeypatch):
     )
     report = (tmp_path / "report.md").read_text()
     assert "| fp8 |" in report and "| bf16 |" in report and "relative to bf16" in report
+    # The ratio at every evaluation: a 4-step run evaluates after every step.
+    assert "Eval loss ratio fp8 / bf16 at each evaluation (step: ratio): 0: " in report
+    assert ", 4: " in report and "Farthest from 1: " in report
     assert (tmp_path / "loss.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    ("steps", "eval_every", "expected"), [(300, 50, 30), (300, 20, 20), (8, 4, 1)]
+)
+def test_evaluations_come_at_least_every_tenth_of_the_run(steps, eval_every, expected):
+    config = load_config(DEFAULT_CONFIG, [f"train.steps={steps}", f"train.eval_every={eval_every}"])
+    assert eval_interval(config) == expected
+
+
+def test_loss_ratios_divide_step_by_step_over_the_common_steps():
+    def run(name, steps, train_loss, eval_steps, eval_loss):
+        return RunResult(name, steps, train_loss, eval_steps, eval_loss, 0.0, 0.0, 0, None)
+
+    fp8 = run("fp8", [3, 4, 5], [2.0, 3.0, 4.0], [0, 5], [6.0, 2.2])
+    bf16 = run("bf16", [1, 2, 3, 4, 5], [9.0, 9.0, 1.0, 2.0, 4.0], [0, 3, 5], [6.0, 3.0, 2.0])
+    ratios = loss_ratios(fp8, bf16)
+    assert ratios.steps == [3, 4, 5] and ratios.train == [2.0, 1.5, 1.0]
+    assert ratios.eval_steps == [0, 5]
+    np.testing.assert_allclose(ratios.eval, [1.0, 1.1])
 
 
 def test_user_text_file_is_used(tmp_path):

@@ -37,7 +37,7 @@ class TrainConfig:
     warmup_steps: int = 30
     weight_decay: float = 0.1
     clip_norm: float = 1.0
-    eval_every: int = 50
+    eval_every: int = 50  # at most; evaluations also come at least every tenth of the run
     eval_batches: int = 4
     seed: int = 0
     # "delayed", "current", "mxfp8", "nvfp4" or "none" (BF16)

@@ -1,12 +1,15 @@
-"""The compare mode's report: a loss plot of both runs and a table of what they measured."""
+"""The compare mode's report: the loss curves of both runs, their ratio over the steps, and a
+table of what they measured."""
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 from pathlib import Path
 
 import jax
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
@@ -14,14 +17,69 @@ import matplotlib.pyplot as plt
 from .config import Config
 from .train import RunResult
 
-__all__ = ["write_report"]
+__all__ = ["LossRatios", "loss_ratios", "write_report"]
+
+
+@dataclasses.dataclass
+class LossRatios:
+    """One run's loss over another's at the steps both measured."""
+
+    steps: list[int]
+    train: list[float]  # per training step (both runs saw the same batch)
+    eval_steps: list[int]
+    eval: list[float]  # per evaluation
+
+
+def loss_ratios(run: RunResult, reference: RunResult) -> LossRatios:
+    """``run``'s train and eval losses divided by ``reference``'s, step by step."""
+    train = dict(zip(reference.steps, reference.train_loss, strict=True))
+    evals = dict(zip(reference.eval_steps, reference.eval_loss, strict=True))
+    steps = [s for s in run.steps if s in train]
+    eval_steps = [s for s in run.eval_steps if s in evals]
+    own_train = dict(zip(run.steps, run.train_loss, strict=True))
+    own_eval = dict(zip(run.eval_steps, run.eval_loss, strict=True))
+    return LossRatios(
+        steps,
+        [own_train[s] / train[s] for s in steps],
+        eval_steps,
+        [own_eval[s] / evals[s] for s in eval_steps],
+    )
+
+
+def _moving_average(values: list[float], window: int) -> np.ndarray:
+    return np.convolve(values, np.ones(window) / window, mode="valid")
+
+
+def _plot_ratio(axis: plt.Axes, ratios: LossRatios, name: str, reference: str) -> None:
+    """The ratio panel: raw per-step train ratio, its moving average, and the eval ratios."""
+    axis.axhline(1.0, color="k", lw=0.8)
+    axis.plot(ratios.steps, ratios.train, color="C0", alpha=0.25, lw=1, label="train, per step")
+    window = max(1, len(ratios.steps) // 20)
+    if len(ratios.steps) >= window > 1:
+        smooth = _moving_average(ratios.train, window)
+        axis.plot(
+            ratios.steps[window - 1 :], smooth, color="C0", lw=1.5, label=f"train, mean of {window}"
+        )
+    axis.plot(ratios.eval_steps, ratios.eval, color="C3", marker="o", label="eval")
+    axis.set(xlabel="step", ylabel=f"loss ratio {name} / {reference}")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize="small")
 
 
 def write_report(config: Config, results: list[RunResult]) -> Path:
     """Writes ``loss.png`` and ``report.md`` to ``config.output_dir``; returns the report."""
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    figure, axis = plt.subplots(figsize=(7, 4))
+    compared = len(results) == 2
+    figure, axes = plt.subplots(
+        2 if compared else 1,
+        1,
+        figsize=(7, 7 if compared else 4),
+        sharex=True,
+        squeeze=False,
+        height_ratios=[3, 2] if compared else [1],
+    )
+    axis = axes[0, 0]
     for index, result in enumerate(results):
         color, style = f"C{index}", ("-", "--")[index % 2]
         axis.plot(
@@ -40,9 +98,14 @@ def write_report(config: Config, results: list[RunResult]) -> Path:
             marker="o",
             label=f"{result.name} eval",
         )
-    axis.set(xlabel="step", ylabel="cross-entropy (nats/byte)", title="FP8 vs BF16")
+    axis.set(ylabel="cross-entropy (nats/byte)", title="FP8 vs BF16")
     axis.grid(alpha=0.3)
     axis.legend()
+    ratios = loss_ratios(results[0], results[1]) if compared else None
+    if ratios is not None:
+        _plot_ratio(axes[1, 0], ratios, results[0].name, results[1].name)
+    else:
+        axis.set(xlabel="step")
     figure.tight_layout()
     figure.savefig(out / "loss.png", dpi=120)
     plt.close(figure)
@@ -72,10 +135,20 @@ def write_report(config: Config, results: list[RunResult]) -> Path:
             f"| {drop:.1%} | {r.tokens_per_s:,.0f} | {1000 * r.step_time_s:.1f} | "
             f"{r.parameters:,} |"
         )
-    if len(results) == 2:
+    if ratios is not None:
         a, b = results
         gap = a.eval_loss[-1] / b.eval_loss[-1] - 1
         lines += ["", f"Final eval loss, {a.name} relative to {b.name}: {gap:+.2%}."]
+        points = ", ".join(
+            f"{step}: {ratio:.4f}"
+            for step, ratio in zip(ratios.eval_steps, ratios.eval, strict=True)
+        )
+        worst = int(np.argmax(np.abs(np.asarray(ratios.eval) - 1)))
+        lines += [
+            "",
+            f"Eval loss ratio {a.name} / {b.name} at each evaluation (step: ratio): {points}. "
+            f"Farthest from 1: {ratios.eval[worst]:.4f} at step {ratios.eval_steps[worst]}.",
+        ]
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -133,6 +133,13 @@ def _nnx_frontend(config: Config) -> _Frontend:
     )
 
 
+def eval_interval(config: Config) -> int:
+    """Steps between evaluations: ``train.eval_every``, and at most a tenth of the run, so that a
+    comparison shows at least ten points of each run's eval loss."""
+    t = config.train
+    return max(1, min(t.eval_every, t.steps // 10))
+
+
 def make_optimizer(config: Config) -> optax.GradientTransformation:
     t = config.train
     schedule = optax.warmup_cosine_decay_schedule(
@@ -283,6 +290,7 @@ def train(
             result.eval_loss.append(evaluate(state["variables"]))
         times = []
         end = t.steps if t.stop_at is None else min(t.stop_at, t.steps)
+        every = eval_interval(config)
         bar = tqdm(range(start, end), desc=name, disable=not progress, initial=start)
         for step in bar:
             tokens, targets = corpus.batch("train", t.seed, step, t.batch, t.seq_len)
@@ -295,7 +303,7 @@ def train(
             result.train_loss.append(loss)
             if len(times) > 1:
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{t.batch * t.seq_len / times[-1]:.0f}")
-            if (step + 1) % t.eval_every == 0 or step + 1 == end:
+            if (step + 1) % every == 0 or step + 1 == end:
                 result.eval_steps.append(step + 1)
                 result.eval_loss.append(evaluate(state["variables"]))
             if manager is not None and (
