@@ -3,9 +3,10 @@
 # machine besides Python 3.11+.
 #   train  the library and the `examples` extra, plus the CUDA build of jaxlib (the `cuda`
 #          extra) where an NVIDIA GPU is present: what scripts/train needs, nothing more
-#   test   (also the default) the test, GPU-compile and example extras: the full set, with the
-#          CUDA build of jaxlib that compiles for an H100 without one
-# Each keeps its own install stamp (.venv/.te_flax-train, .venv/.te_flax-test), redone when
+#   test   (also the default) the test, GPU-compile, example and docs extras: the full set, with
+#          the CUDA build of jaxlib that compiles for an H100 without one
+#   docs   the library and the `docs` extra: what scripts/docs needs
+# Each keeps its own install stamp (.venv/.te_flax-train, .venv/.te_flax-test, ...), redone when
 # pyproject.toml changes; pip installs only what is missing, so running one script after the
 # other adds the difference and reinstalls nothing.
 set -euo pipefail
@@ -19,9 +20,13 @@ case "${1:-}" in
             extras=examples,cuda
         fi
         ;;
+    docs)
+        use=docs
+        extras=docs
+        ;;
     *)
         use=test
-        extras=test,gpu-compile,examples
+        extras=test,gpu-compile,examples,docs
         ;;
 esac
 stamp=.venv/.te_flax-$use
