@@ -133,6 +133,8 @@ def module_page(name: str, documented: dict[int, str]) -> str:
 def write_api_pages(app) -> None:
     api = DOCS / "api"
     api.mkdir(exist_ok=True)
+    for stale in set(api.glob("*.rst")) - {api / f"{name}.rst" for name in API_MODULES}:
+        stale.unlink()  # a module no longer documented
     documented: dict[int, str] = {}
     for name in API_MODULES:
         page = api / f"{name}.rst"
