@@ -752,6 +752,11 @@ class TransformerLayerSpec:
                     input_layernorm=True,
                     attn_mask_type="padding",
                     attn_bias_type="no_bias",
+                    # Rotary positions measure distances within one sequence; TE also turns the
+                    # decoder's queries against the encoder's keys, which has no meaning and
+                    # makes cached decoding (one query, seen as position 0) disagree with the
+                    # full forward. The cross-attention here is position-free.
+                    enable_rotary_pos_emb=False,
                 ),
                 hidden,
             )
