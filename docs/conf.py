@@ -7,6 +7,7 @@ figure of the FP8-state page is drawn by ``docs/fp8_state_figure.py`` at build t
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import os
@@ -82,6 +83,10 @@ API_MODULES = [
 ]
 
 
+# Constants shown with their value; others (a quantizer set, a path) only by name.
+_LITERALS = (str, int, float, bool, tuple)
+
+
 def _directive(obj: object) -> str:
     if inspect.isclass(obj):
         return "autoclass"
@@ -91,11 +96,11 @@ def _directive(obj: object) -> str:
 
 
 def _summary(obj: object) -> str:
-    """The first line of an object's own docstring (a constant's is its type's, so none)."""
+    """The first paragraph of an object's own docstring (a constant's is its type's, so none)."""
     if not (inspect.isclass(obj) or inspect.isroutine(obj) or inspect.ismodule(obj)):
         return ""
-    doc = inspect.getdoc(obj) or ""
-    return doc.strip().splitlines()[0] if doc.strip() else ""
+    paragraph = (inspect.getdoc(obj) or "").strip().split("\n\n")[0]
+    return " ".join(line.strip() for line in paragraph.splitlines())
 
 
 def module_page(name: str, documented: dict[int, str]) -> str:
@@ -124,7 +129,10 @@ def module_page(name: str, documented: dict[int, str]) -> str:
         lines.append(f".. {directive}:: {name}.{n}")
         if directive == "autoclass":
             lines.append("   :members:")
-        if directive == "autodata":
+            if dataclasses.is_dataclass(obj):  # its fields: the Attributes section has them
+                fields = [field.name for field in dataclasses.fields(obj)]
+                lines.append(f"   :exclude-members: {', '.join(fields)}")
+        if directive == "autodata" and not isinstance(obj, _LITERALS):
             lines += ["   :no-value:", "   :annotation:"]
         lines.append("")
     return "\n".join(lines)
@@ -197,7 +205,7 @@ def process_docstring(app, what, name, obj, options, lines) -> None:
     type_doc = inspect.getdoc(type(obj)) or ""
     if what == "data" and lines and type_doc and lines[0].strip() == type_doc.splitlines()[0]:
         # A constant has no docstring of its own; autodoc would show its type's.
-        lines[:] = [f"An instance of ``{type(obj).__name__}``."]
+        lines[:] = [] if isinstance(obj, _LITERALS) else [f"A ``{type(obj).__name__}``."]
     _attributes_as_definitions(lines)
 
 
