@@ -13,17 +13,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import re
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the gpu-compile extra (jax[cuda12])")
-
-from jax.experimental import topologies
 
 from te_flax.dense import dense
 from te_flax.layernorm_dense import layernorm_dense
@@ -37,10 +33,9 @@ from te_flax.quantize import (
     QuantizerFactory,
     noop_quantizer_set,
 )
+from tests.gpu_target import h100_sharding
 
 pytestmark = pytest.mark.gpu_compile
-
-TARGET_CONFIG = Path(__file__).parent / "data" / "h100_sxm.gpu_target_config.txtpb"
 
 TOKENS, HIDDEN, FEATURES = 512, 1024, 2048
 FP8_GEMM = "__cublas$lt$matmul$f8"
@@ -133,19 +128,6 @@ def by_role(gemms: list[Gemm]) -> dict[str, Gemm]:
 # ----------------------------------------------------------------------------- compiling
 
 
-@functools.cache
-def _h100_sharding() -> jax.sharding.NamedSharding:
-    assert "--xla_gpu_enable_triton_gemm=false" in os.environ.get("XLA_FLAGS", ""), (
-        "tests/conftest.py sets --xla_gpu_enable_triton_gemm=false; without it the deviceless "
-        "compile hands the FP8 dots to Triton"
-    )
-    topology = topologies.get_topology_desc(
-        platform="cuda", target_config=TARGET_CONFIG.read_text(), topology="1x1x1"
-    )
-    mesh = topologies.make_mesh(topology, (1,), ("x",))
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-
 def _quantizer_set(recipe: str, fp8_format: str):
     if recipe == "none":
         return noop_quantizer_set
@@ -165,7 +147,7 @@ def optimized_hlo(op: str, recipe: str, use_bias: bool, fp8_format: str = "HYBRI
 
 @functools.cache
 def _compile_step(op: str, recipe: str, use_bias: bool, fp8_format: str) -> str:
-    sharding = _h100_sharding()
+    sharding = h100_sharding()
 
     def spec(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
@@ -289,7 +271,7 @@ INTERMEDIATE = 4096
 @functools.cache
 def mlp_optimized_hlo(activation_type: tuple[str, ...], recipe: str) -> str:
     """The optimized HLO of one training step of ``layernorm_mlp`` with both biases."""
-    sharding = _h100_sharding()
+    sharding = h100_sharding()
 
     def spec(shape, dtype=jnp.float32):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)

@@ -31,11 +31,11 @@ import te_flax.linen as te_nn
 from te_flax.quantize import DelayedScaling, Float8CurrentScaling
 from te_flax.sharding import load_axis_rules, make_mesh
 from te_flax.training import apply_gradients, init_optimizer, merge_fp8_state
+from tests.gpu_target import TARGET_CONFIG
 from tests.test_gpu_compile import (
     _DEFINITION,
     FP8_GEMM,
     NON_FP8_GEMMS,
-    TARGET_CONFIG,
     assert_no_other_gemm,
     parse_gemms,
 )
