@@ -838,7 +838,10 @@ class TransformerLayerSpec:
                 x = host.layer("stochastic_depth")(x, deterministic=deterministic)
             if self.apply_residual_connection_post_layernorm:
                 residual = ln_out
-            return with_logical_constraint(x + residual, axes.residual)
+            # The residual stream keeps the input's dtype; the blocks compute in ``dtype``.
+            return with_logical_constraint(
+                x.astype(inputs.dtype) + residual.astype(inputs.dtype), axes.residual
+            )
 
         inputs = with_logical_constraint(inputs, axes.residual)
         self_name = "self_attention" if self.decoder else "attention"

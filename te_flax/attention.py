@@ -244,13 +244,18 @@ def dot_product_attention(
         local_window_size=jax_window,
     )
     chosen = implementation or _fused_implementation(query)
-    if chosen == "cudnn":
-        try:
-            return jax.nn.dot_product_attention(query, key, value, **call, implementation="cudnn")
-        except (ValueError, NotImplementedError):
-            if implementation == "cudnn":  # asked for explicitly: say why it does not apply
-                raise
-    return jax.nn.dot_product_attention(query, key, value, **call, implementation="xla")
+    # jax's XLA attention promotes the 16-bit query with float32 for its logits, which strict
+    # dtype promotion refuses; the promotion is jax's own and exact (a widening).
+    with jax.numpy_dtype_promotion("standard"):
+        if chosen == "cudnn":
+            try:
+                return jax.nn.dot_product_attention(
+                    query, key, value, **call, implementation="cudnn"
+                )
+            except (ValueError, NotImplementedError):
+                if implementation == "cudnn":  # asked for explicitly: say why it does not apply
+                    raise
+        return jax.nn.dot_product_attention(query, key, value, **call, implementation="xla")
 
 
 def _fused_implementation(query: Array) -> str:

@@ -477,12 +477,48 @@ def test_fp8_transformer_layer_is_within_fp8_tolerance_and_updates_every_gemms_s
         assert relative_error(a, e) < FP8_BACKWARD_TOLERANCE, jax.tree_util.keystr(path)
 
 
+def test_lora_scope_adds_adapters_that_start_at_zero():
+    x = _inputs()
+    base = _layer()
+    variables = _unbox(base.init(jax.random.key(0), x, deterministic=True))
+    lora = _layer(low_rank_adaptation_scope="exclude_mlp", low_rank_adaptation_dim=4)
+    lora_variables = _unbox(lora.init(jax.random.key(0), x, deterministic=True))
+    params = lora_variables["params"]
+    assert params["attention"]["qkv"]["lora_a_kernel"].shape == (HIDDEN, 3, 4)
+    assert params["attention"]["out"]["lora_b_kernel"].shape == (4, HIDDEN)
+    assert not any("lora" in name for name in params["mlp"])
+    # B starts at zero: with the base layer's weights the output is the base layer's.
+    merged = jax.tree.map(lambda a: a, params)
+    for path in (("attention", "qkv"), ("attention", "out"), ("mlp",)):
+        target, source = merged, variables["params"]
+        for key in path:
+            target, source = target[key], source[key]
+        target.update({k: v for k, v in source.items() if "lora" not in k})
+    np.testing.assert_array_equal(
+        lora.apply({"params": merged}, x, deterministic=True),
+        base.apply(variables, x, deterministic=True),
+    )
+
+
+def test_bf16_compute_keeps_the_input_dtype_and_tracks_float32():
+    x = _inputs()
+    layer = _layer(dtype=jnp.bfloat16)
+    variables = layer.init(jax.random.key(0), x, deterministic=True)
+    y = layer.apply(variables, x.astype(jnp.bfloat16), deterministic=True)
+    assert y.dtype == jnp.bfloat16
+    expected = reference_layer(_unbox(variables)["params"], x, {})
+    assert relative_error(y, expected) < 0.02
+    assert layer.apply(variables, x, deterministic=True).dtype == F32
+
+
 # ----------------------------------------------------------------------------- Linen vs NNX
 
 
 def _nnx_layer(cfg, seed=7):
+    """The NNX layer; ``seed`` is an int or an ``nnx.Rngs``."""
     base = dict(hidden_size=HIDDEN, mlp_hidden_size=64, num_attention_heads=HEADS)
-    return te_nnx.TransformerLayer(**base, **cfg, rngs=nnx.Rngs(seed))
+    rngs = seed if isinstance(seed, nnx.Rngs) else nnx.Rngs(seed)
+    return te_nnx.TransformerLayer(**base, **cfg, rngs=rngs)
 
 
 def _equal_trees(actual, expected) -> None:
@@ -679,6 +715,47 @@ def test_scanned_layers_equal_the_layers_applied_in_turn_with_their_fp8_state():
     history = grads[OVERWRITE_WITH_GRADIENT]["layers"]["attention"]["qkv"]["x_amax_history"]
     assert history.shape == (2, 4) and history[0, 0] > 0 and history[1, 0] > 0
     assert history[0, 0] != history[1, 0]  # different inputs, different amaxes
+
+
+class _NnxStack(nnx.Module):
+    """The NNX twin of ``_Stack``: layers created with ``nnx.vmap``, applied with ``nnx.scan``."""
+
+    def __init__(self, rngs: nnx.Rngs, layers: int = 2):
+        @nnx.split_rngs(splits=layers)
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def create(rngs):
+            return _nnx_layer(dict(recipe=DelayedScaling(amax_history_len=4)), seed=rngs)
+
+        self.layers = create(rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(x, layer):
+            return layer(x, deterministic=True)
+
+        return body(x, self.layers)
+
+
+def test_nnx_scan_over_stacked_layers_equals_the_linen_scan():
+    x = _inputs()
+    stack = _Stack()
+    variables = _unbox(stack.init(jax.random.key(0), x))
+    nnx_stack = _NnxStack(nnx.Rngs(5))
+    te_nnx.load_linen_variables(nnx_stack, variables)
+
+    def linen_loss(variables):
+        return jnp.sum(stack.apply(merge_fp8_state(variables), x) ** 2)
+
+    value, grads = jax.jit(jax.value_and_grad(linen_loss))(variables)
+    nnx_value, nnx_grads = nnx.jit(te_nnx.value_and_grad(lambda m: jnp.sum(m(x) ** 2)))(nnx_stack)
+    np.testing.assert_allclose(nnx_value, value, rtol=1e-6)
+    for ours, theirs in (
+        (nnx.to_pure_dict(nnx.state(nnx_grads, nnx.Param)), grads["params"]),
+        (nnx.to_pure_dict(nnx.state(nnx_grads, te_nnx.Fp8Meta)), grads[OVERWRITE_WITH_GRADIENT]),
+    ):
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), ours, theirs
+        )
 
 
 # ----------------------------------------------------------------------------- errors, convert
