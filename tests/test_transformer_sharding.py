@@ -10,9 +10,10 @@ and so the new FP8 state, still agree that closely (under ``jit`` an amax of a s
 global), but the values do not: the attention's float32 sums run in another order on a device's
 share of the batch, and where such a last-bit difference straddles an e4m3 rounding boundary
 one element of a GEMM input rounds to the neighbouring float8 value, 1/16 to 1/8 of its size
-away. Measured here: one token of 128 in the second layer, which moves the output by 7e-4 and
-the MLP kernels' gradients by 1.1e-3 (normwise). The FP8 values are therefore compared
-normwise with ``SHARDED_FP8_TOLERANCE``.
+away. With the inputs below that happens to one token of 128 in the second layer (the first
+layer's output is bit for bit the same): the output moves by 6.6e-4, the loss and the MLP
+kernels' gradients by 1.1e-3 (normwise), while without FP8 nothing moves by 1e-6. The
+FP8 values are therefore compared normwise with ``SHARDED_FP8_TOLERANCE``.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def _run(recipe, layout: str | None):
     mesh_shape, sequence_parallel = LAYOUTS[layout] if layout else ({}, False)
     stack = _Stack(recipe, sequence_parallel)
     axes = _residual_axes(sequence_parallel)
-    keys = jax.random.split(jax.random.key(42), 2)
+    keys = jax.random.split(jax.random.key(1), 2)
     x = normal(keys[0], (BATCH, SEQ, HIDDEN))
     cotangent = normal(keys[1], (BATCH, SEQ, HIDDEN))
 
