@@ -41,7 +41,18 @@ def test_every_guide_page_has_examples():
     assert guides <= {page.stem for page in PAGES_WITH_CODE}
 
 
-@pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=lambda page: page.stem)
+# Pages whose examples compile several whole training steps (about a minute on 2 cores).
+SLOW_PAGES = {"linen_nnx"}
+
+
+@pytest.mark.parametrize(
+    "page",
+    [
+        pytest.param(page, marks=[pytest.mark.slow] if page.stem in SLOW_PAGES else [])
+        for page in PAGES_WITH_CODE
+    ],
+    ids=lambda page: page.stem,
+)
 def test_page_examples_run(page):
     namespace: dict = {}
     # The pages show code as users run it: with JAX's standard dtype promotion (optax's step
