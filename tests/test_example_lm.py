@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import flax.linen as nn
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -17,7 +18,8 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 from examples.lm.config import DEFAULT_CONFIG, load_config
 from examples.lm.data import load_corpus
 from examples.lm.report import loss_ratios
-from examples.lm.train import RunResult, eval_interval, train
+from examples.lm.train import RunResult, _linen_frontend, _nnx_frontend, eval_interval, train
+from te_flax.sharding import load_axis_rules
 from tests.helpers import relative_error
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,6 +72,42 @@ def test_training_reduces_the_loss(tmp_path, corpus, frontend, recipe):
         assert history.shape == (2, 4) and (history[:, 0] > 0).all()
     else:
         assert fp8 is None
+
+
+@pytest.mark.parametrize("frontend", ["linen", "nnx"])
+def test_te_transformer_layer_blocks_train_in_fp8(tmp_path, corpus, frontend):
+    config = _config(
+        tmp_path,
+        f"model.frontend={frontend}",
+        "model.block=te",
+        "train.recipe=delayed",
+        "train.steps=40",
+        "checkpoint_every=0",
+    )
+    result = train(config, "run", corpus=corpus, progress=False)
+    assert result.eval_loss[-1] < 0.8 * result.eval_loss[0]
+    assert np.isfinite(result.train_loss).all()
+    # TE's parameter tree, one slice per scanned layer: a fused [embed, 3, heads * head_dim]
+    # QKV kernel, no relative position table (the model's learned positions instead).
+    blocks = result.variables["params"]["blocks"]
+    assert set(blocks) == {"attention", "mlp"}
+    assert blocks["attention"]["qkv"]["kernel"].shape == (2, 32, 3, 32)
+    assert blocks["mlp"]["wi_kernel"].shape == (2, 32, 1, 64)
+    fp8 = result.variables["_overwrite_with_gradient"]["blocks"]
+    for history in (fp8["attention"]["qkv"]["x_amax_history"], fp8["mlp"]["grad_1_amax_history"]):
+        assert history.shape == (2, 4) and (history[:, 0] > 0).all()
+
+
+@pytest.mark.parametrize("frontend", ["linen", "nnx"])
+def test_te_transformer_layer_blocks_follow_the_shipped_rules(tmp_path, frontend):
+    config = _config(tmp_path, f"model.frontend={frontend}", "model.block=te")
+    make_frontend = _nnx_frontend if frontend == "nnx" else _linen_frontend
+    with nn.logical_axis_rules(load_axis_rules("dp_fsdp_tp")):
+        specs = make_frontend(config).partition_specs()["params"]["blocks"]
+    # [layers, embed, qkv, heads], [layers, heads, embed], [layers, embed, act, mlp]
+    assert tuple(specs["attention"]["qkv"]["kernel"]) == (None, "fsdp", None, "tensor")
+    assert tuple(specs["attention"]["out"]["kernel"]) == (None, "tensor", "fsdp")
+    assert tuple(specs["mlp"]["wi_kernel"]) == (None, "fsdp", None, "tensor")
 
 
 def _run_cli(*arguments, devices=1):
@@ -208,6 +246,8 @@ def test_user_text_file_is_used(tmp_path):
         (["train.steps=many"], ValidationError, "train.steps"),
         (["model.activation=swish"], ValueError, "model.activation"),
         (["train.recipe=fp4"], ValueError, "train.recipe"),
+        (["model.block=transformer"], ValueError, "model.block"),
+        (["model.block=te", "model.head_dim=16"], ValueError, "model.d_model = model.heads"),
         (["train.steps=0"], ValueError, "train.steps"),
         (["steps"], ValueError, "key=value"),
     ],

@@ -26,6 +26,9 @@ class ModelConfig:
     mlp_dim: int = 512
     activation: str = "gelu"  # "gelu" or "swiglu"
     frontend: str = "linen"  # "linen" or "nnx"
+    # "handwritten": te_flax's FP8 layers composed by hand; "te": TE's TransformerLayer
+    # (needs d_model = heads * head_dim, as TE derives the head size from them).
+    block: str = "handwritten"
 
 
 @dataclasses.dataclass
@@ -71,6 +74,7 @@ class Config:
 _CHOICES = {
     "model.activation": ("gelu", "swiglu"),
     "model.frontend": ("linen", "nnx"),
+    "model.block": ("handwritten", "te"),
     "train.recipe": ("delayed", "current", "mxfp8", "nvfp4", "none"),
 }
 
@@ -94,4 +98,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     for key in positive:
         if OmegaConf.select(config, key) < 1:
             raise ValueError(f"{key} must be >= 1, got {OmegaConf.select(config, key)}")
+    m = config.model
+    if m.block == "te" and m.d_model != m.heads * m.head_dim:
+        raise ValueError(
+            f"model.block=te needs model.d_model = model.heads * model.head_dim (TE's "
+            f"TransformerLayer uses head_dim = hidden_size / num_attention_heads); got "
+            f"d_model={m.d_model}, heads={m.heads}, head_dim={m.head_dim}"
+        )
     return OmegaConf.to_object(config)

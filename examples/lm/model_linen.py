@@ -6,6 +6,9 @@ Pre-norm decoder blocks: attention whose QKV projection is one ``LayerNormDenseG
 stacked with ``nn.scan``, each layer with its own parameters and FP8 state. Kernels and
 activations carry logical axis names for the rule sets of ``configs/rules``; the (small)
 embeddings are replicated.
+
+With ``model.block=te`` each block is TransformerEngine's ``TransformerLayer`` instead (the
+same pre-norm block, TE's parameter tree), stacked the same way.
 """
 
 from __future__ import annotations
@@ -85,6 +88,34 @@ class Block(nn.Module):
         return x, None
 
 
+class TELayer(te_nn.TransformerLayer):
+    """TE's ``TransformerLayer`` called as ``nn.scan`` calls a layer: ``(x, _) -> (x, None)``."""
+
+    @nn.compact
+    def __call__(self, x, _):
+        return super().__call__(x, deterministic=True), None
+
+
+def te_layer_attributes(c: ModelConfig) -> dict:
+    """TE's ``TransformerLayer`` as a GPT block: causal self-attention, no dropout."""
+    return dict(
+        hidden_size=c.d_model,
+        mlp_hidden_size=c.mlp_dim,
+        num_attention_heads=c.heads,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        intermediate_dropout=0.0,
+        mlp_activations=ACTIVATIONS[c.activation],
+        # A decoder-only stack: TE's DECODER adds cross-attention to an encoder.
+        layer_type=te_nn.TransformerLayerType.ENCODER,
+        self_attn_mask_type="causal",
+        enable_relative_embedding=False,  # the model's learned positions
+        # The residual stream's sequence axis is "length", as in Block (split by tp_sp).
+        enable_sequence_parallel=True,
+        dtype=COMPUTE_DTYPE,
+    )
+
+
 class GPT(nn.Module):
     config: ModelConfig
 
@@ -97,12 +128,13 @@ class GPT(nn.Module):
         )
         x = (embed(tokens) + positions[None]).astype(COMPUTE_DTYPE)  # [batch, seq, d_model]
         blocks = nn.scan(
-            Block,
+            TELayer if c.block == "te" else Block,
             variable_axes={"params": 0, OVERWRITE_WITH_GRADIENT: 0},
             split_rngs={"params": True},
             length=c.layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        x, _ = blocks(c, name="blocks")(x, None)
+        attributes = te_layer_attributes(c) if c.block == "te" else {"config": c}
+        x, _ = blocks(**attributes, name="blocks")(x, None)
         x = te_nn.LayerNorm(dtype=jnp.float32, name="final_norm")(x)
         return embed.attend(x)  # tied embedding

@@ -1,5 +1,6 @@
 """The same GPT in Flax NNX: te_flax.nnx layers, blocks created with ``nnx.vmap`` and run with
-``nnx.scan`` (each layer with its own parameters and FP8 state)."""
+``nnx.scan`` (each layer with its own parameters and FP8 state); with ``model.block=te``,
+``te_flax.nnx.TransformerLayer`` blocks."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from .model_linen import (
     GEMM_INPUT_AXES,
     MLP_HIDDEN_AXES,
     RESIDUAL_AXES,
+    te_layer_attributes,
 )
 
 __all__ = ["GPT"]
@@ -69,6 +71,13 @@ class Block(nnx.Module):
         return self.mlp(x)
 
 
+class TELayer(te_nnx.TransformerLayer):
+    """TE's ``TransformerLayer`` called as a block: ``x -> x``, no dropout."""
+
+    def __call__(self, x):  # [batch, seq, d_model]
+        return super().__call__(x, deterministic=True)
+
+
 class GPT(nnx.Module):
     def __init__(self, c: ModelConfig, seq_len: int, *, rngs: nnx.Rngs):
         self.embed = nnx.Embed(c.vocab_size, c.d_model, rngs=rngs)
@@ -80,6 +89,8 @@ class GPT(nnx.Module):
         # The layer axis is added to each parameter's sharding metadata, unsharded.
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
         def create_blocks(rngs: nnx.Rngs):
+            if c.block == "te":
+                return TELayer(**te_layer_attributes(c), rngs=rngs)
             return Block(c, rngs=rngs)
 
         self.blocks = create_blocks(rngs)

@@ -99,7 +99,10 @@ def _linen_frontend(config: Config) -> _Frontend:
 
 def _nnx_frontend(config: Config) -> _Frontend:
     def build(key):
-        return model_nnx.GPT(config.model, config.train.seq_len, rngs=nnx.Rngs(params=key))
+        # A "dropout" stream too: the TransformerLayer's dropout layers take one at construction
+        # (unused: the example trains without dropout).
+        rngs = nnx.Rngs(params=key, dropout=key)
+        return model_nnx.GPT(config.model, config.train.seq_len, rngs=rngs)
 
     abstract = jax.eval_shape(lambda: build(jax.random.key(0)))
     graphdef, state = nnx.split(abstract)
