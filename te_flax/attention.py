@@ -19,9 +19,10 @@ Mask types (``attn_mask_type``):
 ``"pre_scale_bias"`` (``softmax((q.k + bias) * scale)``) and ``"post_scale_bias"``
 (``softmax(q.k * scale + bias)``, the default when a bias is given).
 
-The attention itself is ``jax.nn.dot_product_attention``: cuDNN's fused flash attention on GPUs
-where it supports the case (bf16/f16, no attention dropout), XLA elsewhere. Attention dropout
-needs the probabilities, so with dropout the same maths runs as explicit XLA ops.
+On GPUs the attention is cuDNN's fused flash attention (``jax.nn.dot_product_attention`` with
+``implementation="cudnn"``) where it supports the case (bf16/f16, no attention dropout);
+elsewhere it is the same maths as XLA ops written here (float32 logits and softmax), which also
+do attention dropout and work under strict dtype promotion.
 """
 
 from __future__ import annotations
@@ -230,32 +231,24 @@ def dot_product_attention(
         jax_window = None
     if keep is not None:
         keep = jnp.broadcast_to(keep, (keep.shape[0], 1, q_len, kv_len))
-    if dropout_rate > 0.0 and dropout_rng is not None:
-        if top_left_causal:
-            keep = _and(keep, _keep_mask("causal", None, q_len, kv_len, window, 0))
-        return _attention_with_dropout(
-            query, key, value, keep, bias, scale, dropout_rate, dropout_rng
-        )
-    call = dict(
-        bias=bias,
-        mask=keep,
-        scale=scale,
-        is_causal=top_left_causal,
-        local_window_size=jax_window,
+    dropout = (
+        (dropout_rate, dropout_rng) if dropout_rate > 0.0 and dropout_rng is not None else None
     )
     chosen = implementation or _fused_implementation(query)
-    # jax's XLA attention promotes the 16-bit query with float32 for its logits, which strict
-    # dtype promotion refuses; the promotion is jax's own and exact (a widening).
-    with jax.numpy_dtype_promotion("standard"):
-        if chosen == "cudnn":
-            try:
-                return jax.nn.dot_product_attention(
-                    query, key, value, **call, implementation="cudnn"
-                )
-            except (ValueError, NotImplementedError):
-                if implementation == "cudnn":  # asked for explicitly: say why it does not apply
-                    raise
-        return jax.nn.dot_product_attention(query, key, value, **call, implementation="xla")
+    if chosen == "cudnn" and dropout is None:
+        options = dict(scale=scale, is_causal=top_left_causal, local_window_size=jax_window)
+        try:
+            return jax.nn.dot_product_attention(
+                query, key, value, bias, keep, **options, implementation="cudnn"
+            )
+        except (ValueError, NotImplementedError):
+            if implementation == "cudnn":  # asked for explicitly: say why it does not apply
+                raise
+    elif chosen == "cudnn" and implementation == "cudnn":
+        raise ValueError("implementation='cudnn' has no attention dropout; use 'xla' or None")
+    if top_left_causal:
+        keep = _and(keep, _keep_mask("causal", None, q_len, kv_len, window, 0))
+    return _xla_attention(query, key, value, keep, bias, scale, dropout)
 
 
 def _fused_implementation(query: Array) -> str:
@@ -276,27 +269,62 @@ def _and(a: Array | None, b: Array | None) -> Array | None:
     return jnp.logical_and(a, b)
 
 
-def _attention_with_dropout(query, key, value, keep, bias, scale, rate, rng) -> Array:
-    """The XLA attention with dropout on the probabilities (``jax.nn`` has no dropout)."""
+def _xla_attention(query, key, value, keep, bias, scale, dropout) -> Array:
+    """Attention as plain XLA ops: float32 logits and softmax, optional probability dropout.
+
+    The maths of ``jax.nn.dot_product_attention``'s XLA path, written with explicit dtypes:
+    jax's own promotes the 16-bit inputs implicitly and pins a dot algorithm whose lowering
+    does too, so it fails under strict dtype promotion; and it has no dropout.
+    """
     kv_heads = key.shape[2]
     # [batch, q, heads, d] -> [batch, q, kv_heads, group, d]: query head n = k * group + g.
     grouped = einops.rearrange(query, "b q (k g) d -> b q k g d", k=kv_heads)
-    # Logits and softmax in float32, as jax.nn.dot_product_attention computes them.
-    logits = jnp.einsum(
-        "bqkgd,bskd->bkgqs", grouped, key, preferred_element_type=jnp.float32
-    )  # [batch, kv_heads, group, q, kv]
+    logits = _logits(grouped, key)  # [batch, kv_heads, group, q, kv], float32
     logits = einops.rearrange(logits, "b k g q s -> b (k g) q s") * jnp.float32(scale)
     if bias is not None:
         logits = logits + bias
     if keep is not None:
+        # A large finite negative, not -inf: a fully masked row (a padded query) stays finite.
         large_negative = jnp.float32(-0.7 * np.finfo(np.float32).max)
         logits = jnp.where(keep, logits, large_negative)
-    probs = jax.nn.softmax(logits, axis=-1)
-    kept = jax.random.bernoulli(rng, 1.0 - rate, probs.shape)
-    probs = jnp.where(kept, probs / jnp.float32(1.0 - rate), jnp.float32(0.0))
+    probs = jax.nn.softmax(logits, axis=-1)  # [batch, heads, q, kv]
+    if dropout is not None:
+        rate, rng = dropout
+        kept = jax.random.bernoulli(rng, 1.0 - rate, probs.shape)
+        probs = jnp.where(kept, probs / jnp.float32(1.0 - rate), jnp.float32(0.0))
     probs = einops.rearrange(probs.astype(value.dtype), "b (k g) q s -> b k g q s", k=kv_heads)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, value)  # [batch, q, kv_heads, group, d]
     return einops.rearrange(out, "b q k g d -> b q (k g) d")
+
+
+@jax.custom_vjp
+def _logits(grouped: Array, key: Array) -> Array:
+    """``q . k`` in float32, accumulated from the (16-bit) operands.
+
+    Plain autodiff would multiply the float32 logits' gradient with the 16-bit operands, which
+    XLA does as float32 GEMMs; the gradient is rounded to the operands' dtype first instead, as
+    flash attention keeps it, so that every attention GEMM runs in the operands' dtype.
+    """
+    return jnp.einsum("bqkgd,bskd->bkgqs", grouped, key, preferred_element_type=jnp.float32)
+
+
+def _logits_forward(grouped, key):
+    return _logits(grouped, key), (grouped, key)
+
+
+def _logits_backward(residuals, cotangent):
+    grouped, key = residuals
+    cotangent = cotangent.astype(grouped.dtype)
+    d_grouped = jnp.einsum(
+        "bkgqs,bskd->bqkgd", cotangent, key, preferred_element_type=jnp.float32
+    )  # [batch, q, kv_heads, group, d]
+    d_key = jnp.einsum(
+        "bkgqs,bqkgd->bskd", cotangent, grouped, preferred_element_type=jnp.float32
+    )  # [batch, kv, kv_heads, d]
+    return d_grouped.astype(grouped.dtype), d_key.astype(key.dtype)
+
+
+_logits.defvjp(_logits_forward, _logits_backward)
 
 
 # ----------------------------------------------------------------------------- positions

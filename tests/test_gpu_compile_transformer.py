@@ -144,16 +144,12 @@ def transformer_step_hlo(case: str) -> str:
         # A loss whose gradient depends on the output, so that XLA cannot fold it to a constant.
         return jnp.mean(jnp.square(out.astype(jnp.float32)))
 
-    # jax.nn.dot_product_attention's XLA path promotes the bf16 logits to float32 implicitly
-    # (jnp.promote_types), which the strict promotion of tests/conftest.py refuses.
-    with jax.numpy_dtype_promotion("standard"):
-        init = lambda x: layer.init(jax.random.key(0), x, deterministic=True)  # noqa: E731
-        abstract = nn.meta.unbox(jax.eval_shape(init, x))
-        variables = jax.tree.map(
-            lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), abstract
-        )
-        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-        lowered = step.lower(variables, x)
+    init = lambda x: layer.init(jax.random.key(0), x, deterministic=True)  # noqa: E731
+    abstract = nn.meta.unbox(jax.eval_shape(init, x))
+    variables = jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), abstract
+    )
+    lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(variables, x)
     return lowered.compile().as_text()
 
 

@@ -696,6 +696,7 @@ class _Stack(nn.Module):
         return scanned(_layer(recipe=DelayedScaling(amax_history_len=4), name="layers"), x, None)[0]
 
 
+@pytest.mark.slow
 def test_scanned_layers_equal_the_layers_applied_in_turn_with_their_fp8_state():
     x = _inputs()
     stack = _Stack()
@@ -736,6 +737,7 @@ class _NnxStack(nnx.Module):
         return body(x, self.layers)
 
 
+@pytest.mark.slow
 def test_nnx_scan_over_stacked_layers_equals_the_linen_scan():
     x = _inputs()
     stack = _Stack()
