@@ -110,6 +110,9 @@ def te_layer_attributes(c: ModelConfig) -> dict:
         layer_type=te_nn.TransformerLayerType.ENCODER,
         self_attn_mask_type="causal",
         enable_relative_embedding=False,  # the model's learned positions
+        # TE's query scaling is kept: the query kernel starts 1/sqrt(head_dim) smaller and the
+        # logits are not scaled (Block scales the logits; scale_attn_logits=True and
+        # scaled_query_init=False give Block's model).
         # The residual stream's sequence axis is "length", as in Block (split by tp_sp).
         enable_sequence_parallel=True,
         dtype=COMPUTE_DTYPE,

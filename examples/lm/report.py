@@ -115,7 +115,7 @@ def write_report(config: Config, results: list[RunResult]) -> Path:
         "# FP8 vs BF16: example GPT",
         "",
         f"Model: {m.layers} layers, d_model {m.d_model}, {m.heads} heads x {m.head_dim}, MLP "
-        f"{m.mlp_dim} ({m.activation}), {m.frontend}. Data: "
+        f"{m.mlp_dim} ({m.activation}), {m.frontend}, {m.block} blocks. Data: "
         f"{config.data or 'Python standard library source (built-in)'}. {t.steps} steps of "
         f"{t.batch} x {t.seq_len} bytes, AdamW lr {t.learning_rate}, seed {t.seed}. "
         f"The fp8 run's recipe: {t.recipe}.",
