@@ -79,8 +79,8 @@ class _LinenHost:
 class DotProductAttention(nn.Module, DotProductAttentionSpec):
     """Scaled dot-product attention: ``softmax(q.k * scale + bias, masked) . v`` per head.
 
-    No parameters. ``jax.nn.dot_product_attention`` computes it (cuDNN flash attention on GPUs
-    where it applies, XLA elsewhere); with attention dropout, explicit XLA ops.
+    No parameters. cuDNN's flash attention (``jax.nn.dot_product_attention``) computes it on
+    GPUs where it applies (16-bit inputs, no attention dropout), XLA ops elsewhere.
 
     Attributes:
       head_dim, num_attention_heads: the query's head size and count (required).
