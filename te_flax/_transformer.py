@@ -28,6 +28,7 @@ from te_flax.quantize import Recipe
 from te_flax.sharding import with_logical_constraint
 
 __all__ = [
+    "CacheSlots",
     "Child",
     "DotProductAttentionSpec",
     "Host",
@@ -38,6 +39,9 @@ __all__ = [
 ]
 
 Initializer = Callable[..., Array]
+LogicalAxes = tuple[str | None, ...]
+# The default of attributes the user must give (the dataclass fields need one): checked in use.
+_REQUIRED: Any = None
 
 
 class TransformerLayerType(enum.Enum):
@@ -48,15 +52,21 @@ class TransformerLayerType(enum.Enum):
 
 
 class Child(NamedTuple):
-    """A sublayer: its kind (a te_flax layer or ``"Dropout"``), attributes and input size."""
+    """A sublayer: its kind (a te_flax layer or ``"Dropout"``), attributes and input size.
+
+    ``in_features`` is the NNX constructor's input size (``(query, key/value)`` sizes for a
+    cross-attention); Linen reads it from the input.
+    """
 
     kind: str
-    attributes: dict
-    in_features: int | None = None
+    attributes: dict[str, Any]
+    in_features: int | tuple[int, int] | None = None
 
 
-class CacheSlots(Protocol):
-    key: Any  # each has a .value
+class CacheSlots(NamedTuple):
+    """The decoding cache: keys, values and the next position, each read and set as ``.value``."""
+
+    key: Any
     value: Any
     index: Any
 
@@ -84,7 +94,7 @@ def _stacked_init(kernel_init: Initializer, parts: int, first_scale: float = 1.0
     The first part (the query of a fused QKV kernel) is divided by ``first_scale``.
     """
 
-    def init(key, shape, dtype=jnp.float32):
+    def init(key: Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> Array:
         hidden, total = shape
         keys = jax.random.split(key, parts)
         blocks = [kernel_init(k, (hidden, total // parts), dtype) for k in keys]
@@ -95,32 +105,32 @@ def _stacked_init(kernel_init: Initializer, parts: int, first_scale: float = 1.0
 
 
 def _scaled_init(kernel_init: Initializer, scale: float) -> Initializer:
-    def init(key, shape, dtype=jnp.float32):
+    def init(key: Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> Array:
         return kernel_init(key, shape, dtype) / jnp.asarray(scale, dtype)
 
     return init
 
 
-def _refuse(owner: str, option: str, value, default, instead: str) -> None:
+def _refuse(owner: str, option: str, value: object, default: object, instead: str) -> None:
     if value != default:
         raise NotImplementedError(
             f"{owner}.{option}={value!r} is not supported by te_flax; {instead}"
         )
 
 
-def _positive_int(value, name: str) -> int:
+def _positive_int(value: object, name: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
 
 
-def _rate(value, name: str) -> float:
+def _rate(value: object, name: str) -> float:
     if not isinstance(value, int | float) or not 0.0 <= value < 1.0:
         raise ValueError(f"{name} must be a probability in [0, 1), got {value!r}")
     return float(value)
 
 
-def _compute(x: Array, dtype) -> Array:
+def _compute(x: Array, dtype: Any) -> Array:
     return x if dtype is None else x.astype(dtype)
 
 
@@ -135,23 +145,25 @@ class _Axes:
         return (length, "batch") if self.transpose else ("batch", length)
 
     @property
-    def residual(self):  # [batch, seq, hidden]: the norm inputs, split over seq under SP
+    def residual(
+        self,
+    ) -> LogicalAxes:  # [batch, seq, hidden]: the norm inputs, split over seq under SP
         return (*self._lead("length" if self.sequence_parallel else None), "act_embed")
 
     @property
-    def gemm_input(self):  # [batch, seq, hidden], the sequence gathered
+    def gemm_input(self) -> LogicalAxes:  # [batch, seq, hidden], the sequence gathered
         return (*self._lead(None), "act_embed")
 
     @property
-    def heads(self):  # [batch, seq, heads, head_dim]
+    def heads(self) -> LogicalAxes:  # [batch, seq, heads, head_dim]
         return (*self._lead(None), "act_heads", None)
 
     @property
-    def context(self):  # [batch, seq, heads * head_dim]
+    def context(self) -> LogicalAxes:  # [batch, seq, heads * head_dim]
         return (*self._lead(None), "act_heads")
 
     @property
-    def mlp_hidden(self):  # [batch, seq, intermediate]
+    def mlp_hidden(self) -> LogicalAxes:  # [batch, seq, intermediate]
         return (*self._lead(None), "act_mlp")
 
 
@@ -184,8 +196,8 @@ _PACKED_LAYOUTS = ("bs3hd", "bshd_bs2hd", "bshd_bshd_bshd")
 class DotProductAttentionSpec:
     """Scaled dot-product attention over ``[batch, seq, heads, head_dim]`` (no parameters)."""
 
-    head_dim: int = None  # required
-    num_attention_heads: int = None  # required
+    head_dim: int = _REQUIRED
+    num_attention_heads: int = _REQUIRED
     num_gqa_groups: int | None = None
     attention_dropout: float = 0.0
     attn_mask_type: str = "causal"
@@ -260,7 +272,7 @@ class DotProductAttentionSpec:
         layout = self.qkv_layout.lower()
         if layout == "bs3hd":  # query is [b, s, 3, h, d]
             query, key, value = (query[..., i, :, :] for i in range(3))
-        elif layout == "bshd_bs2hd":  # key is [b, s, 2, h, d]
+        elif layout == "bshd_bs2hd" and key is not None:  # key is [b, s, 2, h, d]
             key, value = key[..., 0, :, :], key[..., 1, :, :]
         if key is None or value is None:
             raise ValueError(f"qkv_layout={layout!r} needs key and value tensors")
@@ -304,8 +316,8 @@ class DotProductAttentionSpec:
 class MultiHeadAttentionSpec:
     """Norm + Q/K/V projections, rotary embeddings, attention (with a KV cache), output GEMM."""
 
-    head_dim: int = None  # required
-    num_attention_heads: int = None  # required
+    head_dim: int = _REQUIRED
+    num_attention_heads: int = _REQUIRED
     num_gqa_groups: int | None = None
     attention_dropout: float = 0.0
     dropout_rng_name: str = "dropout"
@@ -511,17 +523,16 @@ class MultiHeadAttentionSpec:
             query, key, value = (jnp.swapaxes(t, 0, 1) for t in (query, key, value))
 
         offset: Array | int = 0
-        slots = None
+        step = None  # a decoding step: the cache slots and this token's position
         if decode:
             slots, created = host.cache(key.shape, key.dtype)
-            if created:  # sizing the cache (e.g. init): attend the input itself
-                slots = None
-            else:
-                offset = self._check_step(slots, key)
+            if not created:  # creating it sizes the cache (e.g. init): attend the input itself
+                step = slots, self._check_step(slots, key)
+                offset = step[1]
         if self.enable_rotary_pos_emb:  # positions count from the cache index when decoding
             query, key = self._rotate(query, offset), self._rotate(key, offset)
-        if slots is not None:
-            key, value, bias = self._write_cache(slots, key, value, bias, offset)
+        if step is not None:
+            key, value, bias = self._write_cache(step[0], key, value, bias, step[1])
         query, key, value = (
             with_logical_constraint(t, _Axes(False).heads) for t in (query, key, value)
         )
@@ -552,7 +563,9 @@ class MultiHeadAttentionSpec:
         return slots.index.value.astype(jnp.int32)
 
     @staticmethod
-    def _write_cache(slots: CacheSlots, key, value, bias, index):
+    def _write_cache(
+        slots: CacheSlots, key: Array, value: Array, bias: Array | None, index: Array
+    ) -> tuple[Array, Array, Array | None]:
         """Writes this token's key and value at ``index``; returns everything cached so far."""
         zero = jnp.zeros((), jnp.int32)
         start = (zero, index, zero, zero)
@@ -577,9 +590,9 @@ _EMBED_INIT = jax.nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_
 class RelativePositionBiasesSpec:
     """T5's learned relative position bias: ``rel_embedding[heads, buckets]`` looked up."""
 
-    num_buckets: int = None  # required
-    max_distance: int = None  # required
-    num_attention_heads: int = None  # required
+    num_buckets: int = _REQUIRED
+    max_distance: int = _REQUIRED
+    num_attention_heads: int = _REQUIRED
     embedding_init: Initializer = _EMBED_INIT
     embedding_axes: tuple[str | None, ...] = ("heads", "relpos_buckets")
     dtype: Any = None
@@ -590,7 +603,9 @@ class RelativePositionBiasesSpec:
         _positive_int(self.max_distance, "max_distance")
         return (_positive_int(self.num_attention_heads, "num_attention_heads"), self.num_buckets)
 
-    def forward(self, embedding: Array, q_seqlen: int, k_seqlen: int, bidirectional=True):
+    def forward(
+        self, embedding: Array, q_seqlen: int, k_seqlen: int, bidirectional: bool = True
+    ) -> Array:
         """``[1, heads, q_seqlen, k_seqlen]`` biases."""
         buckets = attn.relative_position_buckets(
             q_seqlen, k_seqlen, self.num_buckets, self.max_distance, bidirectional
@@ -622,7 +637,7 @@ class TransformerLayerSpec:
     mha_kernel_init: Initializer | None = None
     mlp_kernel_init: Initializer | None = None
     mlp_activations: Sequence[str] = ("relu",)
-    mlp_activation_params: dict | None = None
+    mlp_activation_params: dict[str, Any] | None = None
     use_bias: bool = False
     bias_init: Initializer = jax.nn.initializers.zeros
     apply_residual_connection_post_layernorm: bool = False
@@ -679,7 +694,7 @@ class TransformerLayerSpec:
     def decoder(self) -> bool:
         return self.layer_type == TransformerLayerType.DECODER
 
-    def _attention_attributes(self, **overrides) -> dict:
+    def _attention_attributes(self, **overrides: Any) -> dict[str, Any]:
         attributes = dict(
             head_dim=self.hidden_size // self.num_attention_heads,
             num_attention_heads=self.num_attention_heads,
@@ -832,11 +847,11 @@ class TransformerLayerSpec:
             else:
                 bias = relpos(seq, seq, True)
 
-        def residual_add(x, residual, ln_out, drop_path: bool):
+        def residual_add(x: Array, residual: Array, ln_out: Array | None, drop_path: bool) -> Array:
             x = host.layer("dropout")(x, deterministic=deterministic)
             if drop_path and self.drop_path > 0:
                 x = host.layer("stochastic_depth")(x, deterministic=deterministic)
-            if self.apply_residual_connection_post_layernorm:
+            if self.apply_residual_connection_post_layernorm and ln_out is not None:
                 residual = ln_out
             # The residual stream keeps the input's dtype; the blocks compute in ``dtype``.
             return with_logical_constraint(

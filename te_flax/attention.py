@@ -90,7 +90,7 @@ def canonical_bias_type(attn_bias_type: object, bias: Array | None) -> str:
     return name
 
 
-def _check_window(window_size) -> tuple[int, int] | None:
+def _check_window(window_size: Sequence[int] | None) -> tuple[int, int] | None:
     if window_size is None:
         return None
     window = tuple(window_size)
@@ -116,7 +116,7 @@ def _keep_mask(
     index); causality and windows are measured from there.
     """
     keep = None
-    if "padding" in mask_type:
+    if "padding" in mask_type and mask is not None:
         keep = jnp.logical_not(mask)
     query = jnp.arange(q_len)[:, None] + q_offset  # [q, 1] absolute positions
     keys = jnp.arange(kv_len)[None, :]  # [1, kv]
@@ -181,7 +181,7 @@ def dot_product_attention(
       query: ``[batch, q_len, heads, head_dim]``.
       key, value: ``[batch, kv_len, kv_heads, head_dim]``; ``heads`` must be a multiple of
         ``kv_heads`` (query head ``n`` reads key/value head ``n // (heads // kv_heads)``).
-      mask: boolean, True = masked out, broadcastable to ``[batch, 1, q_len, kv_len]``;
+      mask: True (or nonzero) = masked out, broadcastable to ``[batch, 1, q_len, kv_len]``;
         needed by the padding mask types, ignored by the others.
       bias: broadcastable to ``[batch, heads, q_len, kv_len]``, or None.
       attn_mask_type, attn_bias_type, window_size: see the module docstring.
@@ -207,8 +207,12 @@ def dot_product_attention(
             f"attn_mask_type={mask_type!r} needs a mask ([batch, 1, q_len, kv_len], True = "
             "masked out); pass one, or use 'causal' / 'no_mask'"
         )
-    if mask is not None and "padding" in mask_type and mask.dtype != jnp.bool_:
-        raise TypeError(f"mask must be boolean (True = masked out), got {mask.dtype}")
+    if mask is not None and "padding" in mask_type:
+        if not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.integer)):
+            raise TypeError(
+                f"mask must be boolean or integer (True / nonzero = masked out), got {mask.dtype}"
+            )
+        mask = mask.astype(jnp.bool_)  # TE's examples pass uint8 0/1 masks
     q_len, kv_len = query.shape[1], key.shape[1]
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale_factor is None else float(scale_factor)
     if bias is not None:
@@ -236,10 +240,17 @@ def dot_product_attention(
     )
     chosen = implementation or _fused_implementation(query)
     if chosen == "cudnn" and dropout is None:
-        options = dict(scale=scale, is_causal=top_left_causal, local_window_size=jax_window)
         try:
             return jax.nn.dot_product_attention(
-                query, key, value, bias, keep, **options, implementation="cudnn"
+                query,
+                key,
+                value,
+                bias,
+                keep,
+                scale=scale,
+                is_causal=top_left_causal,
+                local_window_size=jax_window,
+                implementation="cudnn",
             )
         except (ValueError, NotImplementedError):
             if implementation == "cudnn":  # asked for explicitly: say why it does not apply
@@ -269,7 +280,15 @@ def _and(a: Array | None, b: Array | None) -> Array | None:
     return jnp.logical_and(a, b)
 
 
-def _xla_attention(query, key, value, keep, bias, scale, dropout) -> Array:
+def _xla_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    keep: Array | None,
+    bias: Array | None,
+    scale: float,
+    dropout: tuple[float, Array] | None,
+) -> Array:
     """Attention as plain XLA ops: float32 logits and softmax, optional probability dropout.
 
     The maths of ``jax.nn.dot_product_attention``'s XLA path, written with explicit dtypes:
@@ -308,11 +327,11 @@ def _logits(grouped: Array, key: Array) -> Array:
     return jnp.einsum("bqkgd,bskd->bkgqs", grouped, key, preferred_element_type=jnp.float32)
 
 
-def _logits_forward(grouped, key):
+def _logits_forward(grouped: Array, key: Array) -> tuple[Array, tuple[Array, Array]]:
     return _logits(grouped, key), (grouped, key)
 
 
-def _logits_backward(residuals, cotangent):
+def _logits_backward(residuals: tuple[Array, Array], cotangent: Array) -> tuple[Array, Array]:
     grouped, key = residuals
     cotangent = cotangent.astype(grouped.dtype)
     d_grouped = jnp.einsum(

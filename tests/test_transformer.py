@@ -511,6 +511,24 @@ def test_bf16_compute_keeps_the_input_dtype_and_tracks_float32():
     assert layer.apply(variables, x, deterministic=True).dtype == F32
 
 
+def test_integer_masks_as_in_te_examples_and_nnx_without_a_dropout_stream():
+    x, mask = _inputs(), _padding_mask(SEQ, SEQ)
+    layer = _layer(self_attn_mask_type="padding", enable_relative_embedding=False)
+    variables = layer.init(jax.random.key(0), x, attention_mask=mask, deterministic=True)
+    as_bool = layer.apply(variables, x, attention_mask=mask, deterministic=True)
+    as_uint8 = layer.apply(variables, x, attention_mask=mask.astype(jnp.uint8), deterministic=True)
+    np.testing.assert_array_equal(as_uint8, as_bool)
+    with pytest.raises(TypeError, match="boolean or integer"):
+        layer.apply(variables, x, attention_mask=mask.astype(F32), deterministic=True)
+    # No dropout anywhere: an NNX layer needs no "dropout" RNG stream.
+    quiet = dict(hidden_dropout=0.0, attention_dropout=0.0, intermediate_dropout=0.0)
+    model = te_nnx.TransformerLayer(
+        hidden_size=HIDDEN, mlp_hidden_size=64, num_attention_heads=HEADS, **quiet,
+        rngs=nnx.Rngs(params=0),
+    )  # fmt: skip
+    assert model(x).shape == x.shape
+
+
 # ----------------------------------------------------------------------------- Linen vs NNX
 
 

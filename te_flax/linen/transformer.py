@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from te_flax._transformer import (
+    CacheSlots,
     Child,
     DotProductAttentionSpec,
     MultiHeadAttentionSpec,
@@ -42,11 +43,6 @@ __all__ = [
 ]
 
 
-class _Slots:
-    def __init__(self, key, value, index):
-        self.key, self.value, self.index = key, value, index
-
-
 class _LinenHost:
     """Builds a module's children on first use, inside its compact ``__call__``."""
 
@@ -55,7 +51,7 @@ class _LinenHost:
         self.children = children
         self.built: dict[str, Any] = {}
 
-    def layer(self, name: str):
+    def layer(self, name: str) -> Any:
         if name not in self.built:
             kind, attributes, _ = self.children[name]
             if kind == "Dropout":
@@ -67,13 +63,13 @@ class _LinenHost:
     def rng(self, stream: str) -> Array:
         return self.module.make_rng(stream)
 
-    def cache(self, shape, dtype):
+    def cache(self, shape: tuple[int, ...], dtype: Any) -> tuple[CacheSlots, bool]:
         module = self.module
         created = not module.has_variable("cache", "cached_key")
         key = module.variable("cache", "cached_key", jnp.zeros, shape, dtype)
         value = module.variable("cache", "cached_value", jnp.zeros, shape, dtype)
         index = module.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
-        return _Slots(key, value, index), created
+        return CacheSlots(key, value, index), created
 
 
 class DotProductAttention(nn.Module, DotProductAttentionSpec):
@@ -226,11 +222,9 @@ class RelativePositionBiases(nn.Module, RelativePositionBiasesSpec):
     @nn.compact
     def __call__(self, q_seqlen: int, k_seqlen: int, bidirectional: bool = True) -> Array:
         """``[1, num_attention_heads, q_seqlen, k_seqlen]`` biases."""
-        embedding = self.param(
-            "rel_embedding",
-            nn.with_logical_partitioning(self.embedding_init, self.embedding_axes),
-            self.shape(),
-            self.param_dtype,
+        init = nn.with_logical_partitioning(self.embedding_init, self.embedding_axes)
+        embedding: Array = nn.meta.unbox(
+            self.param("rel_embedding", init, self.shape(), self.param_dtype)
         )
         return self.forward(embedding, q_seqlen, k_seqlen, bidirectional)
 

@@ -21,6 +21,7 @@ from flax import nnx
 from jax import Array
 
 from te_flax._transformer import (
+    CacheSlots,
     Child,
     DotProductAttentionSpec,
     MultiHeadAttentionSpec,
@@ -43,7 +44,7 @@ __all__ = [
 class _Slot:
     """An ``nnx.Cache`` seen through ``.value``, as a Linen variable is."""
 
-    def __init__(self, variable: nnx.Cache):
+    def __init__(self, variable: nnx.Cache[Array]):
         self.variable = variable
 
     @property
@@ -55,26 +56,19 @@ class _Slot:
         self.variable.set_value(new)
 
 
-class _Slots:
-    def __init__(self, module: nnx.Module):
-        self.key = _Slot(module.cached_key)
-        self.value = _Slot(module.cached_value)
-        self.index = _Slot(module.cache_index)
-
-
 class _NnxHost:
     """The children built at construction, the module's dropout stream and its cache."""
 
-    def __init__(self, module: nnx.Module):
+    def __init__(self, module: Any):  # a module of this file: its attributes vary by kind
         self.module = module
 
-    def layer(self, name: str):
+    def layer(self, name: str) -> Any:
         return getattr(self.module, name)
 
     def rng(self, stream: str) -> Array:
         return self.module.dropout_rngs()
 
-    def cache(self, shape, dtype):
+    def cache(self, shape: tuple[int, ...], dtype: Any) -> tuple[CacheSlots, bool]:
         module = self.module
         if getattr(module, "cached_key", None) is None:
             raise ValueError(
@@ -87,13 +81,14 @@ class _NnxHost:
                 f"the decoding cache holds {cached.dtype} but the keys are {jnp.dtype(dtype)}; "
                 "call init_cache with dtype= the compute dtype"
             )
-        return _Slots(module), False
+        slots = (module.cached_key, module.cached_value, module.cache_index)
+        return CacheSlots(*(_Slot(variable) for variable in slots)), False
 
 
-def _build(child: Child, rngs: nnx.Rngs):
+def _build(child: Child, rngs: nnx.Rngs) -> nnx.Module:
     kind, attributes, in_features = child
-    if kind == "Dropout":
-        return nnx.Dropout(**attributes, rngs=rngs)
+    if kind == "Dropout":  # a stream only where it draws: rate 0 needs no "dropout" stream
+        return nnx.Dropout(**attributes, rngs=rngs if attributes["rate"] > 0 else None)
     if kind == "RelativePositionBiases":
         return RelativePositionBiases(**attributes, rngs=rngs)
     if kind == "MultiHeadAttention" and isinstance(in_features, tuple):
@@ -104,7 +99,7 @@ def _build(child: Child, rngs: nnx.Rngs):
     return _KINDS[kind](in_features, **attributes, rngs=rngs)
 
 
-def _dropout_rngs(rate: float, stream: str, rngs: nnx.Rngs):
+def _dropout_rngs(rate: float, stream: str, rngs: nnx.Rngs) -> nnx.RngStream | None:
     """A fork of the dropout stream when attention dropout is on (else None)."""
     return rngs[stream].fork() if rate > 0 else None
 
@@ -124,7 +119,9 @@ class DotProductAttention(nnx.Module, DotProductAttentionSpec):
       (2, 8, 4, 16)
     """
 
-    def __init__(self, head_dim: int, num_attention_heads: int, *, rngs: nnx.Rngs, **attributes):
+    def __init__(
+        self, head_dim: int, num_attention_heads: int, *, rngs: nnx.Rngs, **attributes: Any
+    ):
         attributes = dict(attributes, head_dim=head_dim, num_attention_heads=num_attention_heads)
         set_attributes(self, DotProductAttentionSpec, attributes, rngs)
         self.check()
@@ -175,7 +172,7 @@ class MultiHeadAttention(nnx.Module, MultiHeadAttentionSpec):
         *,
         in_kv_features: int | None = None,
         rngs: nnx.Rngs,
-        **attributes,
+        **attributes: Any,
     ):
         attributes = dict(attributes, head_dim=head_dim, num_attention_heads=num_attention_heads)
         set_attributes(self, MultiHeadAttentionSpec, attributes, rngs)
@@ -246,7 +243,7 @@ class RelativePositionBiases(nnx.Module, RelativePositionBiasesSpec):
         num_attention_heads: int,
         *,
         rngs: nnx.Rngs,
-        **attributes,
+        **attributes: Any,
     ):
         attributes = dict(
             attributes,
@@ -282,7 +279,7 @@ class TransformerLayer(nnx.Module, TransformerLayerSpec):
       (2, 6, 32)
     """
 
-    def __init__(self, *, rngs: nnx.Rngs, **attributes):
+    def __init__(self, *, rngs: nnx.Rngs, **attributes: Any):
         set_attributes(self, TransformerLayerSpec, attributes, rngs)
         for name, child in self.children().items():
             if name == "encoder_decoder_attention":
@@ -295,7 +292,7 @@ class TransformerLayer(nnx.Module, TransformerLayerSpec):
         """Sizes the self-attention's decoding cache (DECODER layers only)."""
         if not self.decoder:
             raise ValueError("only a DECODER TransformerLayer decodes autoregressively")
-        self.self_attention.init_cache(batch_size, max_length, dtype)
+        _NnxHost(self).layer("self_attention").init_cache(batch_size, max_length, dtype)
 
     def __call__(
         self,
@@ -326,7 +323,7 @@ class TransformerLayer(nnx.Module, TransformerLayerSpec):
 class _WithRelativeEmbedding(_NnxHost):
     """A user's own relative embedding module stands in for ``relpos_bias``."""
 
-    def layer(self, name: str):
+    def layer(self, name: str) -> Any:
         if name == "relpos_bias":
             return self.module.relative_embedding
         return super().layer(name)
