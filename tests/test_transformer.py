@@ -302,8 +302,9 @@ def test_self_attention_variants_match_the_reference(case):
     module, cfg = _mha(**SELF_ATTENTION_CASES[case])
     x, mask = _inputs(), _padding_mask(SEQ, SEQ)
     variables = _unbox(module.init(jax.random.key(1), x, x, mask))
-    names = {"qkv", "out"} if "qkv" in variables["params"] else None
-    assert names or case in ("gqa", "mqa-unfused", "scaled-logits", "gqa-padding-window")
+    separate = case in ("gqa", "mqa-unfused", "scaled-logits", "gqa-padding-window")
+    # One fused qkv kernel for self-attention without GQA when fuse_qkv_params (TE's layout).
+    assert ("qkv" in variables["params"]) == (not separate)
 
     def forward(variables, x, mask):
         return module.apply(variables, x, x, mask)[0]  # inputs_q is inputs_kv
