@@ -103,8 +103,8 @@ def _check_window(window_size: Sequence[int] | None) -> tuple[int, int] | None:
 
 
 def _keep_mask(
-    mask_type: str,
-    mask: Array | None,
+    padding: Array | None,
+    causal: bool,
     q_len: int,
     kv_len: int,
     window: tuple[int, int] | None,
@@ -112,16 +112,15 @@ def _keep_mask(
 ) -> Array | None:
     """The positions to attend as a boolean ``[batch or 1, 1, q_len, kv_len]`` (True: keep).
 
-    ``q_offset`` is the position of the first query among the keys (a decoding step's cache
-    index); causality and windows are measured from there.
+    ``padding`` is TE's mask (True: masked out) or None. ``q_offset`` is the position of the
+    first query among the keys (a decoding step's cache index, or the bottom-right shift);
+    causality and windows are measured from there.
     """
-    keep = None
-    if "padding" in mask_type and mask is not None:
-        keep = jnp.logical_not(mask)
+    keep = None if padding is None else jnp.logical_not(padding)
     query = jnp.arange(q_len)[:, None] + q_offset  # [q, 1] absolute positions
     keys = jnp.arange(kv_len)[None, :]  # [1, kv]
     limits = []
-    if "causal" in mask_type:
+    if causal:
         limits.append(keys <= query)
     if window is not None:
         left, right = window
@@ -222,16 +221,16 @@ def dot_product_attention(
             bias = bias * jnp.float32(scale)
     shift = kv_len - q_len if mask_type.endswith("bottom_right") else 0
     decoding = not (isinstance(q_offset, int) and q_offset == 0)
-    if decoding and "causal" not in mask_type:
-        # Cached keys past the current position are empty: never attend them.
-        mask_type = "padding_causal" if "padding" in mask_type else "causal"
-    top_left_causal = "causal" in mask_type and shift == 0 and not decoding
+    padding = mask if "padding" in mask_type else None
+    # A decoding step is causal whatever the type: cached keys past its position are empty.
+    causal = "causal" in mask_type or decoding
+    top_left_causal = causal and shift == 0 and not decoding
     if top_left_causal:
         # Left to jax as is_causal / local_window_size, so that cuDNN can use its own masks.
-        keep = _keep_mask(mask_type.replace("causal", "no_mask"), mask, q_len, kv_len, None, 0)
+        keep = _keep_mask(padding, False, q_len, kv_len, None, 0)
         jax_window = None if window is None else _jax_window(window, q_len, kv_len)
     else:
-        keep = _keep_mask(mask_type, mask, q_len, kv_len, window, q_offset + shift)
+        keep = _keep_mask(padding, causal, q_len, kv_len, window, q_offset + shift)
         jax_window = None
     if keep is not None:
         keep = jnp.broadcast_to(keep, (keep.shape[0], 1, q_len, kv_len))
@@ -258,7 +257,7 @@ def dot_product_attention(
     elif chosen == "cudnn" and implementation == "cudnn":
         raise ValueError("implementation='cudnn' has no attention dropout; use 'xla' or None")
     if top_left_causal:
-        keep = _and(keep, _keep_mask("causal", None, q_len, kv_len, window, 0))
+        keep = _and(keep, _keep_mask(None, True, q_len, kv_len, window, 0))
     return _xla_attention(query, key, value, keep, bias, scale, dropout)
 
 
