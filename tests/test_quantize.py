@@ -215,6 +215,27 @@ def test_autocast_enabled_without_recipe_means_delayed_scaling():
         assert get_autocast_recipe() == DelayedScaling()
 
 
+def test_autocast_is_part_of_the_jit_cache_key():
+    # A function jitted outside autocast and called inside it is traced again for the recipe
+    # instead of silently reusing the unquantized program, and the first trace is reused after.
+    traced_recipes = []
+
+    @jax.jit
+    def scaled_twice(x):
+        quantizer_set = QuantizerFactory.create_set()
+        traced_recipes.append(type(quantizer_set.x).__name__)
+        return x * 2
+
+    x = jnp.ones(2)
+    scaled_twice(x)
+    with autocast(enabled=True, recipe=Float8CurrentScaling()):
+        scaled_twice(x)
+        with autocast(enabled=True, recipe=DelayedScaling()):
+            scaled_twice(x)
+    scaled_twice(x)
+    assert traced_recipes == ["NoneType", "CurrentScaleQuantizer", "DelayedScaleQuantizer"]
+
+
 def test_unknown_recipe_is_refused():
     with pytest.raises(TypeError, match="DelayedScaling, Float8CurrentScaling"):
         QuantizerFactory.create_set(fp8_recipe="delayed")

@@ -3,25 +3,28 @@
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Iterator
+
+import jax
 
 from te_flax.quantize.recipes import DelayedScaling, Recipe, check_recipe
 
 __all__ = ["autocast", "get_autocast_recipe"]
 
-_ACTIVE_RECIPE: contextvars.ContextVar[Recipe | None] = contextvars.ContextVar(
-    "te_flax_autocast_recipe", default=None
-)
+# A jit-cache-sensitive context (recipes are frozen, hashable dataclasses): a function jitted
+# outside ``autocast`` and called inside it is traced again, so it cannot silently reuse the
+# unquantized program (or one of another recipe).
+_ACTIVE_RECIPE = jax.make_user_context(default_value=None)
 
 
 @contextlib.contextmanager
 def autocast(enabled: bool = False, recipe: Recipe | None = None) -> Iterator[None]:
     """Sets the recipe that ops and modules without an explicit recipe use.
 
-    The recipe is read while a function is traced, so the context must be active around
-    ``init``/``apply`` (or the traced step), not merely around a call of an already compiled
-    function. Contexts nest; leaving one restores the recipe that was active before.
+    The recipe is read while a function is traced, and it is part of ``jax.jit``'s cache key:
+    a jitted function called inside the context is traced for its recipe, even if it was
+    compiled outside the context before. Contexts nest; leaving one restores the recipe that was
+    active before.
 
     Args:
       enabled: whether FP8 is on inside the context (default False, as in TransformerEngine).
@@ -42,13 +45,11 @@ def autocast(enabled: bool = False, recipe: Recipe | None = None) -> Iterator[No
     if enabled:
         recipe = DelayedScaling() if recipe is None else recipe
         check_recipe(recipe, "autocast(recipe=...)")
-    token = _ACTIVE_RECIPE.set(recipe if enabled else None)
-    try:
+    with _ACTIVE_RECIPE(recipe if enabled else None):
         yield
-    finally:
-        _ACTIVE_RECIPE.reset(token)
 
 
 def get_autocast_recipe() -> Recipe | None:
     """The recipe of the innermost enabled ``autocast`` context, or None outside of one."""
-    return _ACTIVE_RECIPE.get()
+    recipe: Recipe | None = _ACTIVE_RECIPE.value
+    return recipe
