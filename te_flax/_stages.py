@@ -141,27 +141,38 @@ def norm_operand(
     quantizer: Quantizer | None,
     axes: LogicalAxes,
     uses: tuple[str, ...] = (TRAILING,),
+    source_axes: LogicalAxes = None,
 ) -> tuple[GemmOperand, Quantizer | None]:
     """The norm output as a GEMM operand: quantized straight from float32, or cast to x's dtype.
 
     The float32 norm output exists only inside this fusion; what leaves it is the operand.
     ``uses`` are the block-scaled layouts to prepare (the forward GEMM contracts the hidden
-    axis, ``TRAILING``; the weight gradient the tokens, ``LEADING``).
+    axis, ``TRAILING``; the weight gradient the tokens, ``LEADING``). ``source_axes`` are the
+    logical axes of ``x`` (see ``constrained``).
     """
     ln = apply_norm(x, stats, gamma, beta, spec)  # f32[batch..., hidden]
     operand, new_quantizer = quantize_operand(ln, quantizer, x.dtype, x.ndim - 1, uses)
-    return constrained(operand, axes), new_quantizer
+    return constrained(operand, axes, source_axes), new_quantizer
 
 
-def constrained(operand: GemmOperand, axes: LogicalAxes) -> GemmOperand:
+def constrained(
+    operand: GemmOperand, axes: LogicalAxes, source_axes: LogicalAxes = None
+) -> GemmOperand:
     """A per-tensor operand with its data constrained to the logical ``axes``.
+
+    With ``source_axes`` (the layout of the tensor the operand was quantized from) the data is
+    first constrained to that layout: each device quantizes its own shard, and the all-gather
+    that the GEMM's layout ``axes`` may need (the sequence under sequence parallelism) moves
+    float8 rather than the float32 values before the cast. The scale is the same either way:
+    the amax of a sharded array under ``jit`` is taken over all its shards.
 
     Block-scaled operands are flattened matrices, which the tensor's axes do not describe;
     they follow the sharding of the tensor they were quantized from.
     """
     if isinstance(operand, BlockOperand):
         return operand
-    return operand._replace(data=with_logical_constraint(operand.data, axes))
+    data = with_logical_constraint(operand.data, source_axes)
+    return operand._replace(data=with_logical_constraint(data, axes))
 
 
 # ----------------------------------------------------------------------------- GEMMs
@@ -293,6 +304,7 @@ def dense_backward(
     lhs_dtype: DTypeLike,
     rhs_dtype: DTypeLike,
     bias_dtype: DTypeLike | None = None,
+    grad_axes: LogicalAxes = None,
 ) -> DenseGrads:
     """dgrad and wgrad of ``dense_forward`` (and dbias when ``bias_dtype`` is given).
 
@@ -300,7 +312,9 @@ def dense_backward(
     GEMMs, which reuse the operands saved by the forward: ``dlhs = q(grad) . q(rhs)`` and
     ``drhs = q(lhs) . q(grad)``. A block-scaled ``grad`` is quantized once for each GEMM (along
     its features for dgrad, along its tokens for wgrad), and the saved block-scaled operands
-    are the ones the forward prepared for these contractions.
+    are the ones the forward prepared for these contractions. ``grad_axes``, the logical axes
+    ``grad`` arrives in, keep its quantization on those shards, so that a gather for the GEMMs
+    moves float8 (see ``constrained``).
     """
     n_features = operand_ndim(rhs) - n_contract
     n_batch = grad.ndim - n_features
@@ -308,6 +322,7 @@ def dense_backward(
     grad_operand, new_grad_quantizer = quantize_operand(
         grad, grad_quantizer, grad.dtype, n_batch, (TRAILING, LEADING)
     )
+    grad_operand = constrained(grad_operand, grad_axes)
     # Backward GEMMs accumulate with split (HIGHEST) precision: gradients are summed over many
     # tokens, where fast accumulation's error would grow.
     precision = lax.Precision.HIGHEST

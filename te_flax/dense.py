@@ -116,6 +116,7 @@ def _backward(
         compute_dtype,
         config.kernel_dtype,
         config.bias_dtype,
+        grad_axes=config.output_axes,
     )
     d_x = with_logical_constraint(grads.lhs, config.input_axes)
     d_kernel = with_logical_constraint(grads.rhs, config.kernel_axes)

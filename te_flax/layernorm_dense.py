@@ -90,6 +90,7 @@ def _forward(
         quantizer_set.x,
         config.dot_input_axes,
         input_uses(for_backward),
+        source_axes=config.layernorm_input_axes,
     )
     rhs, kernel_quantizer = quantize_operand(
         kernel, quantizer_set.kernel, x.dtype, 1, kernel_uses(for_backward)
@@ -149,6 +150,7 @@ def _backward(
             config.norm,
             None,
             config.dot_input_axes,
+            source_axes=config.layernorm_input_axes,
         )
         # Without FP8 the kernel residual is the parameter itself.
         rhs = ScaledTensor(cast(Array, residuals.kernel_operand).astype(x.dtype))

@@ -123,7 +123,15 @@ def _forward(
     x = with_logical_constraint(x, config.norm_input_axes)
     _, stats = normalize(x, gamma, beta, config.norm)
     ln, x_1 = norm_operand(
-        x, stats, gamma, beta, config.norm, set_1.x, config.dot_1_input_axes, input_layouts
+        x,
+        stats,
+        gamma,
+        beta,
+        config.norm,
+        set_1.x,
+        config.dot_1_input_axes,
+        input_layouts,
+        source_axes=config.norm_input_axes,
     )
     k_1, kernel_q_1 = _kernel_operand(
         kernel_1, set_1.kernel, x.dtype, config.kernel_1_axes, kernel_layouts
@@ -192,6 +200,7 @@ def _gemm_operands(
         config.norm,
         None,
         config.dot_1_input_axes,
+        source_axes=config.norm_input_axes,
     )
     activated, _ = _activation_operand(config, residuals.pre_activation, None, dtype, ())
     # Without FP8 the kernel residuals are the parameters themselves.
@@ -215,9 +224,19 @@ def _backward(
     ln, kernel_1, activated, kernel_2 = _gemm_operands(config, residuals, x.dtype)
     kernel_1_dtype, kernel_2_dtype = config.kernel_dtypes
     bias_1_dtype, bias_2_dtype = config.bias_dtypes
-    # GEMM 2: [batch..., hidden] -> d activation [batch..., intermediate], d kernel_2.
+    # GEMM 2: [batch..., hidden] -> d activation [batch..., intermediate], d kernel_2. The
+    # output is the residual stream, laid out as the norm input: its gradient is quantized on
+    # those shards (gathered in float8 under sequence parallelism).
     grads_2 = dense_backward(
-        grad, activated, kernel_2, set_2.dgrad, 1, x.dtype, kernel_2_dtype, bias_2_dtype
+        grad,
+        activated,
+        kernel_2,
+        set_2.dgrad,
+        1,
+        x.dtype,
+        kernel_2_dtype,
+        bias_2_dtype,
+        grad_axes=config.norm_input_axes,
     )
     d_activated = with_logical_constraint(grads_2.lhs, config.dot_2_input_axes)
     d_pre_activation = activation_backward(
@@ -335,7 +354,8 @@ def layernorm_mlp(
       epsilon: added to the variance (or mean square) before the square root (default 1e-6).
       transpose_batch_sequence: the input is ``[seq, batch, ...]`` (default False). It changes
         no math; the layout that sharding sees is given by the ``*_axes`` arguments.
-      norm_input_axes: logical axes of x (and of the norm-input gradient).
+      norm_input_axes: logical axes of x (and of the norm-input gradient), and of the output
+        gradient, whose layout the output (the residual stream) shares.
       dot_1_input_axes: logical axes of GEMM 1's input, the (quantized) norm output.
       dot_2_input_axes: logical axes of GEMM 2's input, the (quantized) activation output.
       kernel_1_axes: logical axes of kernel 1 and its gradient, e.g. ``("embed", "act", "mlp")``.

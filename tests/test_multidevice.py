@@ -22,6 +22,7 @@ import te_flax.nnx as te_nnx
 from te_flax.dense import dense
 from te_flax.quantize import (
     DelayedScaling,
+    Float8CurrentScaling,
     MXFP8BlockScaling,
     NVFP4BlockScaling,
     QuantizerFactory,
@@ -420,7 +421,8 @@ EXPECTED_COLLECTIVES = {
     ),
     # Tensor + sequence parallel (tensor 4): the sequence is gathered for GEMM 1 (the norm
     # output; in float8 under FP8, gathered once and reused by the wgrad, where without FP8 it
-    # is gathered again for the wgrad) and the output gradient for GEMM 2's backward; the
+    # is gathered again for the wgrad) and the output gradient for GEMM 2's backward (float8
+    # under FP8: both are quantized on their sequence shards and gathered quantized); the
     # GEMM-2 output is reduce-scattered back onto the sequence and so is the GEMM-1 input
     # gradient (both full-size all-reduces, see above). The scale, ln_bias and wo_bias
     # gradients are summed over the sequence shards; the kernels' gradients stay local. FP8
@@ -431,7 +433,7 @@ EXPECTED_COLLECTIVES = {
         reduced=["f32[8,8,32]"] * 2 + ["f32[]"] + ["f32[32]"] * 3,
     ),
     ("tp_sp", True): dict(
-        gathered=["f16[8,8,32]", "f32[8,8,32]"],
+        gathered=["f16[8,8,32]"] * 2,
         all_reduces=4,
         reduced=["f32[8,8,32]"] * 2 + ["f32[]"] * 7 + ["f32[32]"] * 3,
     ),
@@ -488,10 +490,105 @@ def test_collectives_of_a_layernorm_mlp_training_step(layout, fp8):
     reduced = Counter(s for op, shapes in collectives if op == "all-reduce" for s in shapes)
     assert reduced == Counter(expected["reduced"])
     if fp8:
-        # The kernels and the sequence-parallel norm output cross the network quantized; only
-        # tp_sp's output gradient is gathered before it is quantized.
+        # The kernels, the sequence-parallel norm output and output gradient cross the network
+        # quantized: no matrix is gathered in float32.
         wide = [s for s in gathered.elements() if s.startswith("f32") and "," in s]
-        assert wide == (["f32[8,8,32]"] if layout == "tp_sp" else [])
+        assert wide == []
+
+
+# ----------------------------------------------------------------------------- collective table
+
+# An instruction: its name, its type (a tuple type for combined collectives), op and operands.
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT )?%(?P<name>\S+) = (?P<type>\(.+?\)|\S+) (?P<op>[a-z][a-z0-9-]*)\((?P<args>.*)"
+)
+_COMPUTATION = re.compile(r"^%(?P<name>\S+) .*\{$")
+_CALLS = re.compile(r"calls=%([^\s,}]+)")
+# Ops that move or widen a value without changing what it holds.
+_PASS_THROUGH = ("copy", "bitcast", "convert", "reshape", "transpose")
+_FLOAT8 = ("f8e4m3fn", "f8e5m2")
+
+
+def _computations(hlo: str) -> dict[str, dict[str, tuple[str, str, str]]]:
+    """Each computation's instructions: ``{computation: {name: (type, op, args)}}``."""
+    computations: dict[str, dict[str, tuple[str, str, str]]] = {}
+    current: dict[str, tuple[str, str, str]] = {}
+    for line in hlo.splitlines():
+        if match := _COMPUTATION.match(line):
+            current = computations.setdefault(match["name"], {})
+        elif match := _INSTRUCTION.match(line):
+            current[match["name"]] = (match["type"], match["op"], match["args"])
+            if line.lstrip().startswith("ROOT"):
+                current["ROOT"] = current[match["name"]]
+    return computations
+
+
+def _payload(computations, instructions, name: str) -> str:
+    """The element type a collective operand carries: a float8 value that XLA:CPU widened to
+    f16 for the collective (the cast into float8 and back fused before it) reads as float8."""
+    type_, op, args = instructions[name]
+    seen = []
+    while True:
+        seen.append(type_.split("[")[0])
+        if op == "fusion":
+            callee = computations[_CALLS.search(args)[1]]
+            type_, op, args = callee["ROOT"]
+            instructions = callee
+            continue
+        operands = re.findall(r"%([^\s,()]+)", args.split(")")[0])
+        if op not in _PASS_THROUGH or len(operands) != 1 or operands[0] not in instructions:
+            break
+        type_, op, args = instructions[operands[0]]
+    float8 = [t for t in seen if t in _FLOAT8]
+    return float8[0] if float8 else seen[0]
+
+
+def collective_table(hlo: str) -> list[tuple[str, str, str]]:
+    """``(collective, payload element type, operand shape)`` for each operand of each
+    collective of a compiled module, in program order."""
+    computations = _computations(hlo)
+    rows = []
+    for instructions in computations.values():
+        for name, (_, op, args) in instructions.items():
+            if name == "ROOT":  # the root's second entry
+                continue
+            kind = op.removesuffix("-start")
+            if kind not in (
+                "all-gather",
+                "reduce-scatter",
+                "all-reduce",
+                "all-to-all",
+                "collective-permute",
+            ):
+                continue
+            for operand in re.findall(r"%([^\s,()]+)", args.split(")")[0]):
+                shape = instructions[operand][0].split("{")[0]  # without the layout
+                rows.append((kind, _payload(computations, instructions, operand), shape))
+    return rows
+
+
+def format_table(rows) -> str:
+    return "\n".join(f"{kind:20} {payload:9} {shape}" for kind, payload, shape in rows)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+@pytest.mark.parametrize("layout", ["tp_sp", "fsdp"])
+def test_fp8_step_all_gathers_its_gemm_operands_in_float8(layout, recipe):
+    recipe = DELAYED if recipe == "delayed" else Float8CurrentScaling()
+    rows = collective_table(_training_step_hlo(layout, recipe))
+    table = format_table(rows)
+    gathered = [(payload, shape) for kind, payload, shape in rows if kind == "all-gather"]
+    # GEMM operands are the gathered matrices (FSDP also gathers the embed-split norm scale,
+    # norm shift and bias vectors, which no GEMM reads in float8).
+    matrices = [(payload, shape) for payload, shape in gathered if "," in shape]
+    assert matrices, table
+    assert all(payload in _FLOAT8 for payload, _ in matrices), table
+    if layout == "tp_sp":
+        # The norm output (e4m3) and the output gradient (e5m2), each gathered once.
+        assert sorted(payload for payload, _ in matrices) == ["f8e4m3fn", "f8e5m2"], table
+    else:
+        # Each kernel once, in e4m3; never an activation.
+        assert [payload for payload, _ in matrices] == ["f8e4m3fn"] * 2, table
 
 
 # ----------------------------------------------------------------------------- placement
