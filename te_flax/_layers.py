@@ -109,6 +109,7 @@ def _features(features: int | Sequence[int] | None) -> tuple[int, ...]:
 
 def _compute_input(x: Array, dtype: DTypeLike | None) -> Array:
     check.check_floating(x, "the input")
+    dtype = check.check_dtype(dtype, "dtype")
     return x if dtype is None else x.astype(dtype)
 
 
@@ -133,7 +134,7 @@ class _Norm:
     def _norm_params(
         self, hidden: int, bias_init: Initializer, bias_axes: tuple[str | None, ...]
     ) -> list[ParamSpec]:
-        norm_type = check.canonical_norm_type(self.layernorm_type)
+        norm_type = check.canonical_norm_type(self.layernorm_type, "layernorm_type")
         scale_init = self.scale_init or (zeros if self.zero_centered_gamma else ones)
         params = [_param("scale", (hidden,), scale_init, self.scale_axes)]
         if norm_type == "layernorm":
@@ -438,6 +439,7 @@ class LayerNormMLPSpec(_Norm, _LowRank):
         intermediate = self.intermediate_dim
         if not isinstance(intermediate, int) or intermediate < 1:
             raise ValueError(f"intermediate_dim must be a positive int, got {intermediate!r}")
+        check.check_rate(self.intermediate_dropout_rate, "intermediate_dropout_rate")
         kernel_init = self.kernel_init or default_kernel_init()
         params: list[ParamSpec] = []
         if self.enable_layernorm:

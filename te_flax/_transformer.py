@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import Array, lax
 from jax.ad_checkpoint import checkpoint_name
 
+from te_flax import _validation as check
 from te_flax import attention as attn
 from te_flax.quantize import Recipe
 from te_flax.sharding import with_logical_constraint
@@ -125,12 +126,11 @@ def _positive_int(value: object, name: str) -> int:
 
 
 def _rate(value: object, name: str) -> float:
-    if not isinstance(value, int | float) or not 0.0 <= value < 1.0:
-        raise ValueError(f"{name} must be a probability in [0, 1), got {value!r}")
-    return float(value)
+    return check.check_rate(value, name)
 
 
 def _compute(x: Array, dtype: Any) -> Array:
+    dtype = check.check_dtype(dtype, "dtype")
     return x if dtype is None else x.astype(dtype)
 
 
@@ -224,7 +224,8 @@ class DotProductAttentionSpec:
         if _positive_int(groups, "num_gqa_groups") and self.num_attention_heads % groups:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
-                f"num_gqa_groups={groups}"
+                f"num_gqa_groups={groups}; choose num_gqa_groups among the divisors of "
+                "num_attention_heads (None: one group per head)"
             )
         _rate(self.attention_dropout, "attention_dropout")
         attn.canonical_mask_type(self.attn_mask_type)
@@ -283,7 +284,13 @@ class DotProductAttentionSpec:
         if query.shape[2] != self.num_attention_heads:
             raise ValueError(
                 f"query has {query.shape[2]} heads (shape {query.shape}) but "
-                f"num_attention_heads={self.num_attention_heads}"
+                f"num_attention_heads={self.num_attention_heads}; set num_attention_heads to "
+                "the input's heads axis (axis 2 of [batch, seq, heads, head_dim])"
+            )
+        if query.shape[3] != self.head_dim:
+            raise ValueError(
+                f"query has head_dim {query.shape[3]} (shape {query.shape}) but "
+                f"head_dim={self.head_dim}; set head_dim to the input's last axis"
             )
         dropout_rng = None
         if not deterministic and self.attention_dropout > 0:
@@ -488,7 +495,7 @@ class MultiHeadAttentionSpec:
             if x.ndim != 3:
                 raise ValueError(
                     f"{name} must be [batch, seq, hidden] ([seq, batch, hidden] with "
-                    f"transpose_batch_sequence), got shape {x.shape}"
+                    f"transpose_batch_sequence), got shape {x.shape}; reshape it to three axes"
                 )
         if inputs_q.dtype != inputs_kv.dtype:
             raise TypeError(
@@ -824,7 +831,8 @@ class TransformerLayerSpec:
         if inputs.ndim != 3 or inputs.shape[-1] != self.hidden_size:
             raise ValueError(
                 f"inputs must be [batch, seq, hidden_size={self.hidden_size}] ([seq, batch, "
-                f"hidden_size] with transpose_batch_sequence), got shape {inputs.shape}"
+                f"hidden_size] with transpose_batch_sequence), got shape {inputs.shape}; set "
+                "hidden_size to the input's last axis"
             )
         if decode and not self.decoder:
             raise ValueError(

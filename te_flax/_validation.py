@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any, cast
 
 import jax.numpy as jnp
+import numpy as np
 from jax import Array
 
 from te_flax._stages import NormSpec
@@ -15,10 +17,15 @@ from te_flax.quantize import QuantizerSet
 __all__ = [
     "canonical_norm_type",
     "check_axes",
+    "check_bool",
+    "check_broadcastable",
+    "check_dtype",
     "check_floating",
     "check_norm",
     "check_quantizer_set",
+    "check_rate",
     "check_shape",
+    "check_sizes",
 ]
 
 _NORM_TYPES = ("layernorm", "rmsnorm")
@@ -45,13 +52,13 @@ def check_shape(array: Array, expected: tuple[int, ...], name: str, hint: str) -
         raise ValueError(f"{name} has shape {tuple(array.shape)} but must be {expected}; {hint}")
 
 
-def canonical_norm_type(norm_type: object) -> str:
+def canonical_norm_type(norm_type: object, name: str = "norm_type") -> str:
     """``"layernorm"`` or ``"rmsnorm"``; TE's spellings (``"LayerNorm"``, ``"rms_norm"``) too."""
     if isinstance(norm_type, str):
         canonical = norm_type.lower().replace("_", "").replace("-", "")
         if canonical in _NORM_TYPES:
             return canonical
-    raise ValueError(f'norm_type must be "layernorm" or "rmsnorm", got {norm_type!r}')
+    raise ValueError(f'{name} must be "layernorm" or "rmsnorm", got {norm_type!r}')
 
 
 def check_norm(
@@ -127,3 +134,64 @@ def check_bool(value: object, name: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r}")
     return value
+
+
+def check_dtype(dtype: object, name: str) -> Any:
+    """``dtype`` as a floating-point numpy dtype of 16 bits or more (None passes through).
+
+    For the modules' ``dtype`` (compute) and ``param_dtype`` (storage) attributes.
+    """
+    if dtype is None:
+        return None
+    try:
+        resolved = jnp.dtype(cast(Any, dtype))
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"{name}={dtype!r} is not a dtype; use a floating-point dtype such as jnp.bfloat16 "
+            "or jnp.float32"
+        ) from None
+    if not jnp.issubdtype(resolved, jnp.floating) or jnp.finfo(resolved).bits < 16:
+        raise TypeError(
+            f"{name}={dtype!r} is not a high-precision floating-point dtype; use jnp.float32, "
+            "jnp.bfloat16 or jnp.float16 (the recipe does the float8 conversion)"
+        )
+    return resolved
+
+
+def check_sizes(sizes: object, name: str) -> tuple[int, ...]:
+    """``sizes`` (an int or a sequence of ints) as a tuple of positive ints."""
+    values = (sizes,) if isinstance(sizes, int | np.integer) else sizes
+    if isinstance(values, str) or not isinstance(values, Sequence):
+        values = None
+    if (
+        not values
+        or not all(isinstance(v, int | np.integer) and not isinstance(v, bool) for v in values)
+        or min(values) < 1
+    ):
+        raise ValueError(
+            f"{name} must be a positive int or a tuple of them, got {sizes!r}; e.g. "
+            f"{name}=x.shape[-1]"
+        )
+    return tuple(int(v) for v in values)
+
+
+def check_rate(rate: object, name: str) -> float:
+    """A dropout probability: a number in [0, 1)."""
+    if not isinstance(rate, int | float) or isinstance(rate, bool) or not 0 <= rate < 1:
+        raise ValueError(
+            f"{name} must be a probability in [0, 1), got {rate!r}; use 0.0 for no dropout"
+        )
+    return float(rate)
+
+
+def check_broadcastable(array: Array, target: tuple[int, ...], name: str, layout: str) -> None:
+    """``array`` must broadcast to ``target`` (each of its trailing dims 1 or the target's)."""
+    shape = tuple(array.shape)
+    fits = len(shape) <= len(target) and all(
+        size in (1, want) for size, want in zip(shape[::-1], target[::-1], strict=False)
+    )
+    if not fits:
+        raise ValueError(
+            f"{name} has shape {shape}, which does not broadcast to {layout} = {target}; give "
+            f"it that shape, with 1 for any axis it shares"
+        )

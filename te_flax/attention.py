@@ -36,6 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
+from te_flax import _validation as check
+
 __all__ = [
     "BIAS_TYPES",
     "MASK_TYPES",
@@ -136,9 +138,11 @@ def _keep_mask(
 
 def _check_qkv(query: Array, key: Array, value: Array) -> None:
     for name, array in (("query", query), ("key", key), ("value", value)):
+        check.check_floating(array, name)
         if array.ndim != 4:
             raise ValueError(
-                f"{name} must be [batch, seq, heads, head_dim], got shape {array.shape}"
+                f"{name} must be [batch, seq, heads, head_dim], got shape {array.shape}; add "
+                "the missing axes, e.g. split the hidden axis into heads x head_dim"
             )
     if key.shape != value.shape:
         raise ValueError(f"key {key.shape} and value {value.shape} must have the same shape")
@@ -199,6 +203,14 @@ def dot_product_attention(
     mask_type = canonical_mask_type(attn_mask_type)
     bias_type = canonical_bias_type(attn_bias_type, bias)
     window = _check_window(window_size)
+    check.check_rate(dropout_rate, "dropout_rate")
+    batch, q_len, heads = query.shape[:3]
+    kv_len = key.shape[1]
+    if bias is not None:
+        check.check_floating(bias, "bias")
+        check.check_broadcastable(
+            bias, (batch, heads, q_len, kv_len), "bias", "[batch, heads, q_len, kv_len]"
+        )
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if "padding" in mask_type and mask is None:
@@ -211,8 +223,10 @@ def dot_product_attention(
             raise TypeError(
                 f"mask must be boolean or integer (True / nonzero = masked out), got {mask.dtype}"
             )
+        check.check_broadcastable(
+            mask, (batch, 1, q_len, kv_len), "mask", "[batch, 1, q_len, kv_len]"
+        )
         mask = mask.astype(jnp.bool_)  # TE's examples pass uint8 0/1 masks
-    q_len, kv_len = query.shape[1], key.shape[1]
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale_factor is None else float(scale_factor)
     if bias is not None:
         bias = bias.astype(jnp.float32)

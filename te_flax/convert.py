@@ -68,8 +68,17 @@ def _convert_leaves(tree: _Tree, convert: _LeafConverter) -> dict[str, Any]:
     return out
 
 
+def _check_history(name: str, value: ArrayLike) -> None:
+    if jnp.ndim(value) != 1 or jnp.size(value) < 1:
+        raise ValueError(
+            f"FP8 variable {name!r} has shape {jnp.shape(value)}, but an amax history is 1-D "
+            "[amax_history_len]; pass the variable dict as the model stores it"
+        )
+
+
 def _from_te_leaf(name: str, value: ArrayLike) -> tuple[str, Array]:
     if name.endswith(_HISTORY):
+        _check_history(name, value)
         return name, _history_from_te(value)
     if name.endswith(_TE_SCALE):
         scale = jnp.asarray(value, jnp.float32)
@@ -82,6 +91,7 @@ def _from_te_leaf(name: str, value: ArrayLike) -> tuple[str, Array]:
 
 def _to_te_leaf(name: str, value: ArrayLike) -> tuple[str, Array]:
     if name.endswith(_HISTORY):
+        _check_history(name, value)
         return name, _history_to_te(value)
     if name.endswith(_SCALE_INV):
         scale_inv = jnp.asarray(value, jnp.float32)
@@ -94,9 +104,20 @@ def _to_te_leaf(name: str, value: ArrayLike) -> tuple[str, Array]:
 
 def _convert(variables: _Tree, source: str, target: str, convert: _LeafConverter) -> dict[str, Any]:
     if not isinstance(variables, Mapping):
-        raise TypeError(f"variables must be a mapping of collections, got {type(variables)}")
+        raise TypeError(
+            f"variables must be a mapping of collections, got {type(variables)}; pass the whole "
+            "variable dict, e.g. {'params': ..., 'fp8_metas': ...}"
+        )
     if target in variables:
-        raise ValueError(f"variables already hold a {target!r} collection; nothing to convert into")
+        raise ValueError(
+            f"variables already hold a {target!r} collection; nothing to convert into (the tree "
+            "is already converted: pass it as it is)"
+        )
+    if "params" not in variables and source not in variables:
+        raise ValueError(
+            f"variables hold neither 'params' nor {source!r} (got {sorted(variables)}); pass the "
+            f"whole variable dict, e.g. {{'params': ..., {source!r}: ...}}, not one collection"
+        )
     out = {name: tree for name, tree in variables.items() if name != source}
     if source in variables:
         out[target] = _convert_leaves(variables[source], convert)

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import flax.linen as nn
 import jax
+import numpy as np
 import yaml
 from flax.linen.spmd import logical_to_mesh_axes
 from jax import Array
@@ -93,9 +94,10 @@ def with_logical_constraint(x: Array, logical_axes: LogicalAxes) -> Array:
     mesh = jax.sharding.get_abstract_mesh()
     if not rules or mesh.empty:
         return x
+    _check_known_names(logical_axes, rules)
     spec = logical_to_mesh_axes(logical_axes, rules)
     assert spec is not None  # logical_axes is not empty
-    _check_auto_axes(spec, mesh)
+    _check_auto_axes(logical_axes, spec, mesh)
     manual = frozenset(mesh.manual_axes)
     if manual:
         # Inside shard_map the manual axes are already split by hand; constrain only the others.
@@ -132,11 +134,31 @@ def vary_like(x: Array, tree: T) -> T:
     return jax.tree.map(mark, tree)
 
 
-def _check_auto_axes(spec: PartitionSpec, mesh: jax.sharding.AbstractMesh) -> None:
-    for entry in spec:
+def _check_known_names(logical_axes: tuple[Any, ...], rules: Sequence[tuple[str, Any]]) -> None:
+    # A name that no rule and no te_flax layer uses is a typo: Flax would silently replicate it.
+    known = {rule[0] for rule in rules} | set(LOGICAL_AXES)
+    unknown = [a for a in logical_axes if isinstance(a, str) and a not in known]
+    if unknown:
+        raise ValueError(
+            f"logical axis names {unknown} in {logical_axes} appear in no rule of the active "
+            f"logical_axis_rules and are not te_flax's names {LOGICAL_AXES}; fix the spelling, "
+            f"or add a rule such as ({unknown[0]!r}, None) to replicate that axis"
+        )
+
+
+def _check_auto_axes(
+    logical_axes: tuple[Any, ...], spec: PartitionSpec, mesh: jax.sharding.AbstractMesh
+) -> None:
+    for logical, entry in zip(logical_axes, spec, strict=False):
         if entry is None or entry is PartitionSpec.UNCONSTRAINED:
             continue
         for name in (entry,) if isinstance(entry, str) else entry:
+            if name not in mesh._name_to_type:
+                raise ValueError(
+                    f"the logical_axis_rules map {logical!r} to mesh axis {name!r}, but the mesh "
+                    f"has axes {tuple(mesh.axis_names)}; fix the rule, or build the mesh with "
+                    "that axis"
+                )
             if mesh._name_to_type[name] == AxisType.Explicit:
                 raise ValueError(
                     f"mesh axis {name!r} is AxisType.Explicit, but te_flax shards through "
@@ -168,6 +190,13 @@ def load_axis_rules(rule_set: str | Path) -> tuple[tuple[str, str | tuple[str, .
     ):
         raise ValueError(f"{path}: expected 'rules: [[logical_name, mesh_axes], ...]'")
     rules = [(name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in entries]
+    for name, axes in rules:
+        wrong = [a for a in (axes if isinstance(axes, tuple) else (axes,)) if a not in MESH_AXES]
+        if axes is not None and wrong:
+            raise ValueError(
+                f"{path}: the rule [{name!r}, {axes!r}] names mesh axes {wrong}, but te_flax "
+                f"meshes have the axes {MESH_AXES}; map {name!r} to one of those (or null)"
+            )
     # Every logical name the layers use and the rule set leaves out is replicated explicitly:
     # Linen treats unknown names so, but NNX's partition specs would keep the name itself.
     mentioned = {name for name, _ in rules}
@@ -186,8 +215,18 @@ def make_mesh(
     """
     unknown = sorted(set(shape) - set(MESH_AXES))
     if unknown:
-        raise ValueError(f"unknown mesh axes {unknown}; the axes are {MESH_AXES}")
-    sizes = tuple(int(shape.get(axis, 1)) for axis in MESH_AXES)
+        raise ValueError(
+            f"unknown mesh axes {unknown}; the axes are {MESH_AXES}: use only those in mesh_shape"
+        )
+    sizes = tuple(shape.get(axis, 1) for axis in MESH_AXES)
+    if not all(
+        isinstance(s, int | np.integer) and not isinstance(s, bool) and s >= 1 for s in sizes
+    ):
+        raise ValueError(
+            f"mesh_shape sizes must be positive ints, got {dict(shape)}; e.g. "
+            "make_mesh({'data': 2, 'fsdp': 4})"
+        )
+    sizes = tuple(int(size) for size in sizes)
     devices = list(jax.devices() if devices is None else devices)
     total = 1
     for size in sizes:
@@ -195,7 +234,8 @@ def make_mesh(
     if total != len(devices):
         raise ValueError(
             f"mesh {dict(zip(MESH_AXES, sizes, strict=True))} has {total} devices, "
-            f"not {len(devices)}"
+            f"not {len(devices)}; choose mesh_shape sizes whose product is {len(devices)}, or "
+            "pass those devices"
         )
     return jax.make_mesh(
         sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices

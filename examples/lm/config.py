@@ -92,12 +92,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     for key, choices in _CHOICES.items():
         value = OmegaConf.select(config, key)
         if value not in choices:
-            raise ValueError(f"{key}={value!r} is not one of {choices}")
+            raise ValueError(f"{key}={value!r} is not one of {choices}; use one of those")
     positive = ("train.steps", "train.batch", "train.seq_len", "model.layers", "train.eval_every")
     positive += ("mesh.data", "mesh.fsdp", "mesh.tensor")
     for key in positive:
         if OmegaConf.select(config, key) < 1:
-            raise ValueError(f"{key} must be >= 1, got {OmegaConf.select(config, key)}")
+            raise ValueError(
+                f"{key} must be >= 1, got {OmegaConf.select(config, key)}; set {key} to a "
+                "positive int"
+            )
     m = config.model
     if m.block == "te" and m.d_model != m.heads * m.head_dim:
         raise ValueError(

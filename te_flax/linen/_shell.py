@@ -20,6 +20,7 @@ from te_flax._fp8_state import (
     state_names,
 )
 from te_flax._layers import ParamSpec
+from te_flax._validation import check_dtype
 from te_flax.quantize import QuantizerSet
 
 __all__ = ["LinenShell"]
@@ -41,8 +42,10 @@ class LinenShell(nn.Module):
                 raise ValueError(
                     f"{type(self).__name__} parameter {spec.name!r} has shape {existing}, but this "
                     f"input needs {spec.shape}: the input's feature size differs from the one "
-                    "the module was initialised with"
+                    "the module was initialised with; initialise it again with an input of this "
+                    "shape, or reshape the input"
                 )
+        check_dtype(self.param_dtype, "param_dtype")
         init = nn.with_logical_partitioning(spec.init, spec.axes)
         # Linen unboxes the LogicallyPartitioned value when the module reads it.
         return cast(Array, self.param(spec.name, init, spec.shape, self.param_dtype))

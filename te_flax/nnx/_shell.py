@@ -20,6 +20,7 @@ from te_flax._fp8_state import (
     resolve_recipe,
     state_names,
 )
+from te_flax._validation import check_dtype, check_sizes
 from te_flax.nnx._fp8_meta import Fp8Meta
 from te_flax.quantize import QuantizerSet, Recipe
 
@@ -76,7 +77,8 @@ class NnxShell(nnx.Module):
         self, in_features: tuple[int, ...], rngs: nnx.Rngs, attributes: Mapping[str, Any]
     ) -> None:
         set_attributes(self, self._description, attributes, rngs)
-        self.in_features_ = tuple(in_features)
+        self.in_features_ = check_sizes(in_features, "in_features")
+        check_dtype(self.param_dtype, "param_dtype")
         for spec in self.param_specs(self.in_features_):
             value = spec.init(rngs.params(), spec.shape, self.param_dtype)
             # Sharding metadata only: arrays are placed by jit with the partition specs, under
@@ -94,7 +96,8 @@ class NnxShell(nnx.Module):
         if tuple(self.in_features(inputs)) != self.in_features_:
             raise ValueError(
                 f"{type(self).__name__} was built for input features {self.in_features_} but got "
-                f"an input of shape {inputs.shape}; its contracted (last) axes must match"
+                f"an input of shape {inputs.shape}; its contracted (last) axes must match: "
+                "build it with in_features set to those sizes, or reshape the input"
             )
         params = {
             spec.name: getattr(self, spec.name)[...] for spec in self.param_specs(self.in_features_)

@@ -64,7 +64,8 @@ def load_linen_variables(module: nnx.Module, variables: Mapping[str, Any]) -> No
         if expected != given:
             raise ValueError(
                 f"the {collection!r} collection does not fit {type(module).__name__}: missing "
-                f"{sorted(expected - given)}, unexpected {sorted(given - expected)}"
+                f"{sorted(expected - given)}, unexpected {sorted(given - expected)}; pass the "
+                "variables of the Linen module with the same attributes and input features"
             )
         for (path, new), (_, old) in zip(
             jax.tree_util.tree_leaves_with_path(tree),

@@ -24,13 +24,14 @@ from te_flax._layers import (
     LayerNormMLPSpec,
     LayerNormSpec,
 )
+from te_flax._validation import check_sizes
 from te_flax.nnx._shell import NnxShell
 
 __all__ = ["DenseGeneral", "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP"]
 
 
-def _as_tuple(features: int | Sequence[int]) -> tuple[int, ...]:
-    return (features,) if isinstance(features, int) else tuple(features)
+def _as_tuple(features: int | Sequence[int], name: str = "in_features") -> tuple[int, ...]:
+    return check_sizes(features, name)
 
 
 class LayerNorm(NnxShell, LayerNormSpec):
@@ -51,7 +52,7 @@ class LayerNorm(NnxShell, LayerNormSpec):
     _description = LayerNormSpec
 
     def __init__(self, num_features: int, *, rngs: nnx.Rngs, **attributes: Any) -> None:
-        self._setup((num_features,), rngs, attributes)
+        self._setup(_as_tuple(num_features, "num_features"), rngs, attributes)
 
     def __call__(self, inputs: Array) -> Array:
         """``[batch..., num_features]`` -> the same shape."""
@@ -126,7 +127,7 @@ class LayerNormDenseGeneral(NnxShell, LayerNormDenseGeneralSpec):
         rngs: nnx.Rngs,
         **attributes: Any,
     ) -> None:
-        self._setup((in_features,), rngs, {**attributes, "features": features})
+        self._setup(_as_tuple(in_features), rngs, {**attributes, "features": features})
 
     def __call__(self, inputs: Array) -> tuple[Array, Array | None]:
         """``[batch..., in_features]`` -> ``([batch..., *features], ln_output or None)``."""
@@ -155,7 +156,7 @@ class LayerNormMLP(NnxShell, LayerNormMLPSpec):
     _description = LayerNormMLPSpec
 
     def __init__(self, in_features: int, *, rngs: nnx.Rngs, **attributes: Any) -> None:
-        self._setup((in_features,), rngs, attributes)
+        self._setup(_as_tuple(in_features), rngs, attributes)
         # Assigned once: NNX fixes an attribute as static or data at its first assignment.
         self.dropout = (
             nnx.Dropout(

@@ -244,7 +244,9 @@ def _block_operand(
                 f"contraction, but a GEMM contracts the {use} axes {contracted} ({size} elements)"
                 f" of a tensor of shape {tuple(x.shape)}, which is not a multiple of {block}. "
                 "Every contracted size must be one: the input features, the output features "
-                "and, for training, the tokens (batch x sequence) of the weight-gradient GEMM"
+                "and, for training, the tokens (batch x sequence) of the weight-gradient GEMM; "
+                f"pad them to a multiple of {block} or use a per-tensor recipe such as "
+                "DelayedScaling()"
             )
     for use in uses:
         matrix, row_shape = _as_matrix(x, split, use)
