@@ -1,4 +1,5 @@
-"""FSDP on XLA:GPU, checked with a deviceless compile for four H100s on one host (no GPU needed).
+"""FSDP and sequence parallelism on XLA:GPU, checked with a deviceless compile for four H100s on
+one host (no GPU needed).
 
 One FP8 training step of a Linen ``LayerNormMLP`` (bf16 activations, float32 parameters) is
 compiled for a ``1x1x4`` H100 topology under the ``fsdp`` rule set: the kernels' ``embed`` axis
@@ -7,6 +8,13 @@ kernel shard, so the all-gathers that assemble the kernels for the GEMMs move fl
 (``f8e4m3fn``), a quarter of the float32 bytes; the kernel gradients come back reduce-scattered.
 Without FP8 the same step gathers the kernels in bf16, which shows that the HLO reading below
 sees the difference.
+
+Under the ``tp_sp`` rule set (tensor 4) the norm input is split along the sequence: the norm
+output is quantized on its sequence shard and gathered in ``f8e4m3fn`` for GEMM 1, the output
+gradient gathered in ``f8e5m2`` for GEMM 2's backward, and GEMM 2's output and the norm-input
+gradient are reduce-scattered back onto the sequence. On both layouts every reduction of a
+matrix is a reduce-scatter: no all-reduce of a full-size value is left for each device to
+slice its part from.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import te_flax.linen as te_nn
 from te_flax.quantize import DelayedScaling, Float8CurrentScaling
-from te_flax.sharding import load_axis_rules, make_mesh
+from te_flax.sharding import load_axis_rules, make_mesh, with_logical_constraint
 from te_flax.training import apply_gradients, init_optimizer, merge_fp8_state
 from tests.gpu_target import TARGET_CONFIG
 from tests.test_gpu_compile import (
@@ -47,6 +55,17 @@ TOPOLOGY = f"1x1x{FSDP}"  # one slice, one host, four GPUs
 BATCH, SEQ, HIDDEN, INTERMEDIATE = 8, 256, 1024, 4096
 KERNEL_ELEMENTS = HIDDEN * INTERMEDIATE  # both kernels: [hidden, 1, intermediate], its transpose
 ACTIVATION_AXES = ("batch", None, None)
+MESH_SHAPES = {"fsdp": {"fsdp": FSDP}, "tp_sp": {"tensor": FSDP}}
+# The activations' logical axes: the norm input (and residual), GEMM 1's and GEMM 2's inputs.
+LAYOUT_AXES = {
+    "fsdp": (ACTIVATION_AXES,) * 3,
+    "tp_sp": (
+        ("batch", "length", "act_embed"),
+        ("batch", None, "act_embed"),
+        ("batch", None, "act_mlp"),
+    ),
+}
+ACTIVATION_ELEMENTS = BATCH * SEQ * HIDDEN
 RECIPES = {
     "delayed": DelayedScaling,
     "current": Float8CurrentScaling,
@@ -59,18 +78,20 @@ RECIPES = {
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-    """One all-gather or reduce-scatter of the optimized HLO (sync or async start)."""
+    """One collective of the optimized HLO (sync or async start)."""
 
-    kind: str  # "all-gather" or "reduce-scatter"
+    kind: str  # "all-gather", "reduce-scatter", "all-reduce", "all-to-all" or "collective-permute"
     operands: tuple[tuple[str, tuple[int, ...]], ...]  # (element type, dims) of each input
 
 
-_COLLECTIVE = re.compile(r"\s(all-gather|reduce-scatter)(?:-start)?\(([^)]*)\)")
+_COLLECTIVE = re.compile(
+    r"\s(all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)(?:-start)?\(([^)]*)\)"
+)
 _OPERAND_NAME = re.compile(r"%([^\s,()]+)")
 
 
 def parse_collectives(hlo_text: str) -> list[Collective]:
-    """The all-gathers and reduce-scatters of an optimized HLO module, with their input types.
+    """The collectives of an optimized HLO module, with their input types.
 
     Combined collectives (one op moving several arrays) are one entry with several operands.
     """
@@ -106,16 +127,16 @@ def kernel_sized(arrays, shards: int = 1):
 # ----------------------------------------------------------------------------- compiling
 
 
-def _model(recipe: str) -> te_nn.LayerNormMLP:
+def _model(recipe: str, norm_axes, gemm_1_axes, gemm_2_axes) -> te_nn.LayerNormMLP:
     make_recipe = RECIPES[recipe]
     return te_nn.LayerNormMLP(
         intermediate_dim=INTERMEDIATE,
         activations=("gelu",),
         recipe=None if make_recipe is None else make_recipe(),
         dtype=jnp.bfloat16,
-        layernorm_input_axes=ACTIVATION_AXES,
-        dot_1_input_axes=ACTIVATION_AXES,
-        dot_2_input_axes=ACTIVATION_AXES,
+        layernorm_input_axes=norm_axes,
+        dot_1_input_axes=gemm_1_axes,
+        dot_2_input_axes=gemm_2_axes,
     )
 
 
@@ -124,15 +145,21 @@ def _unboxed(tree):
     return jax.tree.map(lambda leaf: leaf.value if is_box(leaf) else leaf, tree, is_leaf=is_box)
 
 
-@functools.cache
 def fsdp_step_hlo(recipe: str) -> str:
     """The optimized HLO of one FSDP training step (loss, grads, SGD, FP8 update) on 4 H100s."""
+    return sharded_step_hlo("fsdp", recipe)
+
+
+@functools.cache
+def sharded_step_hlo(layout: str, recipe: str) -> str:
+    """The optimized HLO of one training step on 4 H100s under the ``fsdp`` or ``tp_sp`` rules."""
     topology = topologies.get_topology_desc(
         platform="cuda", target_config=TARGET_CONFIG.read_text(), topology=TOPOLOGY
     )
-    mesh = make_mesh({"fsdp": FSDP}, devices=topology.devices)
-    rules = load_axis_rules("fsdp")
-    model = _model(recipe)
+    mesh = make_mesh(MESH_SHAPES[layout], devices=topology.devices)
+    rules = load_axis_rules(layout)
+    norm_axes, gemm_1_axes, gemm_2_axes = LAYOUT_AXES[layout]
+    model = _model(recipe, norm_axes, gemm_1_axes, gemm_2_axes)
     tx = optax.sgd(1e-2)
     x_shape = jax.ShapeDtypeStruct((BATCH, SEQ, HIDDEN), jnp.bfloat16)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
@@ -143,14 +170,20 @@ def fsdp_step_hlo(recipe: str) -> str:
             _unboxed(boxed),
             shardings,
         )
-        assert variables["params"]["wi_kernel"].sharding.spec == PartitionSpec("fsdp", None, None)
-        assert variables["params"]["wo_kernel"].sharding.spec == PartitionSpec(None, "fsdp")
-        x_sharding = NamedSharding(mesh, nn.logical_to_mesh_axes(ACTIVATION_AXES, rules))
+        if layout == "fsdp":
+            wi_spec, wo_spec = PartitionSpec("fsdp", None, None), PartitionSpec(None, "fsdp")
+        else:
+            wi_spec, wo_spec = PartitionSpec(None, None, "tensor"), PartitionSpec("tensor", None)
+        assert variables["params"]["wi_kernel"].sharding.spec == wi_spec
+        assert variables["params"]["wo_kernel"].sharding.spec == wo_spec
+        x_sharding = NamedSharding(mesh, nn.logical_to_mesh_axes(norm_axes, rules))
         x = jax.ShapeDtypeStruct(x_shape.shape, x_shape.dtype, sharding=x_sharding)
 
         def step(variables, x):
             def loss_fn(variables):
                 out, _ = model.apply(merge_fp8_state(variables), x)
+                # The output is the residual stream, laid out as the norm input.
+                out = with_logical_constraint(out, norm_axes)
                 # A loss whose gradient depends on the output, so that no GEMM folds away.
                 return jnp.mean(jnp.square(out.astype(jnp.float32)))
 
@@ -208,3 +241,49 @@ def test_without_fp8_the_same_step_gathers_bf16_kernels():
     gathered = matrices(moved_arrays(parse_collectives(hlo_text), "all-gather"))
     assert gathered and kernel_sized(gathered, shards=FSDP) == gathered, gathered
     assert {t for t, _ in gathered} == {"bf16"}, gathered
+
+
+def test_fsdp_fp8_step_reduces_no_matrix_with_an_all_reduce():
+    collectives = parse_collectives(fsdp_step_hlo("delayed"))
+    # Only the amaxes and the loss are all-reduced: every gradient (vectors too, as their
+    # parameters are split) is reduce-scattered.
+    reduced = moved_arrays(collectives, "all-reduce")
+    assert all(len(dims) <= 1 and math.prod(dims) < 16 for _, dims in reduced), reduced
+    assert {c.kind for c in collectives} <= {"all-gather", "reduce-scatter", "all-reduce"}
+
+
+# ----------------------------------------------------------------------------- sequence parallel
+
+
+def _table(collectives: list[Collective]) -> str:
+    return "\n".join(f"{c.kind:20} {c.operands}" for c in collectives)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", pytest.param("current", marks=pytest.mark.slow)])
+def test_tp_sp_gathers_the_norm_output_and_the_output_gradient_in_float8(recipe):
+    hlo_text = sharded_step_hlo("tp_sp", recipe)
+    gemms = parse_gemms(hlo_text)
+    assert [g.target for g in gemms] == [FP8_GEMM] * 6, gemms
+    collectives = parse_collectives(hlo_text)
+    table = _table(collectives)
+    gathered = matrices(moved_arrays(collectives, "all-gather"))
+    # Each device's sequence shard, quantized there: e4m3 for GEMM 1's input, e5m2 for GEMM 2's
+    # output gradient. Nothing else is gathered (the kernels are split over tensor, not
+    # gathered).
+    shard = (BATCH, SEQ // FSDP, HIDDEN)
+    assert sorted(gathered) == [("f8e4m3fn", shard), ("f8e5m2", shard)], table
+    # GEMM 2's output and the norm-input gradient go back onto the sequence shards as
+    # reduce-scatters of the full-size bf16 partial sums.
+    scattered = matrices(moved_arrays(collectives, "reduce-scatter"))
+    assert scattered == [("bf16", (BATCH, SEQ, HIDDEN))] * 2, table
+    # All-reduces: the amaxes, the loss and the gradients of the replicated norm scale and shift
+    # (summed over the sequence shards), never an activation-sized value.
+    reduced = moved_arrays(collectives, "all-reduce")
+    assert all(len(dims) <= 1 and math.prod(dims) <= 2 * HIDDEN + 1 for _, dims in reduced), table
+    assert {c.kind for c in collectives} <= {"all-gather", "reduce-scatter", "all-reduce"}, table
+
+
+def test_tp_sp_without_fp8_gathers_bf16():
+    collectives = parse_collectives(sharded_step_hlo("tp_sp", "none"))
+    gathered = matrices(moved_arrays(collectives, "all-gather"))
+    assert gathered and {t for t, _ in gathered} == {"bf16"}, _table(collectives)
