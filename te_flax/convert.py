@@ -12,6 +12,11 @@ Both layouts give the next step the same scale and the same window of L amax val
 value te_flax keeps beyond TE (its oldest entry) is dropped by the next update anyway, and comes
 back from TE as 0. ``scale_inv = 1 / scale`` is rounded to float32 (within one ulp).
 
+``migrate_fp8_state`` fits the FP8 state of a restored te_flax checkpoint to a model whose
+recipe differs from the saving run's: another ``amax_history_len``, FP8 state the checkpoint
+lacks (a BF16 or current-scaling run) or holds but the model does not keep. Each change happens
+only when the caller asks for it; otherwise the mismatch is an error that names it.
+
 Example usage::
 
   >>> import jax.numpy as jnp
@@ -31,12 +36,18 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax.numpy as jnp
+from flax.core import meta
 from jax import Array
 from jax.typing import ArrayLike
 
 from te_flax._fp8_state import OVERWRITE_WITH_GRADIENT
 
-__all__ = ["TE_FP8_COLLECTION", "from_transformer_engine", "to_transformer_engine"]
+__all__ = [
+    "TE_FP8_COLLECTION",
+    "from_transformer_engine",
+    "migrate_fp8_state",
+    "to_transformer_engine",
+]
 
 TE_FP8_COLLECTION = "fp8_metas"
 _HISTORY, _TE_SCALE, _SCALE_INV = "_amax_history", "_scale", "_scale_inv"
@@ -135,3 +146,214 @@ def from_transformer_engine(variables: Mapping[str, Any]) -> dict[str, Any]:
 def to_transformer_engine(variables: Mapping[str, Any]) -> dict[str, Any]:
     """A te_flax variable tree (``params`` + ``_overwrite_with_gradient``) as a TE Linen one."""
     return _convert(variables, OVERWRITE_WITH_GRADIENT, TE_FP8_COLLECTION, _to_te_leaf)
+
+
+# ---------------------------------------------------------------------------------------------
+# Migrating a te_flax checkpoint's FP8 state to another recipe.
+
+_MIGRATE = "te_flax.convert.migrate_fp8_state"
+_MAX_LISTED = 3  # variables named per kind of difference in an error
+
+
+def _flatten(tree: Any, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    """A nested mapping as {path: leaf}; an empty mapping (or None) contributes no leaf."""
+    if tree is None:
+        return {}
+    if not isinstance(tree, Mapping):
+        return {prefix: tree}
+    flat: dict[tuple[str, ...], Any] = {}
+    for key, value in tree.items():
+        flat.update(_flatten(value, (*prefix, str(key))))
+    return flat
+
+
+def _unflatten(flat: Mapping[tuple[str, ...], Any]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for path, leaf in flat.items():
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = leaf
+    return tree
+
+
+def _name(path: tuple[str, ...]) -> str:
+    return "/".join(path)
+
+
+def _listed(paths: list[tuple[str, ...]]) -> str:
+    names = ", ".join(_name(path) for path in paths[:_MAX_LISTED])
+    more = len(paths) - _MAX_LISTED
+    return f"{names} and {more} more" if more > 0 else names
+
+
+def _fresh(path: tuple[str, ...], like: Any) -> Array:
+    """A freshly initialised FP8 variable shaped like ``like``: what a model's init gives."""
+    name = path[-1]
+    if name.endswith(_HISTORY):
+        return jnp.zeros(like.shape, like.dtype)  # no amax seen yet
+    if name.endswith(_SCALE_INV):
+        return jnp.ones(like.shape, like.dtype)  # the first step quantizes with scale 1
+    raise ValueError(
+        f"cannot initialise the FP8 variable {_name(path)!r}: te_flax's FP8 state has only "
+        f"'*{_SCALE_INV}' and '*{_HISTORY}' variables"
+    )
+
+
+def _resize_history(history: ArrayLike, length: int) -> Array:
+    # Newest first along the last axis ([..., L], a leading layer axis under nn.scan): keep the
+    # newest `length` entries; a longer history gets empty (0) slots at its old end.
+    history = jnp.asarray(history)
+    kept = history[..., :length]
+    missing = length - kept.shape[-1]
+    if missing <= 0:
+        return kept
+    padding = jnp.zeros((*history.shape[:-1], missing), history.dtype)
+    return jnp.concatenate([kept, padding], axis=-1)
+
+
+def _check_other_collections(variables: _Tree, target: _Tree) -> None:
+    """Everything but the FP8 state must already fit: only FP8 state is migrated."""
+    saved = _flatten({k: v for k, v in variables.items() if k != OVERWRITE_WITH_GRADIENT})
+    wanted = _flatten({k: v for k, v in target.items() if k != OVERWRITE_WITH_GRADIENT})
+    problems = []
+    if missing := sorted(wanted.keys() - saved.keys()):
+        problems.append(f"the model has {_listed(missing)}, which the checkpoint lacks")
+    if extra := sorted(saved.keys() - wanted.keys()):
+        problems.append(f"the checkpoint holds {_listed(extra)}, which the model lacks")
+    reshaped = [
+        f"{_name(path)} has shape {tuple(saved[path].shape)} in the checkpoint but "
+        f"{tuple(wanted[path].shape)} in the model"
+        for path in sorted(saved.keys() & wanted.keys())
+        if tuple(saved[path].shape) != tuple(wanted[path].shape)
+    ]
+    problems += reshaped[:_MAX_LISTED]
+    if problems:
+        raise ValueError(
+            "the checkpoint's parameters do not fit the model: " + "; ".join(problems) + ". "
+            f"{_MIGRATE} migrates only the FP8 state ({OVERWRITE_WITH_GRADIENT!r}); restore "
+            "into a model of the saving run's architecture"
+        )
+
+
+def migrate_fp8_state(
+    variables: Mapping[str, Any],
+    target: Mapping[str, Any],
+    *,
+    resize_history: bool = False,
+    init_missing: bool = False,
+    drop_extra: bool = False,
+) -> dict[str, Any]:
+    """A restored variable tree with its FP8 state fitted to ``target``'s, as asked.
+
+    The FP8 state (the ``_overwrite_with_gradient`` collection) of a checkpoint fits a model
+    only if the saving run used the same kind of recipe and ``amax_history_len``. With every
+    option off this function checks that, returns the variables unchanged when they fit, and
+    otherwise raises an error naming each difference and the option that resolves it. The
+    other collections (``params``, ...) must already match ``target``: they are checked and
+    copied, never changed.
+
+    Args:
+      variables: the restored variables, ``{collection: nested mapping of arrays}``.
+      target: the variables of the model to resume, or their abstract version
+        (``jax.eval_shape(model.init, ...)``, anything with ``shape`` and ``dtype``): only
+        structure, shapes and dtypes are read. Logical-partitioning boxes (Linen's
+        ``init`` output) are unboxed, in both trees.
+      resize_history: when an ``*_amax_history`` (``[..., L]``, newest entry first) has another
+        length than the target's, keep its newest entries; a longer history is padded with
+        empty (0) entries at its old end. Default False.
+      init_missing: FP8 variables of ``target`` the checkpoint lacks (it was saved without
+        FP8, or with a recipe that keeps no state, such as current or block scaling) start as
+        a freshly initialised model's do: ``scale_inv = 1`` and an empty (0) history.
+        Default False.
+      drop_extra: FP8 variables the checkpoint holds but ``target`` does not (the model runs
+        without FP8, or with a recipe that keeps no state) are dropped. Default False.
+
+    Returns:
+      A new variable tree with ``target``'s structure and shapes.
+
+    Raises:
+      ValueError: a difference the options do not allow, or one no option resolves (other
+        parameter shapes, another number of scanned layers).
+
+    Example usage::
+
+      >>> import jax.numpy as jnp
+      >>> from te_flax.convert import migrate_fp8_state
+      >>> saved = {"params": {"kernel": jnp.ones((2, 2))},
+      ...          "_overwrite_with_gradient": {"x_amax_history": jnp.array([3.0, 2.0, 1.0]),
+      ...                                       "x_scale_inv": jnp.array([0.5])}}
+      >>> target = {"params": {"kernel": jnp.zeros((2, 2))},
+      ...           "_overwrite_with_gradient": {"x_amax_history": jnp.zeros(2),
+      ...                                        "x_scale_inv": jnp.ones(1)}}
+      >>> fitted = migrate_fp8_state(saved, target, resize_history=True)
+      >>> fitted["_overwrite_with_gradient"]["x_amax_history"]  # the two newest entries
+      Array([3., 2.], dtype=float32)
+    """
+    for arg_name, tree in (("variables", variables), ("target", target)):
+        if not isinstance(tree, Mapping):
+            raise TypeError(
+                f"{arg_name} must be a mapping of collections (e.g. {{'params': ...}}), "
+                f"got {type(tree).__name__}"
+            )
+    variables, target = meta.unbox(dict(variables)), meta.unbox(dict(target))
+    _check_other_collections(variables, target)
+    saved = _flatten(variables.get(OVERWRITE_WITH_GRADIENT))
+    wanted = _flatten(target.get(OVERWRITE_WITH_GRADIENT))
+
+    fitted: dict[tuple[str, ...], Any] = {}
+    resized, reshaped = [], []
+    for path in sorted(saved.keys() & wanted.keys()):
+        value, like = saved[path], wanted[path]
+        shape, wanted_shape = tuple(value.shape), tuple(like.shape)
+        if shape == wanted_shape:
+            fitted[path] = value
+        elif path[-1].endswith(_HISTORY) and shape[:-1] == wanted_shape[:-1]:
+            resized.append(path)
+            fitted[path] = _resize_history(value, wanted_shape[-1])
+        else:
+            reshaped.append(f"{_name(path)} has shape {shape} in the checkpoint, {wanted_shape}")
+    missing = sorted(wanted.keys() - saved.keys())
+    extra = sorted(saved.keys() - wanted.keys())
+
+    problems = []
+    if reshaped:
+        problems.append(
+            "FP8 state shaped for another model (another number of scanned layers?): "
+            + "; ".join(reshaped[:_MAX_LISTED])
+            + " in the model; no migration changes that"
+        )
+    if resized and not resize_history:
+        path = resized[0]
+        saved_length, wanted_length = saved[path].shape[-1], wanted[path].shape[-1]
+        problems.append(
+            f"{_name(path)} has length {saved_length} in the checkpoint but the model's recipe "
+            f"uses amax_history_len={wanted_length} ({len(resized)} histories differ); "
+            f"migrate with {_MIGRATE}(..., resize_history=True), which keeps the newest "
+            f"{min(saved_length, wanted_length)} entries"
+        )
+    if missing and not init_missing:
+        problems.append(
+            f"the model keeps {len(missing)} FP8 variables the checkpoint lacks "
+            f"({_listed(missing)}): it was saved without FP8 or with a recipe that keeps no "
+            "state (current or block scaling), while the model's recipe is delayed scaling; "
+            f"migrate with {_MIGRATE}(..., init_missing=True), which starts them fresh"
+        )
+    if extra and not drop_extra:
+        problems.append(
+            f"the checkpoint holds {len(extra)} FP8 variables the model does not keep "
+            f"({_listed(extra)}): it was saved with delayed scaling, while the model runs "
+            "without FP8 or with a recipe that keeps no state (current or block scaling); "
+            f"migrate with {_MIGRATE}(..., drop_extra=True), which drops them"
+        )
+    if problems:
+        raise ValueError(
+            "the checkpoint's FP8 state does not fit the model: " + ". ".join(problems)
+        )
+
+    for path in missing:
+        fitted[path] = _fresh(path, wanted[path])
+    out = {name: tree for name, tree in variables.items() if name != OVERWRITE_WITH_GRADIENT}
+    if OVERWRITE_WITH_GRADIENT in target:
+        out[OVERWRITE_WITH_GRADIENT] = _unflatten(fitted)
+    return out

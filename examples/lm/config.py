@@ -66,6 +66,9 @@ class Config:
     data: str | None = None  # a text file; None: the built-in Python standard library text
     output_dir: str = "runs/lm"
     checkpoint_every: int = 100  # 0: no checkpoints
+    # On resume, fit a checkpoint's FP8 state to this run's recipe (another amax_history_len,
+    # a BF16 or current-scaling checkpoint, or the reverse) instead of refusing it.
+    resume_migrate_fp8: bool = False
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     # A logical-axis rule set of configs/rules (dp, fsdp, tp, tp_sp, dp_fsdp_tp) or a YAML path.
     rules: str = "dp"

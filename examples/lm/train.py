@@ -4,11 +4,20 @@ One loop serves both front ends: each provides ``init`` (a Linen-style variable 
 arrays: ``params`` and the FP8 collection) and ``apply(variables, tokens)``. The step is
 te_flax's rule: ``merge_fp8_state`` inside the loss, the optimizer for ``params``, overwrite for
 the FP8 state (``te_flax.training``).
+
+Checkpoints are orbax's: a save is written into a temporary directory that is renamed to the
+step's only once complete, so a run killed during a save resumes from the previous one (the
+unfinished directory is deleted when the next run opens the checkpoints). A resumed run whose
+recipe keeps other FP8 state than the checkpoint's is refused with the difference named, or
+migrated when ``resume_migrate_fp8`` is set (``te_flax.convert.migrate_fp8_state``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +34,7 @@ from tqdm import tqdm
 
 import te_flax
 import te_flax.nnx as te_nnx
+from te_flax.convert import migrate_fp8_state
 from te_flax.quantize import (
     DelayedScaling,
     Float8CurrentScaling,
@@ -43,7 +53,13 @@ from . import model_linen, model_nnx
 from .config import Config
 from .data import Corpus, load_corpus
 
-__all__ = ["RunResult", "train"]
+__all__ = ["KILL_HOOK", "RunResult", "train"]
+
+# A test hook (tests/test_checkpoint_faults.py) that SIGKILLs the run at a chosen point:
+# "step:N" after step N, once the saves started before are complete (a kill between saves);
+# "save:N" inside step N's save, after orbax wrote every file and before it committed them by
+# renaming the step's temporary directory (a kill during a save).
+KILL_HOOK = "EXAMPLES_LM_KILL"
 
 
 @dataclasses.dataclass
@@ -167,9 +183,44 @@ def _mesh(config: Config) -> jax.sharding.Mesh:
     return make_mesh(shape, devices=jax.devices()[:n])
 
 
+def _kill_point() -> tuple[str, int] | None:
+    value = os.environ.get(KILL_HOOK)
+    if not value:
+        return None
+    when, _, step = value.partition(":")
+    if when not in ("step", "save") or not step.isdigit():
+        raise ValueError(f"{KILL_HOOK}={value!r} must be step:N or save:N (N a step number)")
+    return when, int(step)
+
+
+def _kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _killed_before_commit(step: int) -> type:
+    """orbax's temporary directory, made to kill the run before it commits ``step``'s save."""
+
+    class KilledBeforeCommit(ocp.path.atomicity.AtomicRenameTemporaryPath):
+        async def finalize(self, *args, **kwargs):
+            if self.get_final().name == str(step):  # the step's directory, not an item's
+                _kill_self()
+            await super().finalize(*args, **kwargs)
+
+    return KilledBeforeCommit
+
+
 def _checkpoint_manager(directory: Path) -> ocp.CheckpointManager:
-    options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
-    return ocp.CheckpointManager(directory.resolve(), options=options)
+    kill = _kill_point()
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=2,
+        create=True,
+        # A save a killed run left unfinished (its temporary directory) is deleted on opening.
+        cleanup_tmp_directories=True,
+        temporary_path_class=_killed_before_commit(kill[1]) if kill and kill[0] == "save" else None,
+    )
+    # The handler named, so that a checkpoint's tree metadata can be read before restoring.
+    handler = ocp.StandardCheckpointHandler()
+    return ocp.CheckpointManager(directory.resolve(), options=options, item_handlers=handler)
 
 
 def abstract_rng(seed: int) -> np.ndarray:
@@ -185,6 +236,59 @@ def _checkpoint(state, step: int, seed: int) -> dict:
         "rng": jnp.asarray(abstract_rng(seed)),
         "data_position": jnp.asarray(step, jnp.int32),
     }
+
+
+def _restore(
+    manager: ocp.CheckpointManager,
+    step: int,
+    state: dict,
+    config: Config,
+    replicated: NamedSharding,
+) -> dict:
+    """The checkpoint of ``step`` on this run's mesh and layout, whatever the saving run's were.
+
+    Its FP8 state must fit this run's recipe, or is fitted to it with ``resume_migrate_fp8``
+    (another ``amax_history_len``, a checkpoint with no FP8 state or with state the recipe
+    does not keep); the saved tree's metadata is checked before anything is read.
+    """
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+        _checkpoint(state, 0, config.train.seed),
+    )
+    migrate = functools.partial(
+        migrate_fp8_state,
+        target=abstract["variables"],
+        resize_history=config.resume_migrate_fp8,
+        init_missing=config.resume_migrate_fp8,
+        drop_extra=config.resume_migrate_fp8,
+    )
+    wanted = dict(jax.tree_util.tree_flatten_with_path(abstract["variables"])[0])
+
+    def as_saved(path, metadata):
+        # Where the checkpoint's array fits the model's, it is read straight into its sharding.
+        like = wanted.get(path)
+        if like is not None and like.shape == metadata.shape and like.dtype == metadata.dtype:
+            return like
+        return jax.ShapeDtypeStruct(metadata.shape, metadata.dtype, sharding=replicated)
+
+    saved = jax.tree_util.tree_map_with_path(
+        as_saved, manager.item_metadata(step).tree["variables"]
+    )
+    try:
+        jax.eval_shape(migrate, saved)  # refuses a mismatch before anything is read
+    except ValueError as error:
+        hint = ""
+        if not config.resume_migrate_fp8:
+            hint = "; this trainer migrates FP8 state when resumed with resume_migrate_fp8=true"
+        raise ValueError(
+            f"cannot resume from step {step} in {manager.directory}: {error}{hint}"
+        ) from error
+    restored = manager.restore(
+        step, args=ocp.args.StandardRestore({**abstract, "variables": saved})
+    )
+    shardings = jax.tree.map(lambda x: x.sharding, abstract["variables"])
+    restored["variables"] = jax.device_put(migrate(restored["variables"]), shardings)
+    return restored
 
 
 def train(
@@ -235,27 +339,20 @@ def train(
             shardings["params"],
             transform_non_params=lambda _: replicated,
         )
-        opt_shardings = abstract_opt._replace(
-            tx_state=tx_shardings,
-            pending_fp8=jax.tree.map(lambda _: replicated, abstract_opt.pending_fp8),
+        # The rest of the optimizer state (pending FP8 updates, counters) is replicated.
+        opt_shardings = jax.tree.map(lambda _: replicated, abstract_opt)._replace(
+            tx_state=tx_shardings
         )
         opt_state = jax.jit(lambda v: init_optimizer(tx, v), out_shardings=opt_shardings)(variables)
         state = {"variables": variables, "opt_state": opt_state}
         parameters = sum(x.size for x in jax.tree.leaves(state["variables"]["params"]))
         start = 0
         manager = None
+        kill = _kill_point()
         if config.checkpoint_every:
             manager = _checkpoint_manager(Path(config.output_dir) / name / "checkpoints")
             if resume and manager.latest_step() is not None:
-                start = manager.latest_step()
-                # Restored onto this run's mesh and layout, whatever the saving run's were.
-                abstract = jax.tree.map(
-                    lambda x: jax.ShapeDtypeStruct(
-                        x.shape, x.dtype, sharding=getattr(x, "sharding", replicated)
-                    ),
-                    _checkpoint(state, 0, t.seed),
-                )
-                restored = manager.restore(start, args=ocp.args.StandardRestore(abstract))
+                restored = _restore(manager, manager.latest_step(), state, config, replicated)
                 if not np.array_equal(restored["rng"], abstract_rng(t.seed)):
                     raise ValueError(
                         f"the checkpoint in {manager.directory} was made with another seed; "
@@ -269,6 +366,7 @@ def train(
             def loss_fn(variables):
                 return _loss(frontend, merge_fp8_state(variables), tokens, targets)
 
+            # te_flax's value_and_grad max-merges the FP8 state of the layers' reuses.
             loss, grads = jax.value_and_grad(loss_fn)(state["variables"])
             variables, opt_state = apply_gradients(
                 tx, state["variables"], grads, state["opt_state"]
@@ -314,6 +412,10 @@ def train(
             ):
                 saved = _checkpoint(state, step + 1, t.seed)
                 manager.save(step + 1, args=ocp.args.StandardSave(saved))
+            if kill == ("step", step + 1):
+                if manager is not None:
+                    manager.wait_until_finished()
+                _kill_self()
         if manager is not None:
             manager.wait_until_finished()
             manager.close()
