@@ -5,12 +5,15 @@ FP8 state (the ops return it through the cotangent slot). So a step splits its g
 ``params`` go through the optax optimizer; the FP8 state replaces the old state and never meets
 an optax transform (clipping, weight decay or averaging would corrupt it).
 
-Inside the differentiated function, call ``merge_fp8_state(variables)`` first: it marks the
-FP8 collection so that every reuse of a state in the step merges by elementwise max (a module
-applied twice, state shared by the layers of an ``nn.scan`` with ``variable_broadcast``, a
-loop or ``lax.scan`` over microbatches). Without it autodiff adds up the updates of the uses.
-The mark has to be made where the variables enter the step, before they fan out; a module
-cannot make it for the uses of its own variables.
+Differentiate with ``value_and_grad(loss_fn)`` (this module's, a drop-in for
+``jax.value_and_grad`` over the variable dict): it marks the FP8 collection so that every reuse
+of a state in the step merges by elementwise max (a module applied twice, state shared by the
+layers of an ``nn.scan`` with ``variable_broadcast``, a loop or ``lax.scan`` over
+microbatches). Without the mark autodiff adds up the updates of the uses. The mark has to be
+made where the variables enter the step, before they fan out, so a module cannot make it for
+the uses of its own variables; with ``jax.grad`` directly, call ``merge_fp8_state(variables)``
+first thing in the loss. ``apply_gradients`` checks every new state
+(``te_flax.quantize.check_merged``): a summed one raises, or warns once under ``jit``.
 
 Applying the gradients, two ways, one rule:
 
@@ -20,21 +23,26 @@ Applying the gradients, two ways, one rule:
   ``variables, opt_state = apply_gradients(tx, variables, grads, opt_state)``. Under
   ``optax.MultiSteps`` the FP8 state stays fixed while gradients accumulate and the
   microbatches' updates are merged by elementwise max when the accumulated step is applied, so
-  k accumulated microbatches give the state of one step over all of them.
+  k accumulated microbatches give the state of one step over all of them. With
+  ``skip_nonfinite=True`` a step whose gradients or new FP8 state hold a NaN or an infinity
+  changes nothing but the count ``opt_state.skipped_steps``.
+
+The optax update runs under standard dtype promotion (optax mixes its int32 step count with
+Python floats), so the rest of a step can run under ``jax_numpy_dtype_promotion="strict"``.
 
 Example usage::
 
   >>> import jax, jax.numpy as jnp, optax
   >>> import te_flax, te_flax.linen as te_nn
-  >>> from te_flax.training import apply_gradients, init_optimizer, merge_fp8_state
+  >>> from te_flax.training import apply_gradients, init_optimizer, value_and_grad
   >>> layer = te_nn.DenseGeneral(features=4, recipe=te_flax.quantize.DelayedScaling())
   >>> x = jnp.ones((2, 8))
   >>> variables = layer.init(jax.random.key(0), x)
-  >>> tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1e-2))
+  >>> tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
   >>> opt_state = init_optimizer(tx, variables)
-  >>> def loss(variables):
-  ...     return jnp.sum(layer.apply(merge_fp8_state(variables), x) ** 2)
-  >>> grads = jax.jit(jax.grad(loss))(variables)
+  >>> def loss(variables, x):
+  ...     return jnp.sum(layer.apply(variables, x) ** 2)
+  >>> loss_value, grads = jax.jit(value_and_grad(loss))(variables, x)
   >>> variables, opt_state = apply_gradients(tx, variables, grads, opt_state)
   >>> float(variables["_overwrite_with_gradient"]["x_amax_history"][0])
   1.0
@@ -42,22 +50,25 @@ Example usage::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax import Array
 
 from te_flax._fp8_state import OVERWRITE_WITH_GRADIENT
-from te_flax.quantize import merge_by_max
+from te_flax.quantize import check_merged, merge_by_max
 
 __all__ = [
     "OVERWRITE_WITH_GRADIENT",
     "OptimizerState",
+    "all_finite",
     "apply_gradients",
     "init_optimizer",
     "merge_fp8_state",
+    "value_and_grad",
 ]
 
 # A Flax variable dict: collection name -> nested dict of arrays (a dict or a FrozenDict).
@@ -65,12 +76,14 @@ Variables = Mapping[str, Any]
 
 
 class OptimizerState(NamedTuple):
-    """The optax state of the parameters, and FP8 updates waiting for an accumulated step."""
+    """The optax state of the parameters, FP8 updates waiting for an accumulated step, and the
+    number of steps ``apply_gradients(..., skip_nonfinite=True)`` skipped."""
 
     tx_state: optax.OptState
     # Under optax.MultiSteps: the elementwise max of the FP8 updates since the last applied
     # step (-inf where none yet). None otherwise.
     pending_fp8: Any
+    skipped_steps: Any  # int32 scalar
 
 
 def merge_fp8_state(variables: Variables) -> Variables:
@@ -85,6 +98,42 @@ def merge_fp8_state(variables: Variables) -> Variables:
     merged = dict(variables)
     merged[OVERWRITE_WITH_GRADIENT] = merge_by_max(variables[OVERWRITE_WITH_GRADIENT])
     return merged
+
+
+def value_and_grad(
+    loss_fn: Callable[..., Any], *, has_aux: bool = False
+) -> Callable[..., tuple[Any, Variables]]:
+    """``jax.value_and_grad`` of ``loss_fn(variables, *args)``, the FP8 state max-merged.
+
+    The returned function takes the variable dict first, marks its FP8 collection with
+    ``merge_fp8_state`` before ``loss_fn`` sees it, and differentiates with respect to the
+    whole dict: the ``params`` gradients and, for the FP8 state, its new value. Call it under
+    ``jax.jit`` (max-merging needs a trace). With ``has_aux`` the loss returns
+    ``(value, aux)`` and the result is ``((value, aux), grads)``.
+    """
+
+    def wrapped(variables: Variables, *args: Any, **kwargs: Any) -> tuple[Any, Variables]:
+        def merged_loss(variables: Variables) -> Any:
+            return loss_fn(merge_fp8_state(variables), *args, **kwargs)
+
+        result: tuple[Any, Variables] = jax.value_and_grad(merged_loss, has_aux=has_aux)(variables)
+        return result
+
+    return wrapped
+
+
+def all_finite(tree: Any) -> Array:
+    """Whether every floating-point leaf of ``tree`` is free of NaN and infinity (a bool)."""
+    checks = [
+        jnp.all(jnp.isfinite(leaf))
+        for leaf in jax.tree.leaves(tree)
+        if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
+    ]
+    return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
+
+
+def _select(keep_new: Array, new: Any, old: Any) -> Any:
+    return jax.tree.map(lambda n, o: jnp.where(keep_new, n, o), new, old)
 
 
 def _keep_unused(new_fp8: Any, old_fp8: Any) -> Any:
@@ -118,13 +167,14 @@ def _check_variables(variables: Any, name: str) -> None:
 def init_optimizer(tx: optax.GradientTransformation, variables: Variables) -> OptimizerState:
     """The optimizer state for ``variables``: ``tx`` sees only ``variables['params']``."""
     _check_variables(variables, "variables")
-    tx_state = tx.init(variables["params"])
+    with jax.numpy_dtype_promotion("standard"):  # see the module docstring
+        tx_state = tx.init(variables["params"])
     pending = None
     if _multi_steps_state(tx_state) is not None and OVERWRITE_WITH_GRADIENT in variables:
         pending = jax.tree.map(
             lambda v: jnp.full_like(v, -jnp.inf), variables[OVERWRITE_WITH_GRADIENT]
         )
-    return OptimizerState(tx_state, pending)
+    return OptimizerState(tx_state, pending, jnp.zeros((), jnp.int32))
 
 
 def apply_gradients(
@@ -132,14 +182,27 @@ def apply_gradients(
     variables: Variables,
     grads: Variables,
     opt_state: OptimizerState,
+    *,
+    skip_nonfinite: bool = False,
 ) -> tuple[Any, OptimizerState]:
     """One optimizer step on the parameters and the FP8-state overwrite.
+
+    The new FP8 state is checked with ``te_flax.quantize.check_merged`` first: a state that
+    came back summed over its uses (the loss was differentiated without ``merge_fp8_state``)
+    raises, or warns once under ``jit``.
 
     Args:
       tx: the optax transform, the same one ``init_optimizer`` saw.
       variables: the model's variable dict (``params``, ``_overwrite_with_gradient``, ...).
       grads: ``jax.grad`` of the loss with respect to ``variables`` (same structure).
       opt_state: from ``init_optimizer`` or the previous step.
+      skip_nonfinite: when the parameter gradients or the new FP8 state hold a NaN or an
+        infinity (a bad batch, an overflowing loss), return the variables and the optimizer
+        state unchanged except ``opt_state.skipped_steps``, which counts such steps; under
+        ``optax.MultiSteps`` the microbatch is left out of the accumulation. Default False: the
+        update is applied as it is, so non-finite gradients reach the parameters through the
+        optimizer, while the FP8 state stays finite (a non-finite amax is recorded as 0 and the
+        scale is kept).
 
     Returns:
       ``(new_variables, new_opt_state)``. Collections other than ``params`` and the FP8 state
@@ -152,11 +215,16 @@ def apply_gradients(
             "opt_state must come from te_flax.training.init_optimizer, got "
             f"{type(opt_state).__name__}"
         )
-    updates, tx_state = tx.update(grads["params"], opt_state.tx_state, variables["params"])
+    with jax.numpy_dtype_promotion("standard"):  # see the module docstring
+        updates, tx_state = tx.update(grads["params"], opt_state.tx_state, variables["params"])
+        new_params = optax.apply_updates(variables["params"], updates)
     new_variables = dict(variables)
-    new_variables["params"] = optax.apply_updates(variables["params"], updates)
+    new_variables["params"] = new_params
     pending = opt_state.pending_fp8
+    finite = all_finite(grads["params"])
     if OVERWRITE_WITH_GRADIENT in grads:
+        check_merged(variables[OVERWRITE_WITH_GRADIENT], grads[OVERWRITE_WITH_GRADIENT])
+        finite = finite & all_finite(grads[OVERWRITE_WITH_GRADIENT])
         new_fp8 = _keep_unused(grads[OVERWRITE_WITH_GRADIENT], variables[OVERWRITE_WITH_GRADIENT])
         multi = _multi_steps_state(tx_state)
         if multi is not None and pending is not None:
@@ -169,7 +237,16 @@ def apply_gradients(
             )
             pending = jax.tree.map(lambda m: jnp.where(applied, -jnp.inf, m), merged)
         new_variables[OVERWRITE_WITH_GRADIENT] = new_fp8
+    skipped = opt_state.skipped_steps
+    if skip_nonfinite:
+        for name in ("params", OVERWRITE_WITH_GRADIENT):
+            if name in new_variables:
+                new_variables[name] = _select(finite, new_variables[name], variables[name])
+        tx_state = _select(finite, tx_state, opt_state.tx_state)
+        pending = _select(finite, pending, opt_state.pending_fp8)
+        skipped = skipped + jnp.where(finite, 0, 1).astype(skipped.dtype)
+    new_opt_state = OptimizerState(tx_state, pending, skipped)
     if hasattr(variables, "copy") and not isinstance(variables, dict):
         mapping_type: Any = type(variables)  # a FrozenDict in, a FrozenDict out
-        return mapping_type(new_variables), OptimizerState(tx_state, pending)
-    return new_variables, OptimizerState(tx_state, pending)
+        return mapping_type(new_variables), new_opt_state
+    return new_variables, new_opt_state

@@ -1,7 +1,7 @@
 """The example GPT in Flax Linen, written with te_flax layers the way a user would.
 
 Pre-norm decoder blocks: attention whose QKV projection is one ``LayerNormDenseGeneral`` with
-``features=(3, heads, head_dim)``, ``jax.nn.dot_product_attention``, an output
+``features=(3, heads, head_dim)``, ``te_flax.attention.dot_product_attention``, an output
 ``DenseGeneral``, then a ``LayerNormMLP`` subclass that adds its own residual. The blocks are
 stacked with ``nn.scan``, each layer with its own parameters and FP8 state. Kernels and
 activations carry logical axis names for the rule sets of ``configs/rules``; the (small)
@@ -14,10 +14,10 @@ same pre-norm block, TE's parameter tree), stacked the same way.
 from __future__ import annotations
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 import te_flax.linen as te_nn
+from te_flax.attention import dot_product_attention
 from te_flax.training import OVERWRITE_WITH_GRADIENT
 
 from .config import ModelConfig
@@ -58,7 +58,7 @@ class Attention(nn.Module):
             name="qkv",
         )(x)  # [batch, seq, 3, heads, head_dim]
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [batch, seq, heads, head_dim]
-        attended = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        attended = dot_product_attention(q, k, v, attn_mask_type="causal")
         return te_nn.DenseGeneral(
             features=c.d_model,
             axis=(-2, -1),

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import te_flax.nnx as te_nnx
+from te_flax.attention import dot_product_attention
 
 from .config import ModelConfig
 from .model_linen import (
@@ -67,7 +68,8 @@ class Block(nnx.Module):
     def __call__(self, x):  # [batch, seq, d_model]
         qkv, _ = self.qkv(x)  # [batch, seq, 3, heads, head_dim]
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        x = x + self.out(jax.nn.dot_product_attention(q, k, v, is_causal=True))
+        attended = dot_product_attention(q, k, v, attn_mask_type="causal")
+        x = x + self.out(attended)
         return self.mlp(x)
 
 

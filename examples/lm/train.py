@@ -2,8 +2,8 @@
 
 One loop serves both front ends: each provides ``init`` (a Linen-style variable dict of plain
 arrays: ``params`` and the FP8 collection) and ``apply(variables, tokens)``. The step is
-te_flax's rule: ``merge_fp8_state`` inside the loss, the optimizer for ``params``, overwrite for
-the FP8 state (``te_flax.training``).
+te_flax's rule: ``te_flax.training.value_and_grad`` (the FP8 state marked for max-merging),
+the optimizer for ``params``, overwrite for the FP8 state (``apply_gradients``).
 
 Checkpoints are orbax's: a save is written into a temporary directory that is renamed to the
 step's only once complete, so a run killed during a save resumes from the previous one (the
@@ -46,7 +46,7 @@ from te_flax.training import (
     OVERWRITE_WITH_GRADIENT,
     apply_gradients,
     init_optimizer,
-    merge_fp8_state,
+    value_and_grad,
 )
 
 from . import model_linen, model_nnx
@@ -312,10 +312,7 @@ def train(
             f"train.batch={t.batch} must be a multiple of the {batch_devices} devices the "
             f"rule set {config.rules!r} splits the batch over"
         )
-    # optax's Adam counts steps in int32 and mixes them with floats, which strict promotion
-    # refuses; the library itself runs under either setting.
     with (
-        jax.numpy_dtype_promotion("standard"),
         jax.set_mesh(mesh),
         nn.logical_axis_rules(rules),
         te_flax.autocast(enabled=recipe is not None, recipe=recipe),
@@ -364,10 +361,10 @@ def train(
         @jax.jit
         def train_step(state, tokens, targets):
             def loss_fn(variables):
-                return _loss(frontend, merge_fp8_state(variables), tokens, targets)
+                return _loss(frontend, variables, tokens, targets)
 
             # te_flax's value_and_grad max-merges the FP8 state of the layers' reuses.
-            loss, grads = jax.value_and_grad(loss_fn)(state["variables"])
+            loss, grads = value_and_grad(loss_fn)(state["variables"])
             variables, opt_state = apply_gradients(
                 tx, state["variables"], grads, state["opt_state"]
             )

@@ -4,8 +4,10 @@
 ``nnx.Param`` and ``Fp8Meta`` variables, with the FP8 state marked so that every reuse of a
 state (a module called twice, a loop over microbatches, state shared by scanned layers) merges
 its updates by elementwise max. ``train_step`` adds the update: ``nnx.Optimizer(model, tx,
-wrt=nnx.Param)`` for the parameters, and the FP8 state overwritten with its gradient (its new
-value), never touched by optax.
+wrt=nnx.Param)`` for the parameters (under standard dtype promotion, which optax needs), and the
+FP8 state overwritten with its gradient (its new value), never touched by optax. The new state is
+checked with ``te_flax.quantize.check_merged`` where it is applied, so a gradient taken without
+the merge (``nnx.grad`` directly) cannot sum a reused state unnoticed.
 
 Example usage::
 
@@ -30,11 +32,12 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from te_flax.nnx._fp8_meta import Fp8Meta
-from te_flax.quantize import merge_by_max
-from te_flax.training import _keep_unused
+from te_flax.quantize import check_merged, merge_by_max
+from te_flax.training import _keep_unused, _select, all_finite
 
 __all__ = ["train_step", "update_fp8_state", "value_and_grad"]
 
@@ -78,10 +81,13 @@ def value_and_grad(loss_fn: Callable[..., Any], *, has_aux: bool = False) -> Cal
 def update_fp8_state(model: nnx.Module, grads: nnx.State[Any, Any]) -> None:
     """Overwrites the model's ``Fp8Meta`` variables with their gradients (their new values).
 
-    A state that no op read in the step has a zero gradient; it keeps its value.
+    A state that no op read in the step has a zero gradient; it keeps its value. A state that
+    came back summed over its uses raises, or warns once under ``jit``
+    (``te_flax.quantize.check_merged``).
     """
     old = nnx.state(model, Fp8Meta)
     new = nnx.state(grads, Fp8Meta)
+    check_merged(old, new)
     nnx.update(model, _keep_unused(new, old))
 
 
@@ -90,12 +96,29 @@ def train_step(
     optimizer: nnx.Optimizer[Any],
     loss_fn: Callable[..., Any],
     *args: Any,
+    skip_nonfinite: bool = False,
     **kwargs: Any,
 ) -> Any:
     """One step: gradients, ``optimizer.update`` on the parameters, FP8-state overwrite.
 
     ``optimizer`` must optimize ``nnx.Param`` only (``wrt=nnx.Param``), so that no optax
-    transform touches the FP8 state. Returns the loss. Run it under ``nnx.jit``.
+    transform touches the FP8 state. Run it under ``nnx.jit``.
+
+    Args:
+      model: the model; its parameters and FP8 state are updated in place.
+      optimizer: ``nnx.Optimizer(model, tx, wrt=nnx.Param)``.
+      loss_fn: ``loss_fn(model, *args, **kwargs)`` -> scalar loss.
+      *args: passed to ``loss_fn``.
+      skip_nonfinite: when the parameter gradients or the new FP8 state hold a NaN or an
+        infinity, leave the parameters, the optimizer state (its step count included) and the
+        FP8 state as they were. Default False: the update is applied as it is (non-finite
+        gradients reach the parameters; the FP8 state stays finite, as a non-finite amax is
+        recorded as 0 and the scale is kept).
+      **kwargs: passed to ``loss_fn``.
+
+    Returns:
+      The loss; with ``skip_nonfinite=True``, ``(loss, skipped)`` where ``skipped`` is a bool
+      array, True when the step was skipped (sum it to count skipped steps).
     """
     if not isinstance(optimizer, nnx.Optimizer) or isinstance(optimizer, nnx.ModelAndOptimizer):
         raise TypeError(
@@ -108,6 +131,16 @@ def train_step(
             "FP8 state (Fp8Meta) is overwritten with its gradient, never optimized"
         )
     loss, grads = value_and_grad(loss_fn)(model, *args, **kwargs)
-    optimizer.update(model, grads)
+    # A copy of the values: the state of a module holds its live Variables.
+    before = jax.tree.map(
+        jnp.asarray, nnx.state((model, optimizer), (nnx.Param, Fp8Meta, nnx.OptState))
+    )
+    with jax.numpy_dtype_promotion("standard"):  # optax mixes its int32 count with floats
+        optimizer.update(model, grads)
     update_fp8_state(model, grads)
-    return loss
+    if not skip_nonfinite:
+        return loss
+    finite = all_finite(nnx.state(grads, nnx.Param)) & all_finite(nnx.state(grads, Fp8Meta))
+    after = nnx.state((model, optimizer), (nnx.Param, Fp8Meta, nnx.OptState))
+    nnx.update((model, optimizer), _select(finite, after, before))
+    return loss, jnp.logical_not(finite)

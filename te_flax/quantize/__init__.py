@@ -8,11 +8,17 @@ Public API::
   DelayedScaleQuantizer, CurrentScaleQuantizer,       the quantizers a set holds
   BlockScaleQuantizer, NVFP4Quantizer
   merge_by_max                                        max-merge the updates of a reused state
+  check_merged, UnmergedFp8StateWarning               catch a reused state whose updates were summed
   autocast, get_autocast_recipe                       the default recipe of a code region
 """
 
 from te_flax.quantize.autocast import autocast, get_autocast_recipe
-from te_flax.quantize.max_merge import float32_state, merge_by_max
+from te_flax.quantize.max_merge import (
+    UnmergedFp8StateWarning,
+    check_merged,
+    float32_state,
+    merge_by_max,
+)
 from te_flax.quantize.quantizer import (
     LEADING,
     TRAILING,
@@ -61,8 +67,10 @@ __all__ = [
     "QuantizerSet",
     "Recipe",
     "ScaledTensor",
+    "UnmergedFp8StateWarning",
     "as_cotangent",
     "autocast",
+    "check_merged",
     "check_quantizer",
     "float32_state",
     "get_autocast_recipe",

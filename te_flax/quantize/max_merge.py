@@ -13,14 +13,16 @@ differentiated function must be jitted: JAX adds extended-dtype cotangents only 
 
 from __future__ import annotations
 
-from typing import TypeVar
+import warnings
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax.linen.fp8_ops import fp32_max_grad
 from jax import Array, lax
 
-__all__ = ["float32_state", "merge_by_max"]
+__all__ = ["UnmergedFp8StateWarning", "check_merged", "float32_state", "merge_by_max"]
 
 T = TypeVar("T")
 
@@ -118,3 +120,124 @@ def float32_state(state: T) -> T:
         return _from_max_merged(leaf) if _is_max_merged(leaf) else leaf
 
     return jax.tree.map(to_float32, state)
+
+
+class UnmergedFp8StateWarning(UserWarning):
+    """An FP8 state update came back summed over its uses instead of max-merged (under jit)."""
+
+
+_FIX = (
+    "mark the state where it enters the differentiated step: merge_fp8_state(variables) first "
+    "thing in the loss (te_flax.training), merge_by_max(quantizer_sets) for the functional ops, "
+    "or differentiate with te_flax.training.value_and_grad / te_flax.nnx.value_and_grad, "
+    "which mark it themselves"
+)
+# Messages already warned about under jit: each is reported once per process.
+_REPORTED: set[str] = set()
+
+
+def _history_pairs(previous: Any, updated: Any) -> list[tuple[str, Array, Array]]:
+    """``(path, previous, updated)`` for every amax-history leaf of two same-shaped trees."""
+    old_leaves, old_tree = jax.tree_util.tree_flatten_with_path(previous)
+    new_leaves, new_tree = jax.tree_util.tree_flatten_with_path(updated)
+    if old_tree != new_tree:  # type: ignore[operator]  # PyTreeDef compares by structure
+        raise ValueError(
+            "check_merged needs the previous and the updated FP8 state in the same tree "
+            f"structure, got {old_tree} and {new_tree}; pass the FP8 collection of the "
+            "variables and that of the gradients"
+        )
+    return [
+        (jax.tree_util.keystr(path), jnp.asarray(old), jnp.asarray(new))
+        for (path, old), (_, new) in zip(old_leaves, new_leaves, strict=True)
+        if "amax_history" in jax.tree_util.keystr(path)
+    ]
+
+
+def _summed(old: Array, new: Array) -> tuple[Array, Array]:
+    """Whether ``new`` is not a single use's update of ``old``, and the factor it seems to be.
+
+    Histories are ``[..., L]`` (leading axes: the layers of a scanned stack), newest first. A
+    row that got no update comes back all zeros, and a row whose shifted part is still all
+    zeros (the first step) cannot tell a sum from a merge; neither counts.
+    """
+    shifted_old = old[..., :-1].astype(jnp.float32)  # [..., L - 1]
+    shifted_new = new[..., 1:].astype(jnp.float32)
+    updated = jnp.any(new != 0, axis=-1)
+    informative = jnp.any(shifted_old != 0, axis=-1)
+    differs = jnp.any(shifted_new != shifted_old, axis=-1)
+    safe_old = jnp.where(shifted_old == 0, 1.0, shifted_old)
+    factor = jnp.max(jnp.where(shifted_old == 0, 0.0, shifted_new / safe_old))
+    return jnp.any(updated & informative & differs), factor
+
+
+def _message(names: list[str], factors: list[float]) -> str:
+    listed = ", ".join(f"{name} ({factor:g}x)" for name, factor in zip(names, factors, strict=True))
+    return (
+        "FP8 state came back summed over its uses instead of max-merged: the shifted part of "
+        f"the new amax history is not the previous history but a multiple of it, for {listed}; "
+        f"the scales that follow are wrong by that factor. To fix it, {_FIX}."
+    )
+
+
+def _report(names: tuple[str, ...], flags: np.ndarray, factors: np.ndarray) -> None:
+    flagged = [i for i, flag in enumerate(np.asarray(flags)) if flag]
+    if not flagged:
+        return
+    message = _message([names[i] for i in flagged], [float(factors[i]) for i in flagged])
+    if message not in _REPORTED:
+        _REPORTED.add(message)
+        warnings.warn(message, UnmergedFp8StateWarning, stacklevel=2)
+
+
+def check_merged(previous: Any, updated: Any) -> None:
+    """Checks that a step's new FP8 state is max-merged, not summed over the state's uses.
+
+    The helpers in ``te_flax.training`` and ``te_flax.nnx`` call it where they apply the new
+    state; call it yourself in a hand-written loop (for example one that keeps the FP8
+    collection of the gradients as the next variables, as TransformerEngine's examples do).
+    It needs an amax history of 2 or more entries and a history that is not all zeros, so it
+    can catch a sum from the second step on; current scaling and the block-scaled recipes keep
+    no state and pass.
+
+    Args:
+      previous: the FP8 state the step read (the ``_overwrite_with_gradient`` collection, an
+        ``nnx.State`` of ``Fp8Meta`` variables, or quantizer sets).
+      updated: the new state the step produced, in the same structure (the gradient with
+        respect to ``previous``).
+
+    Raises:
+      ValueError: with concrete arrays, when a history came back summed. Under ``jit`` the
+        check runs on the device and a host callback warns once with an
+        ``UnmergedFp8StateWarning`` instead.
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> from te_flax.dense import dense
+      >>> from te_flax.quantize import DelayedScaling, QuantizerFactory, check_merged
+      >>> qs = QuantizerFactory.create_set(fp8_recipe=DelayedScaling(amax_history_len=4))
+      >>> qs = jax.tree.map(lambda leaf: leaf + 1.0, qs)  # a state after some steps
+      >>> def loss(qs):  # the state used twice, not marked with merge_by_max
+      ...     return jnp.sum(dense(jnp.ones((1, 2)), jnp.ones((2, 2)), quantizer_set=qs) * 2
+      ...                    + dense(jnp.ones((1, 2)), jnp.ones((2, 2)), quantizer_set=qs))
+      >>> try:
+      ...     check_merged(qs, jax.jit(jax.grad(loss))(qs))
+      ... except ValueError as error:
+      ...     print(str(error).split(":")[0])
+      FP8 state came back summed over its uses instead of max-merged
+    """
+    pairs = _history_pairs(previous, updated)
+    if not pairs:
+        return
+    names = tuple(name for name, _, _ in pairs)
+    checked = [_summed(old, new) for _, old, new in pairs]
+    flags = jnp.stack([flag for flag, _ in checked])
+    factors = jnp.stack([factor for _, factor in checked])
+    if isinstance(flags, jax.core.Tracer):
+        jax.debug.callback(_report, names, flags, factors)
+        return
+    flagged = np.flatnonzero(np.asarray(flags))
+    if flagged.size:
+        raise ValueError(
+            _message([names[i] for i in flagged], [float(factors[i]) for i in flagged])
+        )
