@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import Array, lax
 from jax.typing import DTypeLike
 
+from te_flax._kernels import norm_backward_grads, norm_quantize_operand
 from te_flax.quantize import (
     LEADING,
     TRAILING,
@@ -119,17 +120,32 @@ def normalize_backward(
     spec: NormSpec,
 ) -> tuple[Array, Array, Array | None]:
     """Gradients of ``normalize`` for x, gamma and beta, computed in float32."""
-    d_out = d_out.astype(jnp.float32)
-    x_hat = _normalized(x, stats)  # [batch..., hidden]
-    batch_axes = tuple(range(x.ndim - 1))
-    d_gamma = jnp.sum(d_out * x_hat, axis=batch_axes).astype(gamma.dtype)
-    d_beta = None if beta is None else jnp.sum(d_out, axis=batch_axes).astype(beta.dtype)
-    d_x_hat = d_out * _effective_gamma(gamma, spec, x.ndim)
-    projection = jnp.mean(d_x_hat * x_hat, axis=-1, keepdims=True)
-    if spec.norm_type == "layernorm":
-        d_x_hat = d_x_hat - jnp.mean(d_x_hat, axis=-1, keepdims=True)
-    d_x = stats.rsigma * (d_x_hat - x_hat * projection)
-    return d_x.astype(x.dtype), d_gamma, d_beta
+
+    def xla_stage() -> tuple[Array, Array, Array | None]:
+        d_out32 = d_out.astype(jnp.float32)
+        x_hat = _normalized(x, stats)  # [batch..., hidden]
+        batch_axes = tuple(range(x.ndim - 1))
+        d_gamma = jnp.sum(d_out32 * x_hat, axis=batch_axes).astype(gamma.dtype)
+        d_beta = None if beta is None else jnp.sum(d_out32, axis=batch_axes).astype(beta.dtype)
+        d_x_hat = d_out32 * _effective_gamma(gamma, spec, x.ndim)
+        projection = jnp.mean(d_x_hat * x_hat, axis=-1, keepdims=True)
+        if spec.norm_type == "layernorm":
+            d_x_hat = d_x_hat - jnp.mean(d_x_hat, axis=-1, keepdims=True)
+        d_x = stats.rsigma * (d_x_hat - x_hat * projection)
+        return d_x.astype(x.dtype), d_gamma, d_beta
+
+    # On GPUs one Pallas kernel reads d_out and x once and writes dx and partial sums of
+    # dgamma and dbeta (see te_flax._kernels); elsewhere the XLA stage.
+    return norm_backward_grads(
+        d_out,
+        x,
+        stats.mean,
+        stats.rsigma,
+        _effective_gamma(gamma, spec, 1),
+        gamma.dtype,
+        None if beta is None else beta.dtype,
+        xla_stage,
+    )
 
 
 def norm_operand(
@@ -150,8 +166,18 @@ def norm_operand(
     axis, ``TRAILING``; the weight gradient the tokens, ``LEADING``). ``source_axes`` are the
     logical axes of ``x`` (see ``constrained``).
     """
-    ln = apply_norm(x, stats, gamma, beta, spec)  # f32[batch..., hidden]
-    operand, new_quantizer = quantize_operand(ln, quantizer, x.dtype, x.ndim - 1, uses)
+
+    def xla_stage() -> tuple[GemmOperand, Quantizer | None]:
+        ln = apply_norm(x, stats, gamma, beta, spec)  # f32[batch..., hidden]
+        return quantize_operand(ln, quantizer, x.dtype, x.ndim - 1, uses)
+
+    # Per-tensor FP8 on GPUs: one Pallas kernel reads x and writes the float8 operand and the
+    # amax (see te_flax._kernels); elsewhere, and for other quantizers, the XLA stage.
+    gamma_1d = _effective_gamma(gamma, spec, 1)  # f32[hidden]
+    beta_1d = None if beta is None else beta.astype(jnp.float32)
+    operand, new_quantizer = norm_quantize_operand(
+        x, stats.mean, stats.rsigma, gamma_1d, beta_1d, quantizer, xla_stage
+    )
     return constrained(operand, axes, source_axes), new_quantizer
 
 

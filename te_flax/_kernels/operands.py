@@ -1,0 +1,170 @@
+"""The stages' entry points: the kernels wrapped into GEMM operands and quantizer updates.
+
+The scale and state logic is the quantizers' own (``scale_inv``, ``update``,
+``compute_scale_inv``); only the passes over the tensor move into the kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax.numpy as jnp
+from jax import Array
+from jax.typing import DTypeLike
+
+from te_flax._kernels.common import row_blocks
+from te_flax._kernels.norm_backward import norm_backward
+from te_flax._kernels.norm_quantize import norm_quantize
+from te_flax._kernels.switch import dispatch
+from te_flax.quantize import scaling
+from te_flax.quantize.quantizer import (
+    CurrentScaleQuantizer,
+    DelayedScaleQuantizer,
+    GemmOperand,
+    Quantizer,
+    ScaledTensor,
+)
+
+__all__ = ["norm_backward_grads", "norm_quantize_operand"]
+
+_Quantized = tuple[GemmOperand, Quantizer | None]
+
+
+def _per_tensor(quantizer: Quantizer | None) -> bool:
+    return isinstance(quantizer, DelayedScaleQuantizer | CurrentScaleQuantizer)
+
+
+def norm_quantize_operand(
+    x: Array,
+    mean: Array | None,
+    rsigma: Array,
+    gamma: Array,
+    beta: Array | None,
+    quantizer: Quantizer | None,
+    fallback: Callable[[], _Quantized],
+) -> _Quantized:
+    """``quantize(norm(x))`` as the stage ``norm_operand`` makes it, by kernel (1) or ``fallback``.
+
+    Args:
+      x: ``[batch..., hidden]``.
+      mean: f32 ``[batch..., 1]`` or None (rmsnorm); rsigma: f32 ``[batch..., 1]``.
+      gamma: f32 ``[hidden]``, the effective scale; beta: f32 ``[hidden]`` or None.
+      quantizer: the operand's quantizer; only per-tensor FP8 quantizers use the kernel.
+      fallback: the XLA stage, called without arguments.
+    """
+    hidden = x.shape[-1] if x.ndim else 0
+    rows = math.prod(x.shape[:-1])
+    blocks = row_blocks(rows, hidden) if _per_tensor(quantizer) and x.ndim else None
+
+    def kernel(
+        x: Array,
+        mean: Array | None,
+        rsigma: Array,
+        gamma: Array,
+        beta: Array | None,
+        quantizer: Quantizer | None,
+        *,
+        interpret: bool,
+    ) -> _Quantized:
+        assert blocks is not None and quantizer is not None
+        matrix = x.reshape(rows, hidden)  # [tokens, hidden]
+        row_mean = None if mean is None else mean.reshape(rows)
+        args = (matrix, row_mean, rsigma.reshape(rows), gamma, beta)
+        q_dtype = quantizer.q_dtype
+        if isinstance(quantizer, DelayedScaleQuantizer):
+            scale_inv = quantizer.scale_inv.reshape(())
+            data, partials = norm_quantize(
+                *args, quantizer.scale_inv, q_dtype, blocks, interpret=interpret
+            )
+            new_quantizer: Quantizer = quantizer.update(scaling.amax(partials))
+        else:
+            # Current scaling needs the amax before it can quantize: a first pass for it.
+            _, partials = norm_quantize(
+                *args, jnp.ones((1,), jnp.float32), None, blocks, interpret=interpret
+            )
+            one = jnp.ones((), jnp.float32)
+            scale_inv = scaling.compute_scale_inv(scaling.amax(partials), q_dtype, 0, one)
+            data, _ = norm_quantize(
+                *args, scale_inv.reshape(1), q_dtype, blocks, interpret=interpret
+            )
+            new_quantizer = quantizer
+        assert data is not None
+        return ScaledTensor(data.reshape(x.shape), scale_inv), new_quantizer
+
+    def xla(*_: object) -> _Quantized:
+        return fallback()
+
+    return dispatch(
+        "norm_quantize",
+        kernel,
+        xla,
+        x,
+        mean,
+        rsigma,
+        gamma,
+        beta,
+        quantizer,
+        supported=blocks is not None,
+    )
+
+
+_NormGrads = tuple[Array, Array, Array | None]
+
+
+def norm_backward_grads(
+    d_out: Array,
+    x: Array,
+    mean: Array | None,
+    rsigma: Array,
+    gamma: Array,
+    gamma_dtype: DTypeLike,
+    beta_dtype: DTypeLike | None,
+    fallback: Callable[[], _NormGrads],
+) -> _NormGrads:
+    """``(dx, dgamma, dbeta)`` of the norm, by kernel (3) or ``fallback`` (the XLA stage).
+
+    Args:
+      d_out: ``[batch..., hidden]``, the gradient of the norm output.
+      x: ``[batch..., hidden]``; mean: f32 ``[batch..., 1]`` or None; rsigma: f32
+        ``[batch..., 1]``.
+      gamma: f32 ``[hidden]``, the effective scale.
+      gamma_dtype: the dtype of ``dgamma``; beta_dtype: of ``dbeta``, None without beta.
+      fallback: the XLA stage, called without arguments.
+    """
+    hidden = x.shape[-1] if x.ndim else 0
+    rows = math.prod(x.shape[:-1])
+    blocks = row_blocks(rows, hidden) if x.ndim and d_out.shape == x.shape else None
+
+    def kernel(
+        d_out: Array,
+        x: Array,
+        mean: Array | None,
+        rsigma: Array,
+        gamma: Array,
+        *,
+        interpret: bool,
+    ) -> _NormGrads:
+        assert blocks is not None
+        row_mean = None if mean is None else mean.reshape(rows)
+        d_x, d_gamma, d_beta = norm_backward(
+            d_out.reshape(rows, hidden),
+            x.reshape(rows, hidden),
+            row_mean,
+            rsigma.reshape(rows),
+            gamma,
+            beta_dtype is not None,
+            x.dtype,
+            blocks,
+            interpret=interpret,
+        )
+        d_gamma = jnp.sum(d_gamma, axis=0).astype(gamma_dtype)
+        d_beta = None if d_beta is None else jnp.sum(d_beta, axis=0).astype(beta_dtype)
+        return d_x.reshape(x.shape), d_gamma, d_beta
+
+    def xla(*_: object) -> _NormGrads:
+        return fallback()
+
+    return dispatch(
+        "norm_backward", kernel, xla, d_out, x, mean, rsigma, gamma, supported=blocks is not None
+    )

@@ -1,0 +1,105 @@
+"""The Pallas kernels in a deviceless H100 compile: Triton custom calls, FP8 GEMMs unchanged.
+
+One training step (``value_and_grad``) of ``layernorm_dense`` and ``layernorm_mlp`` under
+per-tensor FP8, compiled for the H100 of ``data/h100_sxm.gpu_target_config.txtpb``. The
+lowering platform is CUDA, so ``"auto"`` chooses its kernels (the norm backward) although the
+default backend is the CPU, and ``"1"`` every kernel (also the norm-quantize). The kernels
+(``__gpu$xla.gpu.triton`` custom calls) replace XLA fusions; the GEMMs stay 3 (6 for the MLP)
+FP8 cuBLASLt calls and no other GEMM appears.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the gpu-compile extra (jax[cuda12])")
+
+from te_flax._kernels import pallas_kernels
+from te_flax.layernorm_dense import layernorm_dense
+from te_flax.layernorm_mlp import layernorm_mlp
+from te_flax.quantize import DelayedScaling, Float8CurrentScaling, QuantizerFactory
+from tests.gpu_target import h100_sharding
+
+pytestmark = pytest.mark.gpu_compile
+
+TOKENS, HIDDEN, FEATURES = 512, 1024, 2048
+TRITON = '"__gpu$xla.gpu.triton"'
+FP8_GEMM = '"__cublas$lt$matmul$f8"'
+RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling}
+# The kernels by their pallas_call name, as they appear in the custom calls' metadata.
+NORM_QUANTIZE = "te_flax_norm_quantize"
+NORM_BACKWARD = "te_flax_norm_backward"
+
+
+@functools.cache
+def optimized_hlo(op: str, recipe: str, switch: str) -> str:
+    sharding = h100_sharding()
+
+    def spec(shape, dtype=jnp.float32):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    params = {"gamma": spec((HIDDEN,)), "beta": spec((HIDDEN,))}
+    if op == "layernorm_dense":
+        params["kernel"] = spec((HIDDEN, FEATURES))
+        n_sets = 1
+    else:
+        params["kernels"] = [spec((HIDDEN, 1, FEATURES)), spec((FEATURES, HIDDEN))]
+        n_sets = 2
+    quantizers = jax.tree.map(
+        lambda leaf: spec(leaf.shape, leaf.dtype),
+        QuantizerFactory.create_set(n_sets, fp8_recipe=RECIPES[recipe]()),
+    )
+    x = spec((TOKENS, HIDDEN), jnp.bfloat16)
+
+    def loss(params, quantizers, x):
+        if op == "layernorm_dense":
+            out = layernorm_dense(
+                x, params["kernel"], params["gamma"], params["beta"], quantizer_set=quantizers
+            )
+        else:
+            out = layernorm_mlp(
+                x,
+                params["gamma"],
+                params["beta"],
+                params["kernels"],
+                [None, None],
+                "layernorm",
+                quantizer_sets=quantizers,
+            )
+        return jnp.mean(jnp.square(out.astype(jnp.float32)))
+
+    with pallas_kernels(switch):
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+        return step.lower(params, quantizers, x).compile().as_text()
+
+
+def triton_calls(hlo_text: str) -> list[str]:
+    return [line for line in hlo_text.splitlines() if TRITON in line]
+
+
+def kernel_names(hlo_text: str) -> list[str]:
+    return sorted(
+        re.search(r'op_name="[^"]*?(te_flax_\w+)', line).group(1) for line in triton_calls(hlo_text)
+    )
+
+
+@pytest.mark.parametrize("recipe", ["delayed", pytest.param("current", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(("op", "n_gemms"), [("layernorm_dense", 3), ("layernorm_mlp", 6)])
+def test_kernels_replace_fusions_and_keep_fp8_gemms(op, n_gemms, recipe):
+    off, auto, every = (optimized_hlo(op, recipe, switch) for switch in ("0", "auto", "1"))
+    assert not triton_calls(off)
+    assert kernel_names(auto) == [NORM_BACKWARD]
+    # Current scaling needs the amax before it quantizes: two passes of the norm kernel.
+    norm_passes = 1 if recipe == "delayed" else 2
+    assert kernel_names(every) == [NORM_BACKWARD] + [NORM_QUANTIZE] * norm_passes
+    for text in (off, auto, every):
+        assert text.count(FP8_GEMM) == n_gemms
+        assert not re.search(r'custom_call_target="__cublas\$(gemm|lt\$matmul)"', text)
+        assert not re.search(r"\sdot\(", text)
+    # The kernels' work leaves XLA: fewer fusions.
+    assert every.count(" fusion(") < auto.count(" fusion(") < off.count(" fusion(")
