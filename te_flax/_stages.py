@@ -239,21 +239,32 @@ def _scaled_dot(
     )
 
 
+def _accumulation_dtype(out_dtype: DTypeLike) -> DTypeLike:
+    """The dtype a low-precision GEMM accumulates and is scaled in before its output dtype.
+
+    float16 (largest value 65504) cannot hold the product of two quantized operands before
+    their scales are applied (e4m3 reaches 448, an NVFP4 element 6 * 448), so a float16 GEMM
+    runs in float32; bfloat16 has float32's range.
+    """
+    return jnp.float32 if jnp.dtype(out_dtype) == jnp.float16 else out_dtype
+
+
 def _block_gemm(lhs: BlockScaledTensor, rhs: BlockScaledTensor, out_dtype: DTypeLike) -> Array:
     """``lhs [M, K] . rhs [N, K]`` with block scales -> ``[*lhs.row_shape, *rhs.row_shape]``."""
     operands = (lhs.data[None], rhs.data[None], lhs.scale_inv[None], rhs.scale_inv[None])
     # The output dtype is also the dequantization dtype of an emulated GEMM: block-scaled values
     # are exact in bfloat16, so a bfloat16 step runs bfloat16 GEMMs there.
+    gemm_dtype = _accumulation_dtype(out_dtype)
     out = lax.platform_dependent(
         *operands,
-        cuda=partial(_scaled_matmul, out_dtype=out_dtype),
-        default=partial(_scaled_dot, out_dtype=out_dtype),
+        cuda=partial(_scaled_matmul, out_dtype=gemm_dtype),
+        default=partial(_scaled_dot, out_dtype=gemm_dtype),
     )[0]
     if lhs.tensor_scale_inv is not None:
         assert rhs.tensor_scale_inv is not None, "NVFP4 operands carry a tensor scale"
         tensor_scale_inv = lhs.tensor_scale_inv * rhs.tensor_scale_inv
-        out = (out.astype(jnp.float32) * tensor_scale_inv).astype(out_dtype)
-    return out.reshape(lhs.row_shape + rhs.row_shape)
+        out = out.astype(jnp.float32) * tensor_scale_inv
+    return out.astype(out_dtype).reshape(lhs.row_shape + rhs.row_shape)
 
 
 def _gemm(
@@ -280,14 +291,15 @@ def _gemm(
     assert lhs.scale_inv is not None and rhs.scale_inv is not None, "mixed FP8/non-FP8 GEMM"
     # float8 x float8 with the scales applied to the product: XLA folds the multiply into the
     # cuBLASLt FP8 GEMM as its alpha. Precision DEFAULT selects fast accumulation there.
+    gemm_dtype = _accumulation_dtype(out_dtype)
     out = lax.dot_general(
         lhs.data,
         rhs.data,
         dimension_numbers,
         precision=fp8_precision,
-        preferred_element_type=out_dtype,
+        preferred_element_type=gemm_dtype,
     )
-    return out * (lhs.scale_inv * rhs.scale_inv).astype(out_dtype)
+    return (out * (lhs.scale_inv * rhs.scale_inv).astype(gemm_dtype)).astype(out_dtype)
 
 
 def dense_forward(
