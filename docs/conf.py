@@ -73,6 +73,7 @@ API_MODULES = [
     "te_flax.nnx",
     "te_flax.quantize",
     "te_flax.training",
+    "te_flax.accumulate",
     "te_flax.convert",
     "te_flax.sharding",
     "te_flax.layernorm_dense",

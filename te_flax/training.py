@@ -26,6 +26,10 @@ Applying the gradients, two ways, one rule:
   k accumulated microbatches give the state of one step over all of them. With
   ``skip_nonfinite=True`` a step whose gradients or new FP8 state hold a NaN or an infinity
   changes nothing but the count ``opt_state.skipped_steps``.
+* Microbatches inside one jitted step: ``accumulate_gradients(loss_fn, variables,
+  microbatches)`` (``te_flax.accumulate``) gives the same gradients and FP8 state as k
+  ``MultiSteps`` mini-steps, and quantizes the kernels once per step instead of once per
+  microbatch; apply them with a plain optimizer.
 
 The optax update runs under standard dtype promotion (optax mixes its int32 step count with
 Python floats), so the rest of a step can run under ``jax_numpy_dtype_promotion="strict"``.
@@ -59,15 +63,18 @@ import optax
 from jax import Array
 
 from te_flax._fp8_state import OVERWRITE_WITH_GRADIENT
+from te_flax.accumulate import accumulate_gradients, split_microbatches
 from te_flax.quantize import check_merged, merge_by_max
 
 __all__ = [
     "OVERWRITE_WITH_GRADIENT",
     "OptimizerState",
+    "accumulate_gradients",
     "all_finite",
     "apply_gradients",
     "init_optimizer",
     "merge_fp8_state",
+    "split_microbatches",
     "value_and_grad",
 ]
 
