@@ -2,8 +2,9 @@
 
 One training step (``value_and_grad``) of ``layernorm_dense`` and ``layernorm_mlp`` under
 per-tensor FP8, compiled for the H100 of ``data/h100_sxm.gpu_target_config.txtpb``. The
-lowering platform is CUDA, so ``"auto"`` chooses its kernels (the norm backward) although the
-default backend is the CPU, and ``"1"`` every kernel (also the norm-quantize). The kernels
+lowering platform is CUDA, so ``"auto"`` (traced as in a process with a GPU, since this host
+has none) chooses its kernels (the norm backward), and ``"1"`` every kernel (also the
+norm-quantize). The kernels
 (``__gpu$xla.gpu.triton`` custom calls) replace XLA fusions; the GEMMs stay 3 (6 for the MLP)
 FP8 cuBLASLt calls and no other GEMM appears.
 """
@@ -73,7 +74,8 @@ def optimized_hlo(op: str, recipe: str, switch: str) -> str:
             )
         return jnp.mean(jnp.square(out.astype(jnp.float32)))
 
-    with pallas_kernels(switch):
+    # A CPU host: "auto" chooses the kernels as a process with a GPU does.
+    with pallas_kernels(switch, assume_gpu=True):
         step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
         return step.lower(params, quantizers, x).compile().as_text()
 

@@ -249,19 +249,24 @@ def test_switch_reads_environment(monkeypatch):
         mode()
 
 
-def test_auto_uses_xla_on_cpu():
-    """``auto`` lowers the XLA stage for a CPU: no kernel in the CPU program."""
+def test_auto_traces_the_xla_stages_on_cpu():
+    """Without a GPU ``auto`` traces exactly the program of ``0``: CPU programs are unchanged."""
     spec = _stages.NormSpec("layernorm", False, 1e-6)
     x, gamma, beta = _inputs((8, 32), jnp.float32, "layernorm")
 
-    def operand(x, gamma, beta, quantizer):
+    def step(x, gamma, beta, quantizer):
         _, stats = _stages.normalize(x, gamma, beta, spec)
-        return _stages.norm_operand(x, stats, gamma, beta, spec, quantizer, None)
+        operand, _ = _stages.norm_operand(x, stats, gamma, beta, spec, quantizer, None)
+        grads = _stages.normalize_backward(x, x, stats, gamma, beta, spec)
+        return operand, grads
 
-    with pallas_kernels("auto"):
-        compiled = jax.jit(lambda *a: operand(*a)).lower(x, gamma, beta, _quantizer("delayed"))
-    text = compiled.compile().as_text()
-    assert "while" not in text  # interpret mode loops over the grid; the XLA stage does not
+    programs = []
+    for switch in ("0", "auto"):
+        with pallas_kernels(switch):
+            lowered = jax.jit(lambda *a: step(*a)).lower(x, gamma, beta, _quantizer("delayed"))
+        programs.append(lowered.as_text(debug_info=False))
+    assert programs[0] == programs[1]
+    assert "cond" not in programs[1] and "case" not in programs[1]
 
 
 # ----------------------------------------------------------------------------- kernel (3)

@@ -4,16 +4,19 @@
 ``pallas_kernels(mode)`` (a context manager, which wins over the variable):
 
 - ``"auto"`` (default): on CUDA GPUs the kernels that save memory traffic (``AUTO``), the XLA
-  stages everywhere else. The choice is made per platform when the program is lowered
-  (``lax.platform_dependent``), so a program compiled for a GPU from a CPU host (a deviceless
-  compile) gets the kernels too.
+  stages everywhere else. In a process without a CUDA GPU the XLA stages are traced directly,
+  so CPU programs are exactly those without kernels; with one, the choice is made per platform
+  when the program is lowered (``lax.platform_dependent``). A program compiled for a GPU from
+  a CPU host (a deviceless compile) gets the kernels under ``pallas_kernels("auto",
+  assume_gpu=True)``.
 - ``"1"``: every kernel, everywhere; on platforms other than CUDA they run in Pallas interpret
   mode (slow, for tests).
 - ``"0"``: the XLA stages everywhere.
 
-Programs partitioned over a mesh of more than one device (outside ``shard_map``) keep the XLA
-stages: a custom call is not partitioned by XLA's SPMD partitioner, which would gather its
-operands.
+Under ``"auto"``, programs that may be partitioned over several devices (a mesh of more than
+one device outside ``shard_map``, or a process that sees more than one GPU) keep the XLA stages:
+XLA's SPMD partitioner has no rule for a kernel's custom call and would gather its operands.
+Inside ``shard_map`` the kernels work on each device's block.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ ENV_VAR = "TE_FLAX_PALLAS"
 MODES = ("auto", "0", "1")
 _ALIASES = {"on": "1", "true": "1", "off": "0", "false": "0"}
 T = TypeVar("T")
+_assume_gpu: list[bool] = []
 # The kernels "auto" uses (see ``dispatch``); "1" uses every kernel. The norm-quantize kernel
 # is left out: in a deviceless H100 compile of the benchmark steps it moves as many bytes as
 # the XLA fusion it replaces (XLA already fuses normalize, quantize and amax), give or take a
@@ -59,26 +63,41 @@ def mode() -> str:
 
 
 @contextlib.contextmanager
-def pallas_kernels(value: str) -> Iterator[None]:
+def pallas_kernels(value: str, assume_gpu: bool = False) -> Iterator[None]:
     """Within the context, functions traced use the Pallas kernels per ``value``.
 
     Args:
       value: ``"auto"`` (CUDA GPUs only), ``"1"`` (everywhere, interpret mode off GPUs) or
         ``"0"`` (never).
+      assume_gpu: under ``"auto"``, trace as a process with one CUDA GPU does (for deviceless
+        compiles for a GPU from a CPU host; default False).
     """
     _override.append(_checked(value, "pallas_kernels(value)"))
+    _assume_gpu.append(assume_gpu)
     try:
         yield
     finally:
         _override.pop()
+        _assume_gpu.pop()
+
+
+def _cuda_devices() -> int:
+    try:
+        return len(jax.devices("cuda"))
+    except RuntimeError:  # no CUDA backend (a CPU host, or a deviceless compile)
+        return 0
 
 
 def _partitioned() -> bool:
-    """True inside a mesh of more than one device whose axes are not all manual."""
+    """True where a kernel could be partitioned by XLA's SPMD partitioner: inside a mesh of
+    more than one device (unless every axis is manual, as in ``shard_map``), or in a process
+    that sees more than one GPU (sharded arrays under ``jit`` need no mesh context)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1:
-        return False
-    return set(mesh.manual_axes) != set(mesh.axis_names)
+    if not mesh.empty and set(mesh.manual_axes) == set(mesh.axis_names):
+        return False  # per-device blocks: the kernels see local arrays
+    if not mesh.empty and mesh.size > 1:
+        return True
+    return _cuda_devices() > 1
 
 
 def dispatch(
@@ -96,10 +115,12 @@ def dispatch(
     than the XLA fusions they replace in a whole training step.
     """
     selected = mode()
-    if selected == "0" or not supported or _partitioned():
+    if selected == "0" or not supported:
         return fallback(*args)
-    if selected == "auto" and name not in AUTO:
-        return fallback(*args)
+    if selected == "auto":
+        on_gpu_host = bool(_assume_gpu and _assume_gpu[-1]) or _cuda_devices() > 0
+        if not on_gpu_host or name not in AUTO or _partitioned():
+            return fallback(*args)
     on_gpu = partial(kernel, interpret=False)
     elsewhere = partial(kernel, interpret=True) if selected == "1" else fallback
     return lax.platform_dependent(*args, cuda=on_gpu, default=elsewhere)
