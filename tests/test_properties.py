@@ -123,11 +123,12 @@ def recipes(draw, name: str):
 
 
 def sizes(block: int | None, largest: int = 96) -> st.SearchStrategy[int]:
-    """A feature size: a multiple of ``block`` for block-scaled recipes, else any size from 2,
-    half of the draws on multiples of 16."""
+    """A feature size: a multiple of ``block`` for block-scaled recipes, else any size from 3,
+    half of the draws on multiples of 16. (A layernorm of 2 elements gives +-1 whatever x, so
+    its x gradient is only epsilon's rounding noise, which no tolerance relative to it fits.)"""
     if block is not None:
         return st.sampled_from(range(block, largest + 1, block))
-    return st.one_of(st.sampled_from(range(16, largest + 1, 16)), st.integers(2, largest))
+    return st.one_of(st.sampled_from(range(16, largest + 1, 16)), st.integers(3, largest))
 
 
 @st.composite
@@ -418,6 +419,9 @@ POOLED_DRAWS = 8
 def check_against_reference(op: str, recipe_name: str, case: Case) -> None:
     """Runs ``op`` on the case and checks its output and gradients against the reference."""
     EXAMPLES[op] += 1
+    # Shapes rarely repeat across examples: free the executables of the previous ones, which a
+    # long run would otherwise pile up by the thousand.
+    _step.cache_clear()
     # Without quantization: elementwise at the dtype's tolerance. The MLP rounds four times in
     # a row in low precision (norm output, pre-activation, activation, output), as in
     # test_layernorm_mlp, so it gets twice that.
