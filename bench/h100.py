@@ -23,11 +23,24 @@ import jax
 from bench.memory import compiled_memory
 from bench.models import Candidate, make_grad_step
 
-__all__ = ["TRITON_OFF", "analyze", "available", "cost", "count_gemms", "instruction_bytes"]
+__all__ = [
+    "KERNEL_SETTINGS",
+    "TRITON_OFF",
+    "analyze",
+    "available",
+    "cost",
+    "count_gemms",
+    "instruction_bytes",
+    "kernel_calls",
+]
 
 TARGET_CONFIG = Path(__file__).parents[1] / "tests" / "data" / "h100_sxm.gpu_target_config.txtpb"
 TRITON_OFF = "--xla_gpu_enable_triton_gemm=false"
 FP8_GEMM = "__cublas$lt$matmul$f8"
+TRITON_CALL = "__gpu$xla.gpu.triton"  # a Pallas kernel (or any Triton kernel) as a custom call
+# te_flax's Pallas kernels: off (the XLA stages) and the default switch, which chooses them
+# for a CUDA program such as this deviceless one.
+KERNEL_SETTINGS = {"xla": "0", "kernels": "auto"}
 
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _FUSION = re.compile(r"\sfusion\(.*\bkind=k")
@@ -95,6 +108,9 @@ def _shape_bytes(text: str) -> float:
 def _describe(opcode: str, line: str) -> str:
     if opcode == "custom-call":
         target = _TARGET.search(line).group(1)
+        if target == TRITON_CALL:
+            kernel = re.search(r'op_name="[^"]*?(te_flax_\w+)', line)
+            return f"Pallas kernel {kernel.group(1) if kernel else ''}".strip()
         return "FP8 GEMM" if target == FP8_GEMM else f"GEMM {target}"
     if opcode != "fusion":
         return opcode
@@ -103,12 +119,13 @@ def _describe(opcode: str, line: str) -> str:
     return f"fusion {kind}" + (f" {backend.group(1)}" if backend else "")
 
 
-def instruction_bytes(hlo_text: str, top: int = 12) -> list[dict]:
+def instruction_bytes(hlo_text: str, top: int | None = 12) -> list[dict]:
     """The entry computation's instructions that move the most bytes (operands + result).
 
     The same accounting as XLA's cost analysis of a fusion (every operand read once, the result
-    written once); a GEMM's workspace is left out. The last part of the JAX op name says which
-    line of the model an instruction comes from.
+    written once), applied to custom calls too (cuBLAS GEMMs, Pallas kernels); a GEMM's
+    workspace is left out. The last part of the JAX op name says which line of the model an
+    instruction comes from. ``top=None`` returns every instruction.
     """
     types, rows, inside = {}, [], False
     for line in hlo_text.splitlines():
@@ -126,9 +143,11 @@ def instruction_bytes(hlo_text: str, top: int = 12) -> list[dict]:
         types[name] = result
         if opcode in _FREE:
             continue
-        if opcode == "custom-call":
+        if opcode == "custom-call" and "__cublas$" in line:
             result = result.split(", s8[")[0]  # without the cuBLAS workspace
-        read = sum(_shape_bytes(types.get(o, "")) for o in _OPERAND_NAME.findall(operands))
+        # Each distinct operand is read once.
+        operand_names = dict.fromkeys(_OPERAND_NAME.findall(operands))
+        read = sum(_shape_bytes(types.get(o, "")) for o in operand_names)
         op_name = _OP_NAME.search(line)
         op_name = op_name.group(1) if op_name else ""
         rows.append(
@@ -141,6 +160,15 @@ def instruction_bytes(hlo_text: str, top: int = 12) -> list[dict]:
             }
         )
     return sorted(rows, key=lambda row: -row["bytes"])[:top]
+
+
+def kernel_calls(hlo_text: str) -> list[dict]:
+    """The Pallas (Triton) kernel calls of the entry computation, with their bytes."""
+    return [
+        row
+        for row in instruction_bytes(hlo_text, top=None)
+        if row["instruction"].startswith("Pallas kernel")
+    ]
 
 
 def count_gemms(hlo_text: str) -> dict[str, int]:
@@ -162,21 +190,33 @@ def cost(compiled) -> dict[str, float]:
     """Flops and bytes accessed of the optimized H100 program.
 
     The deviceless executable has no cost analysis of its own, so XLA's ``HloCostAnalysis`` is
-    run (through the CPU client) on the optimized H100 HLO module. That analysis gives cuBLAS
-    custom calls neither flops nor bytes, so each GEMM's ``2 * M * N * K`` flops and the bytes
-    of its operands and result (not its workspace) are added from the HLO.
+    run (through the CPU client) on the optimized H100 HLO module. That analysis knows nothing
+    of custom calls: it counts each as -1 flops and -1 bytes ("unknown"). So those -1 are taken
+    back out, and from the HLO each cuBLAS GEMM's ``2 * M * N * K`` flops and the bytes of its
+    operands and result (not its workspace) are added, and each Pallas kernel's bytes as a
+    fusion's are counted: every operand read once, every result written once. (A kernel's
+    flops are not counted; they are element-wise work, a rounding error next to the GEMMs.)
     """
     from jax._src.lib import xla_client
 
     (module,) = compiled.runtime_executable().hlo_modules()
     client = jax.devices("cpu")[0].client
     xla_cost = xla_client._xla.hlo_module_cost_analysis(client, module)
-    gemms = _gemms(compiled.as_text())
+    hlo_text = compiled.as_text()
+    gemms = _gemms(hlo_text)
+    kernels = kernel_calls(hlo_text)
+    unknown = len(re.findall(r"\scustom-call\(", hlo_text))  # each counted as -1
+    kernel_bytes = float(sum(k["bytes"] for k in kernels))
     return {
-        "flops": float(xla_cost["flops"]) + sum(g["flops"] for g in gemms),
-        "bytes": float(xla_cost["bytes accessed"]) + sum(g["bytes"] for g in gemms),
+        "flops": float(xla_cost["flops"]) + unknown + sum(g["flops"] for g in gemms),
+        "bytes": float(xla_cost["bytes accessed"])
+        + unknown
+        + sum(g["bytes"] for g in gemms)
+        + kernel_bytes,
         "gemm_bytes": float(sum(g["bytes"] for g in gemms)),
         "gemm_flops": float(sum(g["flops"] for g in gemms)),
+        "kernel_bytes": kernel_bytes,
+        "kernels": len(kernels),
     }
 
 
@@ -204,19 +244,29 @@ def _sharding() -> jax.sharding.NamedSharding:
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
-def analyze(candidate: Candidate) -> dict:
-    """GEMM counts, fusions, cost and memory analysis of one training step on the H100."""
+def analyze(candidate: Candidate, kernels: str = "auto") -> dict:
+    """GEMM counts, fusions, cost and memory analysis of one training step on the H100.
+
+    ``kernels`` is the setting of te_flax's Pallas kernel switch while the step is traced
+    (``"0"``: the XLA stages; ``"auto"``, the default: the kernels, on this CUDA target).
+    """
+    from te_flax._kernels import pallas_kernels
+
     sharding = _sharding()
 
     def spec(leaf):
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
 
-    step = jax.jit(make_grad_step(candidate))
-    compiled = step.lower(jax.tree.map(spec, candidate.variables), spec(candidate.x)).compile()
+    # The deviceless compile runs on a CPU host: "auto" traces as a GPU process would.
+    with pallas_kernels(kernels, assume_gpu=True):
+        step = jax.jit(make_grad_step(candidate))
+        lowered = step.lower(jax.tree.map(spec, candidate.variables), spec(candidate.x))
+    compiled = lowered.compile()
     hlo_text = compiled.as_text()
     return {
         **count_gemms(hlo_text),
         **cost(compiled),
         "memory": compiled_memory(compiled),
         "top_instructions": instruction_bytes(hlo_text),
+        "kernel_calls": kernel_calls(hlo_text),
     }

@@ -29,7 +29,16 @@ from te_flax.dense import dense
 from te_flax.layernorm_dense import layernorm_dense
 from te_flax.quantize import DelayedScaling, QuantizerFactory
 
-__all__ = ["CASES", "QUICK_CASES", "environment", "main", "run_layer_case", "run_norm_cost"]
+__all__ = [
+    "CASES",
+    "QUICK_CASES",
+    "environment",
+    "main",
+    "rerun_h100",
+    "run_h100",
+    "run_layer_case",
+    "run_norm_cost",
+]
 
 BENCH_DIR = Path(__file__).parent
 
@@ -129,14 +138,29 @@ def run_layer_case(case: Case, repeats: int, warmup: int, with_h100: bool, log) 
     for name, (compiled, args) in profiled.items():
         result["candidates"][name]["cpu_profile"] = profile(compiled, args)
     if with_h100:
-        for key, candidate in candidates.items():
-            log(f"  deviceless H100 compile: {'/'.join(key)}")
-            result["candidates"]["/".join(key)]["h100"] = h100.analyze(candidate)
+        run_h100(candidates, result, log)
     result["ratios"] = {recipe: _ratios(result["candidates"], recipe) for recipe in RECIPES}
     result["fp8_vs_bf16"] = {
         impl: timing.paired_ratio(times[f"{impl}/delayed"], times[f"{impl}/none"]) for impl in IMPLS
     }
     return result
+
+
+def run_h100(candidates: dict, result: dict, log) -> None:
+    """The deviceless H100 compiles of a case's candidates, into ``result["candidates"]``.
+
+    ``h100`` is each candidate with te_flax's default kernel switch (``"auto"``: on this CUDA
+    target the kernels it selects); te_flax's candidates are also compiled with the kernels
+    off (``h100_xla``, the XLA stages) and with every kernel on (``h100_all``).
+    """
+    for key, candidate in candidates.items():
+        name = "/".join(key)
+        entry = result["candidates"].setdefault(name, {})
+        log(f"  deviceless H100 compile: {name}")
+        entry["h100"] = h100.analyze(candidate)
+        if key[0] == "te_flax":
+            entry["h100_xla"] = h100.analyze(candidate, "0")
+            entry["h100_all"] = h100.analyze(candidate, "1")
 
 
 def _ratios(entries: dict, recipe: str) -> dict:
@@ -151,7 +175,43 @@ def _ratios(entries: dict, recipe: str) -> dict:
     if "h100" in te:
         ratios["h100_bytes"] = te["h100"]["bytes"] / fl["h100"]["bytes"]
         ratios["h100_temp_memory"] = te["h100"]["memory"]["temp"] / fl["h100"]["memory"]["temp"]
+        for variant in ("xla", "all"):
+            if f"h100_{variant}" in te:
+                te_bytes = te[f"h100_{variant}"]["bytes"]
+                ratios[f"h100_bytes_{variant}"] = te_bytes / fl["h100"]["bytes"]
     return ratios
+
+
+def rerun_h100(out: Path, log) -> dict:
+    """The results in ``out/results.json`` with only the deviceless H100 compiles redone.
+
+    For a change that touches the GPU program only: the CPU figures stay those of the last full
+    run (their date is kept as ``environment.date``; ``h100_date`` is the new compiles').
+    """
+    import json
+
+    results = json.loads((out / "results.json").read_text())
+    for layer in results["layers"]:
+        case = Case(**_case_arguments(layer["case"]))
+        log(f"{case.name}")
+        keys = [(impl, recipe) for recipe in RECIPES for impl in IMPLS]
+        run_h100({key: build(case, *key) for key in keys}, layer, log)
+        layer["ratios"] = {recipe: _ratios(layer["candidates"], recipe) for recipe in RECIPES}
+    results["settings"]["h100"] = "measured"
+    results["environment"]["h100_date"] = datetime.datetime.now(datetime.UTC).strftime(
+        "%Y-%m-%d %H:%M UTC"
+    )
+    return results
+
+
+def _case_arguments(described: dict) -> dict:
+    """The ``Case`` arguments of a case as ``Case.describe`` wrote it to results.json."""
+    batch, seq, hidden = described["x"]
+    features = described.get("features", described.get("intermediate"))
+    arguments = dict(layer=described["layer"], batch=batch, seq=seq, hidden=hidden)
+    if "activations" in described:
+        arguments["activations"] = tuple(described["activations"])
+    return {**arguments, "features": features}
 
 
 def run_norm_cost(case: Case, repeats: int, warmup: int) -> dict:
@@ -201,6 +261,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds (default 1)")
     parser.add_argument("--no-h100", action="store_true", help="skip the deviceless compile")
     parser.add_argument(
+        "--h100-only",
+        action="store_true",
+        help="redo only the deviceless H100 compiles; keep the CPU figures of results.json",
+    )
+    parser.add_argument(
         "--out", type=Path, default=BENCH_DIR, help="output folder (default: bench/)"
     )
     args = parser.parse_args(argv)
@@ -214,6 +279,13 @@ def main(argv: list[str] | None = None) -> None:
     h100_reason = "skipped (--no-h100)" if args.no_h100 else h100.available()
     if h100_reason:
         log(f"deviceless H100 compile unavailable: {h100_reason}")
+    if args.h100_only:
+        if h100_reason:
+            parser.error(f"--h100-only: the deviceless compile is unavailable: {h100_reason}")
+        results = rerun_h100(args.out, log)
+        paths = report.write(results, args.out)
+        log("wrote " + ", ".join(str(path) for path in paths))
+        return
     cases = QUICK_CASES if args.quick else CASES
     results = {
         "environment": environment(),
