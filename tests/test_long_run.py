@@ -3,8 +3,9 @@ histories bounded, and end where the same run in BF16 ends.
 
 The FP8 run is checkpointed at step 1,000 and resumed, so the FP8 state of both halves can be
 compared (a resumed run is bit-identical to an uninterrupted one, tests/test_example_lm.py).
-It takes about two minutes on two CPU cores, so it is marked slow (CI runs it); run it alone
-with ``python -m pytest -q -p no:xdist tests/test_long_run.py``.
+It takes one to two and a half minutes on two CPU cores, so it is marked slow (CI runs it); run
+it alone with ``python -m pytest -q -p no:xdist -s tests/test_long_run.py`` (``-s`` prints the
+final losses and their ratio).
 """
 
 from __future__ import annotations
