@@ -102,6 +102,14 @@ def merge_by_max(state: T) -> T:
     (the RNG key of stochastic rounding) are not state and pass through too.
     """
 
+    for leaf in jax.tree.leaves(state):
+        if not hasattr(leaf, "dtype"):
+            raise TypeError(
+                f"merge_by_max(state=...) takes a QuantizerSet or a pytree of float32 arrays "
+                f"(FP8 state), got a leaf of type {type(leaf).__name__}; pass the FP8 "
+                "collection (variables['_overwrite_with_gradient']) or the quantizer sets"
+            )
+
     def mark(leaf: Array) -> Array:
         if _is_max_merged(leaf) or jnp.dtype(leaf.dtype) != jnp.float32:
             return leaf
@@ -189,6 +197,31 @@ def _report(names: tuple[str, ...], flags: np.ndarray, factors: np.ndarray) -> N
         warnings.warn(message, UnmergedFp8StateWarning, stacklevel=2)
 
 
+def _has_gpu() -> bool:
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:  # no CUDA backend in this process
+        return False
+
+
+def _report_from_device(names: tuple[str, ...], flags: Array, factors: Array) -> None:
+    """``_report`` as a host callback of the traced program."""
+    if _has_gpu():
+        jax.debug.callback(_report, names, flags, factors)
+        return
+
+    # A process without a GPU may still compile for one (a deviceless compile), where a host
+    # callback cannot be lowered; the check is then left to the CPU program.
+    def on_cpu(flags: Array, factors: Array) -> Array:
+        jax.debug.callback(_report, names, flags, factors)
+        return jnp.zeros((), jnp.int32)
+
+    def elsewhere(flags: Array, factors: Array) -> Array:
+        return jnp.zeros((), jnp.int32)
+
+    lax.platform_dependent(flags, factors, cpu=on_cpu, default=elsewhere)
+
+
 def check_merged(previous: Any, updated: Any) -> None:
     """Checks that a step's new FP8 state is max-merged, not summed over the state's uses.
 
@@ -234,7 +267,7 @@ def check_merged(previous: Any, updated: Any) -> None:
     flags = jnp.stack([flag for flag, _ in checked])
     factors = jnp.stack([factor for _, factor in checked])
     if isinstance(flags, jax.core.Tracer):
-        jax.debug.callback(_report, names, flags, factors)
+        _report_from_device(names, flags, factors)
         return
     flagged = np.flatnonzero(np.asarray(flags))
     if flagged.size:
