@@ -160,3 +160,23 @@ def assert_delayed_step(old: dict, new: dict, postfix: str, amaxes: dict) -> Non
             np.testing.assert_allclose(history[0], amax, rtol=rtol, err_msg=name)
         # The scale the next step uses: the history's max over the format's max.
         np.testing.assert_allclose(scale_inv, [history.max() / fp8_max], rtol=_SCALE_RTOL)
+
+
+# The example GPT at test size (``examples.lm`` config overrides): the model, then the training
+# settings the example tests share.
+TINY_LM_MODEL = [
+    "model.d_model=32",
+    "model.heads=2",
+    "model.head_dim=16",
+    "model.layers=2",
+    "model.mlp_dim=64",
+]
+TINY_LM = [
+    *TINY_LM_MODEL,
+    "train.batch=8",
+    "train.seq_len=32",
+    "train.learning_rate=1e-2",
+    "train.warmup_steps=2",
+    "train.eval_batches=2",
+    "train.amax_history_len=4",
+]

@@ -34,23 +34,11 @@ from examples.lm.train import KILL_HOOK, train
 from te_flax.convert import migrate_fp8_state
 from te_flax.quantize import DelayedScaling, Float8CurrentScaling
 from te_flax.training import OVERWRITE_WITH_GRADIENT
-from tests.helpers import F32
+from tests.helpers import F32, TINY_LM
 
 ROOT = Path(__file__).resolve().parent.parent
 FP8 = OVERWRITE_WITH_GRADIENT
-TINY = [
-    "model.d_model=32",
-    "model.heads=2",
-    "model.head_dim=16",
-    "model.layers=2",
-    "model.mlp_dim=64",
-    "train.batch=8",
-    "train.seq_len=32",
-    "train.learning_rate=1e-2",
-    "train.warmup_steps=2",
-    "train.eval_batches=2",
-    "train.amax_history_len=4",
-]
+TINY = TINY_LM
 
 
 def _layer_variables(recipe, features=8):

@@ -20,22 +20,10 @@ from examples.lm.data import load_corpus
 from examples.lm.report import loss_ratios
 from examples.lm.train import RunResult, _linen_frontend, _nnx_frontend, eval_interval, train
 from te_flax.sharding import load_axis_rules
-from tests.helpers import relative_error
+from tests.helpers import TINY_LM, relative_error
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = [
-    "model.d_model=32",
-    "model.heads=2",
-    "model.head_dim=16",
-    "model.layers=2",
-    "model.mlp_dim=64",
-    "train.batch=8",
-    "train.seq_len=32",
-    "train.learning_rate=1e-2",
-    "train.warmup_steps=2",
-    "train.eval_batches=2",
-    "train.amax_history_len=4",
-]
+TINY = TINY_LM
 
 
 @pytest.fixture(scope="module")

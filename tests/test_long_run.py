@@ -20,14 +20,11 @@ from examples.lm.config import DEFAULT_CONFIG, load_config
 from examples.lm.data import load_corpus
 from examples.lm.train import RunResult, train
 from te_flax.training import OVERWRITE_WITH_GRADIENT
+from tests.helpers import TINY_LM_MODEL
 
 STEPS = 2000
 SMALL = [
-    "model.d_model=32",
-    "model.heads=2",
-    "model.head_dim=16",
-    "model.layers=2",
-    "model.mlp_dim=64",
+    *TINY_LM_MODEL,
     "train.batch=8",
     "train.seq_len=32",
     "train.learning_rate=1e-2",
