@@ -228,10 +228,8 @@ def apply_gradients(
     new_variables = dict(variables)
     new_variables["params"] = new_params
     pending = opt_state.pending_fp8
-    finite = all_finite(grads["params"])
     if OVERWRITE_WITH_GRADIENT in grads:
         check_merged(variables[OVERWRITE_WITH_GRADIENT], grads[OVERWRITE_WITH_GRADIENT])
-        finite = finite & all_finite(grads[OVERWRITE_WITH_GRADIENT])
         new_fp8 = _keep_unused(grads[OVERWRITE_WITH_GRADIENT], variables[OVERWRITE_WITH_GRADIENT])
         multi = _multi_steps_state(tx_state)
         if multi is not None and pending is not None:
@@ -246,6 +244,7 @@ def apply_gradients(
         new_variables[OVERWRITE_WITH_GRADIENT] = new_fp8
     skipped = opt_state.skipped_steps
     if skip_nonfinite:
+        finite = all_finite((grads["params"], grads.get(OVERWRITE_WITH_GRADIENT)))
         for name in ("params", OVERWRITE_WITH_GRADIENT):
             if name in new_variables:
                 new_variables[name] = _select(finite, new_variables[name], variables[name])
