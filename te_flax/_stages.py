@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import Array, lax
 from jax.typing import DTypeLike
 
-from te_flax._kernels import norm_backward_grads, norm_quantize_operand
+from te_flax._kernels import norm_backward_grads, norm_quantize_operand, tiled_quantize_operand
 from te_flax.quantize import (
     LEADING,
     TRAILING,
@@ -24,6 +24,7 @@ from te_flax.quantize import (
     BlockScaledTensor,
     GemmOperand,
     Quantizer,
+    ScaledTensor,
     quantize_operand,
 )
 from te_flax.sharding import LogicalAxes, with_logical_constraint
@@ -36,6 +37,7 @@ __all__ = [
     "dense_backward",
     "dense_forward",
     "input_uses",
+    "kernel_operand",
     "kernel_uses",
     "norm_operand",
     "normalize",
@@ -216,6 +218,30 @@ def kernel_uses(for_backward: bool) -> tuple[str, ...]:
     return (LEADING, TRAILING) if for_backward else (LEADING,)
 
 
+def kernel_operand(
+    kernel: Array,
+    quantizer: Quantizer | None,
+    dtype: DTypeLike,
+    n_contract: int,
+    for_backward: bool,
+    axes: LogicalAxes,
+) -> tuple[GemmOperand, Quantizer | None]:
+    """A kernel ``[K..., F...]`` as a GEMM operand, constrained to its logical ``axes``.
+
+    Quantized for the forward GEMM (which contracts its ``n_contract`` leading axes) and, with
+    ``for_backward``, for dgrad (its trailing axes); cast to ``dtype`` without a quantizer.
+    """
+    uses = kernel_uses(for_backward)
+
+    def xla_stage() -> tuple[GemmOperand, Quantizer | None]:
+        return quantize_operand(kernel, quantizer, dtype, n_contract, uses)
+
+    # Per-tensor FP8 on GPUs: one Pallas kernel reads the kernel once and writes the float8
+    # data in both layouts and the amax (see te_flax._kernels); elsewhere the XLA stage.
+    operand, new_quantizer = tiled_quantize_operand(kernel, quantizer, n_contract, uses, xla_stage)
+    return constrained(operand, axes), new_quantizer
+
+
 def _scaled_matmul(
     lhs: Array, rhs: Array, lhs_scales: Array, rhs_scales: Array, *, out_dtype: DTypeLike
 ) -> Array:
@@ -267,6 +293,23 @@ def _block_gemm(lhs: BlockScaledTensor, rhs: BlockScaledTensor, out_dtype: DType
     return out.astype(out_dtype).reshape(lhs.row_shape + rhs.row_shape)
 
 
+def _contraction_layout(
+    operand: ScaledTensor, axes: tuple[int, ...]
+) -> tuple[Array, tuple[int, ...]]:
+    """The operand's data for a GEMM contracting ``axes``, and the axes in that data.
+
+    An operand with a ``transposed`` layout, contracted along its leading axes, gives that
+    layout, in which they are the last: a GEMM contracting its operands' last axes needs no
+    transpose (cuBLASLt's FP8 GEMMs take only that layout).
+    """
+    data, transposed = operand.data, operand.transposed
+    n = len(axes)
+    if transposed is None or tuple(axes) != tuple(range(n)) or n == data.ndim:
+        return data, tuple(axes)
+    assert transposed.shape == data.shape[n:] + data.shape[:n], "transposed at another split"
+    return transposed, tuple(range(data.ndim - n, data.ndim))
+
+
 def _gemm(
     lhs: GemmOperand,
     rhs: GemmOperand,
@@ -283,18 +326,20 @@ def _gemm(
         lhs_matrix = lhs.for_contraction(contracting[0])
         return _block_gemm(lhs_matrix, rhs.for_contraction(contracting[1]), out_dtype)
     assert not isinstance(rhs, BlockOperand), "mixed block-scaled and per-tensor GEMM"
-    dimension_numbers = (contracting, ((), ()))
+    lhs_data, lhs_axes = _contraction_layout(lhs, contracting[0])
+    rhs_data, rhs_axes = _contraction_layout(rhs, contracting[1])
+    dimension_numbers = ((lhs_axes, rhs_axes), ((), ()))
     if lhs.scale_inv is None and rhs.scale_inv is None:
         return lax.dot_general(
-            lhs.data, rhs.data, dimension_numbers, preferred_element_type=out_dtype
+            lhs_data, rhs_data, dimension_numbers, preferred_element_type=out_dtype
         )
     assert lhs.scale_inv is not None and rhs.scale_inv is not None, "mixed FP8/non-FP8 GEMM"
     # float8 x float8 with the scales applied to the product: XLA folds the multiply into the
     # cuBLASLt FP8 GEMM as its alpha. Precision DEFAULT selects fast accumulation there.
     gemm_dtype = _accumulation_dtype(out_dtype)
     out = lax.dot_general(
-        lhs.data,
-        rhs.data,
+        lhs_data,
+        rhs_data,
         dimension_numbers,
         precision=fp8_precision,
         preferred_element_type=gemm_dtype,

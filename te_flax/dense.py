@@ -17,7 +17,7 @@ from te_flax._stages import (
     dense_backward,
     dense_forward,
     input_uses,
-    kernel_uses,
+    kernel_operand,
 )
 from te_flax.quantize import (
     LEADING,
@@ -69,10 +69,9 @@ def _forward(
         x, quantizer_set.x, x.dtype, n_batch, input_uses(for_backward)
     )
     lhs = constrained(lhs, config.input_axes)
-    rhs, kernel_quantizer = quantize_operand(
-        kernel, quantizer_set.kernel, x.dtype, config.n_contract, kernel_uses(for_backward)
+    rhs, kernel_quantizer = kernel_operand(
+        kernel, quantizer_set.kernel, x.dtype, config.n_contract, for_backward, config.kernel_axes
     )
-    rhs = constrained(rhs, config.kernel_axes)
     # [batch..., K...] x [K..., features...] -> [batch..., features...]
     out = dense_forward(lhs, rhs, config.n_contract, x.dtype, bias)
     out = with_logical_constraint(out, config.output_axes)

@@ -14,11 +14,10 @@ from te_flax._stages import (
     NormSpec,
     NormStats,
     apply_norm,
-    constrained,
     dense_backward,
     dense_forward,
     input_uses,
-    kernel_uses,
+    kernel_operand,
     norm_operand,
     normalize,
     normalize_backward,
@@ -32,7 +31,6 @@ from te_flax.quantize import (
     as_cotangent,
     float32_state,
     noop_quantizer_set,
-    quantize_operand,
 )
 from te_flax.sharding import LogicalAxes, vary_like, with_logical_constraint
 
@@ -92,10 +90,9 @@ def _forward(
         input_uses(for_backward),
         source_axes=config.layernorm_input_axes,
     )
-    rhs, kernel_quantizer = quantize_operand(
-        kernel, quantizer_set.kernel, x.dtype, 1, kernel_uses(for_backward)
+    rhs, kernel_quantizer = kernel_operand(
+        kernel, quantizer_set.kernel, x.dtype, 1, for_backward, config.kernel_axes
     )
-    rhs = constrained(rhs, config.kernel_axes)
     # [batch..., hidden] x [hidden, features...] -> [batch..., features...]
     out = dense_forward(lhs, rhs, 1, x.dtype, bias)
     fp8 = not quantizer_set.is_noop

@@ -29,7 +29,7 @@ from te_flax._stages import (
     dense_backward,
     dense_forward,
     input_uses,
-    kernel_uses,
+    kernel_operand,
     norm_operand,
     normalize,
     normalize_backward,
@@ -95,18 +95,6 @@ def _activation_operand(
     return constrained(operand, config.dot_2_input_axes), new_quantizer
 
 
-def _kernel_operand(
-    kernel: Array,
-    quantizer: Quantizer | None,
-    dtype: DTypeLike,
-    axes: tuple[str | None, ...] | None,
-    uses: tuple[str, ...],
-) -> tuple[GemmOperand, Quantizer | None]:
-    # Kernels are [inputs, outputs...]: the forward contracts the leading axis.
-    operand, new_quantizer = quantize_operand(kernel, quantizer, dtype, 1, uses)
-    return constrained(operand, axes), new_quantizer
-
-
 def _forward(
     config: _Config,
     x: Array,
@@ -119,7 +107,7 @@ def _forward(
 ) -> tuple[Array, _Residuals]:
     set_1, set_2 = quantizer_sets
     kernel_1, kernel_2 = kernels
-    input_layouts, kernel_layouts = input_uses(for_backward), kernel_uses(for_backward)
+    input_layouts = input_uses(for_backward)
     x = with_logical_constraint(x, config.norm_input_axes)
     _, stats = normalize(x, gamma, beta, config.norm)
     ln, x_1 = norm_operand(
@@ -133,16 +121,17 @@ def _forward(
         input_layouts,
         source_axes=config.norm_input_axes,
     )
-    k_1, kernel_q_1 = _kernel_operand(
-        kernel_1, set_1.kernel, x.dtype, config.kernel_1_axes, kernel_layouts
+    # Kernels are [inputs, outputs...]: the forward contracts the leading axis.
+    k_1, kernel_q_1 = kernel_operand(
+        kernel_1, set_1.kernel, x.dtype, 1, for_backward, config.kernel_1_axes
     )
     # [batch..., hidden] x [hidden, n_act, intermediate] -> [batch..., n_act, intermediate]
     pre_activation = dense_forward(ln, k_1, 1, x.dtype, biases[0])
     pre_activation = checkpoint_name(pre_activation, config.ffn1_ckpt_name)
     # [batch..., n_act, intermediate] -> [batch..., intermediate]
     activated, x_2 = _activation_operand(config, pre_activation, set_2.x, x.dtype, input_layouts)
-    k_2, kernel_q_2 = _kernel_operand(
-        kernel_2, set_2.kernel, x.dtype, config.kernel_2_axes, kernel_layouts
+    k_2, kernel_q_2 = kernel_operand(
+        kernel_2, set_2.kernel, x.dtype, 1, for_backward, config.kernel_2_axes
     )
     # [batch..., intermediate] x [intermediate, hidden] -> [batch..., hidden]
     out = dense_forward(activated, k_2, 1, x.dtype, biases[1])

@@ -3,8 +3,8 @@
 One training step (``value_and_grad``) of ``layernorm_dense`` and ``layernorm_mlp`` under
 per-tensor FP8, compiled for the H100 of ``data/h100_sxm.gpu_target_config.txtpb``. The
 lowering platform is CUDA, so ``"auto"`` (traced as in a process with a GPU, since this host
-has none) chooses its kernels (the norm backward), and ``"1"`` every kernel (also the
-norm-quantize). The kernels
+has none) chooses its kernels (the norm backward and the quantize of each GEMM kernel), and
+``"1"`` every kernel (also the norm-quantize). The kernels
 (``__gpu$xla.gpu.triton`` custom calls) replace XLA fusions; the GEMMs stay 3 (6 for the MLP)
 FP8 cuBLASLt calls and no other GEMM appears.
 """
@@ -12,6 +12,7 @@ FP8 cuBLASLt calls and no other GEMM appears.
 from __future__ import annotations
 
 import functools
+import math
 import re
 
 import jax
@@ -35,6 +36,8 @@ RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling}
 # The kernels by their pallas_call name, as they appear in the custom calls' metadata.
 NORM_QUANTIZE = "te_flax_norm_quantize"
 NORM_BACKWARD = "te_flax_norm_backward"
+QUANTIZE = "te_flax_quantize"
+_F8_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%\S+ = (\(?f8e4m3fn\[[0-9,]*\][^=]*?) (\S+)\(")
 
 
 @functools.cache
@@ -90,15 +93,36 @@ def kernel_names(hlo_text: str) -> list[str]:
     )
 
 
+def float8_kernel_writers(hlo_text: str) -> list[str]:
+    """The opcodes of the entry instructions that write float8 data with as many elements as
+    a GEMM kernel (a bitcast or tuple element only renames data)."""
+    writers = []
+    entry = hlo_text[hlo_text.index("\nENTRY") :]
+    for line in entry.splitlines():
+        match = _F8_DEFINITION.match(line)
+        if match is None or match.group(2) in ("bitcast", "get-tuple-element"):
+            continue
+        sizes = re.findall(r"f8e4m3fn\[([0-9,]*)\]", match.group(1))
+        if any(math.prod(int(d) for d in dims.split(",")) == HIDDEN * FEATURES for dims in sizes):
+            writers.append(match.group(2))
+    return writers
+
+
 @pytest.mark.parametrize("recipe", ["delayed", pytest.param("current", marks=pytest.mark.slow)])
 @pytest.mark.parametrize(("op", "n_gemms"), [("layernorm_dense", 3), ("layernorm_mlp", 6)])
 def test_kernels_replace_fusions_and_keep_fp8_gemms(op, n_gemms, recipe):
     off, auto, every = (optimized_hlo(op, recipe, switch) for switch in ("0", "auto", "1"))
     assert not triton_calls(off)
-    assert kernel_names(auto) == [NORM_BACKWARD]
-    # Current scaling needs the amax before it quantizes: two passes of the norm kernel.
-    norm_passes = 1 if recipe == "delayed" else 2
-    assert kernel_names(every) == [NORM_BACKWARD] + [NORM_QUANTIZE] * norm_passes
+    # Current scaling needs the amax before it quantizes: two passes of each quantize kernel.
+    passes = 1 if recipe == "delayed" else 2
+    n_kernels = n_gemms // 3
+    quantize = [QUANTIZE] * (n_kernels * passes)
+    assert kernel_names(auto) == sorted([NORM_BACKWARD, *quantize])
+    assert kernel_names(every) == sorted([NORM_BACKWARD, *quantize] + [NORM_QUANTIZE] * passes)
+    # The GEMM kernels' float8 data in both layouts comes from the quantize kernels alone: no
+    # XLA fusion quantizes or transposes it.
+    assert "fusion" in float8_kernel_writers(off)
+    assert set(float8_kernel_writers(auto)) == {"custom-call"}
     for text in (off, auto, every):
         assert text.count(FP8_GEMM) == n_gemms
         assert not re.search(r'custom_call_target="__cublas\$(gemm|lt\$matmul)"', text)

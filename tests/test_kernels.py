@@ -8,6 +8,8 @@ the switch is read when a function is traced.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,9 +17,18 @@ import pytest
 
 from te_flax import _stages
 from te_flax._kernels import ENV_VAR, mode, pallas_kernels
+from te_flax.dense import dense
 from te_flax.layernorm_dense import layernorm_dense
 from te_flax.layernorm_mlp import layernorm_mlp
-from te_flax.quantize import DelayedScaling, Float8CurrentScaling, Format, QuantizerFactory
+from te_flax.quantize import (
+    LEADING,
+    TRAILING,
+    DelayedScaling,
+    Float8CurrentScaling,
+    Format,
+    MXFP8BlockScaling,
+    QuantizerFactory,
+)
 from tests.helpers import normal
 
 # (shape of x, dtype): whole blocks, then partial row blocks and a hidden size padded to 128.
@@ -143,10 +154,12 @@ def test_norm_quantize_matches_xla_stage(shape, dtype, norm_type, zero_centered,
     assert_same_bits(actual, expected)
 
 
-def test_norm_quantize_e5m2_and_saturation():
-    """e5m2 data, and values beyond the format's range (a stale delayed scale) saturate."""
+def test_norm_quantize_e5m2_saturation_and_nonfinite():
+    """e5m2 data; values beyond the format's range (a stale delayed scale) saturate; a NaN
+    row stays NaN and makes the amax NaN (Triton's maximum would drop it)."""
     spec = _stages.NormSpec("layernorm", False, 1e-6)
     x, gamma, beta = _inputs((9, 64), jnp.float32, "layernorm", seed=1)
+    x = x.at[4, 10].set(jnp.nan)
     for fp8_format, scale_inv in ((Format.E4M3, 1e-3), (Format.HYBRID, 1.0)):
         quantizer = _quantizer("delayed", fp8_format)
         quantizer = quantizer.__class__(
@@ -180,6 +193,103 @@ def test_norm_quantize_leaves_other_quantizers_to_xla():
     assert_same_bits(*both(operand, x, gamma, beta))
 
 
+# ----------------------------------------------------------------------------- kernel (2)
+
+# (shape, split, dtype): one whole tile; partial tiles in both axes; three axes split after
+# two (the matrix [37 * 5, 9]); a narrow matrix; a kernel of LayerNormMLP ([hidden, n_act,
+# intermediate]) with several tiles per axis.
+TILED = [
+    ((64, 64), 1, jnp.float32),
+    ((100, 70), 1, jnp.bfloat16),
+    ((37, 5, 9), 2, jnp.float32),
+    ((3, 130), 1, jnp.bfloat16),
+    ((96, 2, 80), 1, jnp.float32),
+]
+
+
+def _transposed_reference(data, split):
+    return jnp.transpose(data, (*range(split, data.ndim), *range(split)))
+
+
+@pytest.mark.parametrize(
+    ("shape", "split", "dtype", "recipe", "for_backward"),
+    _cases(TILED, [(r,) for r in sorted(RECIPES)], [(True,), (False,)]),
+)
+def test_quantize_matches_xla_stage(shape, split, dtype, recipe, for_backward):
+    """The float8 data in both layouts, the scale and the new state, bit for bit."""
+    x = (normal(jax.random.key(5), shape) * 3.0).astype(dtype)
+
+    def operand(x, quantizer):
+        return _stages.kernel_operand(x, quantizer, dtype, split, for_backward, None)
+
+    (expected, expected_state), (actual, actual_state) = both(operand, x, _quantizer(recipe))
+    assert expected.transposed is None  # the XLA stage leaves the layouts to XLA
+    assert actual.data.dtype == jnp.float8_e4m3fn
+    assert_same_bits(
+        (actual.data, actual.scale_inv, actual.transposed, actual_state),
+        (
+            expected.data,
+            expected.scale_inv,
+            _transposed_reference(expected.data, split),
+            expected_state,
+        ),
+    )
+
+
+def test_quantize_e5m2_saturation_and_nonfinite():
+    """e5m2 data; values beyond the range (a stale scale) saturate; a NaN reaches the data
+    and the amax, which the state then records as 0, as in the XLA stage."""
+    x = normal(jax.random.key(6), (40, 72)) * 50.0
+    x = x.at[3, 7].set(jnp.nan)
+    for fp8_format in (Format.E4M3, Format.HYBRID):
+        quantizer = _quantizer("delayed", fp8_format)
+        quantizer = dataclasses.replace(quantizer, scale_inv=jnp.full((1,), 1e-2, jnp.float32))
+
+        def operand(x, quantizer):
+            return _stages.kernel_operand(x, quantizer, jnp.float32, 1, True, None)
+
+        (expected, expected_state), (actual, actual_state) = both(operand, x, quantizer)
+        assert_same_bits(
+            (actual.data, actual.transposed, actual_state),
+            (expected.data, expected.data.T, expected_state),
+        )
+
+
+@pytest.mark.parametrize("recipe", [None, "mxfp8"])
+def test_quantize_leaves_other_quantizers_to_xla(recipe):
+    """No quantizer (a cast) and block scaling: the kernel is not used."""
+    kernel = normal(jax.random.key(8), (64, 96))
+    quantizer = None
+    if recipe == "mxfp8":
+        quantizer = QuantizerFactory.create_set(fp8_recipe=MXFP8BlockScaling()).kernel
+
+    def operand(kernel, quantizer):
+        return _stages.kernel_operand(kernel, quantizer, jnp.bfloat16, 1, True, None)
+
+    with pallas_kernels("1"):
+        lowered = jax.jit(operand).lower(kernel, quantizer).as_text()
+    assert "te_flax_quantize" not in lowered
+    assert_same_bits(*both(operand, kernel, quantizer))
+
+
+def test_gemm_takes_the_transposed_layout():
+    """A GEMM contracting an operand's leading axes reads its ``transposed`` data, already in
+    the layout with those axes last, and gives the product of ``data``."""
+    from te_flax.quantize import ScaledTensor
+
+    keys = jax.random.split(jax.random.key(9), 2)
+    lhs = normal(keys[0], (6, 16))
+    kernel = normal(keys[1], (16, 2, 5))
+    transposed = jnp.transpose(kernel, (1, 2, 0))
+    plain = _stages.dense_forward(ScaledTensor(lhs), ScaledTensor(kernel), 1, jnp.float32, None)
+    # Poisoned data: only the transposed layout can give the right product.
+    both_layouts = ScaledTensor(jnp.full_like(kernel, jnp.nan), None, transposed)
+    product = _stages.dense_forward(ScaledTensor(lhs), both_layouts, 1, jnp.float32, None)
+    np.testing.assert_allclose(product, plain, rtol=1e-6)
+    assert ScaledTensor(kernel, None, transposed).keep(TRAILING).transposed is None
+    assert ScaledTensor(kernel, None, transposed).keep(LEADING).transposed is transposed
+
+
 # ----------------------------------------------------------------------------- the ops
 
 
@@ -202,6 +312,25 @@ def test_layernorm_dense_step_same_with_kernels(recipe):
 
     expected, actual = both(step, x, kernel, gamma, beta, quantizer_set)
     assert_step_close(actual, expected, norm_gradients=(0, 2, 3))
+
+
+@pytest.mark.parametrize("recipe", ["delayed", pytest.param("current", marks=pytest.mark.slow)])
+def test_dense_step_same_with_kernels(recipe):
+    """A training step of ``dense`` with a kernel of two contracted axes: every result bit for
+    bit (the GEMMs read the kernel's layouts from the quantize kernel)."""
+    x = normal(jax.random.key(10), (3, 8, 4, 16)).astype(jnp.bfloat16)
+    kernel = normal(jax.random.key(11), (4, 16, 40)) * 0.1
+    quantizer_set = QuantizerFactory.create_set(fp8_recipe=RECIPES[recipe])
+
+    def step(x, kernel, quantizer_set):
+        def loss(x, kernel, quantizer_set):
+            out = dense(x, kernel, contracting_dims=((2, 3), (0, 1)), quantizer_set=quantizer_set)
+            return jnp.mean(jnp.square(out.astype(jnp.float32)))
+
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(x, kernel, quantizer_set)
+
+    expected, actual = both(step, x, kernel, quantizer_set)
+    assert_step_close(actual, expected, norm_gradients=())
 
 
 @pytest.mark.slow
@@ -258,7 +387,8 @@ def test_auto_traces_the_xla_stages_on_cpu():
         _, stats = _stages.normalize(x, gamma, beta, spec)
         operand, _ = _stages.norm_operand(x, stats, gamma, beta, spec, quantizer, None)
         grads = _stages.normalize_backward(x, x, stats, gamma, beta, spec)
-        return operand, grads
+        kernel, _ = _stages.kernel_operand(x, quantizer, x.dtype, 1, True, None)
+        return operand, grads, kernel
 
     programs = []
     for switch in ("0", "auto"):

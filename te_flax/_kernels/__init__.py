@@ -5,7 +5,11 @@ that is that stage; ``switch.dispatch`` picks one per platform. The kernels run 
 through Pallas' Triton lowering, and anywhere in interpret mode (tests).
 """
 
-from te_flax._kernels.operands import norm_backward_grads, norm_quantize_operand
+from te_flax._kernels.operands import (
+    norm_backward_grads,
+    norm_quantize_operand,
+    tiled_quantize_operand,
+)
 from te_flax._kernels.switch import ENV_VAR, dispatch, mode, pallas_kernels
 
 __all__ = [
@@ -15,4 +19,5 @@ __all__ = [
     "norm_backward_grads",
     "norm_quantize_operand",
     "pallas_kernels",
+    "tiled_quantize_operand",
 ]

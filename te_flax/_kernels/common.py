@@ -7,11 +7,13 @@ program takes ``block_rows`` rows.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from jax import Array
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jax.typing import DTypeLike
 
-__all__ = ["MAX_HIDDEN", "RowBlocks", "row_blocks"]
+__all__ = ["MAX_HIDDEN", "RowBlocks", "block_amax", "row_blocks", "saturating_cast"]
 
 MAX_HIDDEN = 8192  # the widest row one block holds (8192 float32 values per program)
 _ELEMENTS = 4096  # float32 values per program when rows are narrow
@@ -32,8 +34,6 @@ class RowBlocks:
 
     def indices(self, program: Array) -> tuple[Array, Array, Array, Array]:
         """Row and column indices of a program's block, and their in-bounds masks."""
-        import jax.numpy as jnp
-
         row = program * self.block_rows + jnp.arange(self.block_rows, dtype=jnp.int32)
         column = jnp.arange(self.block_hidden, dtype=jnp.int32)
         return row, column, row < self.rows, column < self.hidden
@@ -44,3 +44,24 @@ def row_blocks(rows: int, hidden: int) -> RowBlocks | None:
     if hidden > MAX_HIDDEN or rows < 1 or hidden < 1:
         return None
     return RowBlocks(rows, hidden)
+
+
+# Triton's floating-point minimum and maximum ignore a NaN operand (``minnumf``/``maxnumf``),
+# and so do Pallas' reductions in interpret mode; XLA's propagate it. These two keep the XLA
+# stages' results for NaN: a NaN amax (which the quantizers record as "no information") and
+# NaN float8 data, rather than a finite amax and data saturated to the format's limit.
+
+
+def block_amax(values: Array) -> Array:
+    """``max(|values|)`` of a 2-D block as a float32 scalar, NaN if any value is NaN."""
+    magnitude = jnp.abs(values.astype(jnp.float32))
+    largest = jnp.max(jnp.max(magnitude, axis=1), axis=0)
+    nan = jnp.max(jnp.max(jnp.where(jnp.isnan(magnitude), 1.0, 0.0), axis=1), axis=0)
+    return jnp.where(nan > 0.0, jnp.nan, largest)
+
+
+def saturating_cast(scaled: Array, q_dtype: DTypeLike) -> Array:
+    """``clip(scaled, -limit, limit)`` cast to ``q_dtype``, with NaN kept NaN."""
+    limit = float(jnp.finfo(q_dtype).max)
+    clipped = jnp.minimum(jnp.maximum(scaled, -limit), limit)
+    return jnp.where(jnp.isnan(scaled), scaled, clipped).astype(q_dtype)

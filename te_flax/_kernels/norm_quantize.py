@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.typing import DTypeLike
 
-from te_flax._kernels.common import RowBlocks
+from te_flax._kernels.common import RowBlocks, block_amax, saturating_cast
 
 __all__ = ["norm_quantize"]
 
@@ -48,12 +48,9 @@ def _kernel(
         y = y + plgpu.load(beta_ref.at[column], mask=column_ok, other=0.0)[None, :]
     y = jnp.where(mask, y, 0.0)
     *data_ref, amax_ref = out_refs
-    amax = jnp.max(jnp.max(jnp.abs(y), axis=1), axis=0)
-    plgpu.store(amax_ref.at[pl.program_id(0)], amax)
+    plgpu.store(amax_ref.at[pl.program_id(0)], block_amax(y))
     if q_dtype is not None:
-        limit = float(jnp.finfo(q_dtype).max)
-        scaled = y / scale_inv_ref[0]
-        quantized = jnp.minimum(jnp.maximum(scaled, -limit), limit).astype(q_dtype)
+        quantized = saturating_cast(y / scale_inv_ref[0], q_dtype)
         plgpu.store(data_ref[0].at[row[:, None], column[None, :]], quantized, mask=mask)
 
 

@@ -16,9 +16,12 @@ from jax.typing import DTypeLike
 from te_flax._kernels.common import row_blocks
 from te_flax._kernels.norm_backward import norm_backward
 from te_flax._kernels.norm_quantize import norm_quantize
+from te_flax._kernels.quantize import quantize_tiles
 from te_flax._kernels.switch import dispatch
 from te_flax.quantize import scaling
 from te_flax.quantize.quantizer import (
+    LEADING,
+    TRAILING,
     CurrentScaleQuantizer,
     DelayedScaleQuantizer,
     GemmOperand,
@@ -26,7 +29,7 @@ from te_flax.quantize.quantizer import (
     ScaledTensor,
 )
 
-__all__ = ["norm_backward_grads", "norm_quantize_operand"]
+__all__ = ["norm_backward_grads", "norm_quantize_operand", "tiled_quantize_operand"]
 
 _Quantized = tuple[GemmOperand, Quantizer | None]
 
@@ -106,6 +109,76 @@ def norm_quantize_operand(
         beta,
         quantizer,
         supported=blocks is not None,
+    )
+
+
+def tiled_quantize_operand(
+    x: Array,
+    quantizer: Quantizer | None,
+    split: int,
+    uses: tuple[str, ...],
+    fallback: Callable[[], _Quantized],
+) -> _Quantized:
+    """``quantize_operand(x, quantizer, ..., split, uses)`` by kernel (2), or ``fallback``.
+
+    The kernel takes ``x`` as the matrix ``[leading, trailing]`` (``split`` leading axes) and
+    writes the layout of each use: ``TRAILING`` as the operand's ``data``, ``LEADING`` as its
+    ``transposed`` (``[trailing..., leading...]``). With ``LEADING`` alone, ``data`` is the
+    transpose of that result, which XLA drops unless something reads it.
+
+    Args:
+      x: the tensor, in its own dtype.
+      quantizer: the tensor's quantizer; only per-tensor FP8 quantizers use the kernel.
+      split: the number of leading axes.
+      uses: the contractions to prepare (``TRAILING``, ``LEADING``).
+      fallback: the XLA stage, called without arguments.
+    """
+    leading, trailing = x.shape[:split], x.shape[split:]
+    rows, columns = math.prod(leading), math.prod(trailing)
+    layouts = (TRAILING in uses, LEADING in uses)
+    supported = _per_tensor(quantizer) and 0 < split < x.ndim and rows * columns > 0
+
+    def kernel(x: Array, quantizer: Quantizer | None, *, interpret: bool) -> _Quantized:
+        assert quantizer is not None
+        matrix = x.reshape(rows, columns)
+        q_dtype = quantizer.q_dtype
+        if isinstance(quantizer, DelayedScaleQuantizer):
+            scale_inv = quantizer.scale_inv.reshape(())
+            data, transposed, partials = quantize_tiles(
+                matrix, quantizer.scale_inv, q_dtype, layouts, interpret=interpret
+            )
+            new_quantizer: Quantizer = quantizer.update(scaling.amax(partials))
+        else:
+            # Current scaling needs the amax before it can quantize: a first pass for it.
+            one = jnp.ones((1,), jnp.float32)
+            *_, partials = quantize_tiles(matrix, one, None, layouts, interpret=interpret)
+            scale_inv = scaling.compute_scale_inv(scaling.amax(partials), q_dtype, 0, one[0])
+            data, transposed, _ = quantize_tiles(
+                matrix, scale_inv.reshape(1), q_dtype, layouts, interpret=interpret
+            )
+            new_quantizer = quantizer
+        if transposed is not None:
+            transposed = transposed.reshape(trailing + leading)
+        if data is None:
+            assert transposed is not None
+            data = jnp.transpose(transposed, (*range(len(trailing), x.ndim), *range(len(trailing))))
+        else:
+            data = data.reshape(x.shape)
+        return ScaledTensor(data, scale_inv, transposed), new_quantizer
+
+    def xla(*_: object) -> _Quantized:
+        return fallback()
+
+    def with_transposed(result: _Quantized) -> _Quantized:
+        operand, new_quantizer = result
+        assert isinstance(operand, ScaledTensor)
+        if not layouts[1]:
+            return result
+        order = (*range(split, x.ndim), *range(split))
+        return operand._replace(transposed=jnp.transpose(operand.data, order)), new_quantizer
+
+    return dispatch(
+        "quantize", kernel, xla, x, quantizer, supported=supported, as_kernel_result=with_transposed
     )
 
 

@@ -40,8 +40,9 @@ _assume_gpu: list[bool] = []
 # The kernels "auto" uses (see ``dispatch``); "1" uses every kernel. The norm-quantize kernel
 # is left out: in a deviceless H100 compile of the benchmark steps it moves as many bytes as
 # the XLA fusion it replaces (XLA already fuses normalize, quantize and amax), give or take a
-# few kilobytes, so it buys nothing measurable.
-AUTO = frozenset({"norm_backward"})
+# few kilobytes, so it buys nothing measurable. The quantize kernel (a GEMM kernel's float8
+# layouts and amax in one pass) and the norm backward each save a pass over a tensor.
+AUTO = frozenset({"norm_backward", "quantize"})
 _override: list[str] = []
 
 
@@ -106,12 +107,16 @@ def dispatch(
     fallback: Callable[..., T],
     *args: Any,
     supported: bool = True,
+    as_kernel_result: Callable[[T], T] | None = None,
 ) -> T:
     """``kernel(*args, interpret=...)`` where the switch selects it, else ``fallback(*args)``.
 
-    Both must return the same pytree of arrays. ``supported`` is False where the kernel cannot
-    take these operands (shapes, dtypes); the fallback runs then whatever the switch says.
-    Under ``"auto"`` only the kernels named in ``AUTO`` are used: those that move fewer bytes
+    Both return the same values. Where both are branches of one program (chosen per platform),
+    they must be the same pytree: ``as_kernel_result`` then gives the fallback's result the
+    kernel's structure (a layout the kernel writes besides, say); the fallback alone, as the
+    switch's ``"0"`` traces it, is left as it is. ``supported`` is False where the kernel
+    cannot take these operands (shapes, dtypes); the fallback runs then whatever the switch
+    says. Under ``"auto"`` only the kernels named in ``AUTO`` are used: those that move fewer bytes
     than the XLA fusions they replace in a whole training step.
     """
     selected = mode()
@@ -122,5 +127,16 @@ def dispatch(
         if not on_gpu_host or name not in AUTO or _partitioned():
             return fallback(*args)
     on_gpu = partial(kernel, interpret=False)
-    elsewhere = partial(kernel, interpret=True) if selected == "1" else fallback
+    elsewhere: Callable[..., T] = fallback
+    if selected == "1":
+        elsewhere = partial(kernel, interpret=True)
+    elif as_kernel_result is not None:
+        elsewhere = _composed(as_kernel_result, fallback)
     return lax.platform_dependent(*args, cuda=on_gpu, default=elsewhere)
+
+
+def _composed(outer: Callable[[T], T], inner: Callable[..., T]) -> Callable[..., T]:
+    def composed(*args: Any) -> T:
+        return outer(inner(*args))
+
+    return composed

@@ -61,15 +61,23 @@ T = TypeVar("T")
 
 
 class ScaledTensor(NamedTuple):
-    """A GEMM operand: ``data`` (float8, or high precision when ``scale_inv`` is None)."""
+    """A GEMM operand: ``data`` (float8, or high precision when ``scale_inv`` is None).
+
+    ``transposed``, when present, holds the same values as ``data`` with its leading axes moved
+    after its trailing ones (``[trailing..., leading...]``): the layout of a GEMM that
+    contracts the leading axes, written by the quantize kernel in the same pass as ``data`` so
+    that XLA need not transpose the float8 data. The GEMM stage picks whichever layout has the
+    contracted axes last; the values are the same.
+    """
 
     data: Array
     scale_inv: Array | None = None
+    transposed: Array | None = None
 
     def keep(self, use: str) -> ScaledTensor:
-        """The operand for one use only; a per-tensor operand serves every use as it is."""
-        del use
-        return self
+        """The operand for one use only. A per-tensor operand serves every use from ``data``;
+        the ``transposed`` copy is kept only for a GEMM that contracts the leading axes."""
+        return self if use == LEADING else self._replace(transposed=None)
 
 
 def _static(default: Any = dataclasses.MISSING) -> Any:
