@@ -14,7 +14,14 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-__all__ = ["ACTIVATIONS", "activation_backward", "activation_forward", "canonical_activation_type"]
+__all__ = [
+    "ACTIVATIONS",
+    "activation_backward",
+    "activation_backward_of_slices",
+    "activation_forward",
+    "activation_of_slices",
+    "canonical_activation_type",
+]
 
 
 def _quick_gelu(x: Array) -> Array:
@@ -66,21 +73,43 @@ def canonical_activation_type(activation_type: Sequence[str]) -> tuple[str, ...]
     )
 
 
+def activation_of_slices(slices: Sequence[Array], activation_type: tuple[str, ...]) -> Array:
+    """The activation of the ``act`` axis' slices (each ``[..., intermediate]``)."""
+    activated = ACTIVATIONS[activation_type[0]](slices[0])
+    if len(activation_type) == 1:
+        return activated
+    # Gated: activation(slice 0) * slice 1.
+    return activated * slices[1]
+
+
 def activation_forward(pre_activation: Array, activation_type: tuple[str, ...]) -> Array:
     """``[batch..., n_act, intermediate]`` -> ``[batch..., intermediate]``.
 
     Computed in the input's dtype, as the GEMM epilogue that XLA may fuse it into would.
     """
-    activated = ACTIVATIONS[activation_type[0]](pre_activation[..., 0, :])
-    if len(activation_type) == 1:
-        return activated
-    # Gated: activation(slice 0) * slice 1.
-    return activated * pre_activation[..., 1, :]
+    slices = [pre_activation[..., index, :] for index in range(len(activation_type))]
+    return activation_of_slices(slices, activation_type)
 
 
 def activation_backward(
     grad: Array, pre_activation: Array, activation_type: tuple[str, ...]
 ) -> Array:
-    """The gradient of ``activation_forward`` w.r.t. its ``[..., n_act, intermediate]`` input."""
-    _, vjp = jax.vjp(lambda pre: activation_forward(pre, activation_type), pre_activation)
-    return vjp(grad)[0]
+    """The gradient of ``activation_forward`` w.r.t. its ``[..., n_act, intermediate]`` input.
+
+    Computed in float32 and rounded once to the pre-activation's dtype, as TransformerEngine's
+    activation-backward kernels do (a bfloat16 chain would round after every operation).
+    """
+    slices = [pre_activation[..., index, :] for index in range(len(activation_type))]
+    grads = activation_backward_of_slices(grad, slices, activation_type)
+    return jnp.stack(grads, axis=-2)
+
+
+def activation_backward_of_slices(
+    grad: Array, slices: Sequence[Array], activation_type: tuple[str, ...]
+) -> tuple[Array, ...]:
+    """The gradient of ``activation_of_slices`` w.r.t. each slice, in the slices' dtype
+    (computed in float32). A kernel that holds the slices runs exactly these operations."""
+    dtype = slices[0].dtype
+    parts32 = [part.astype(jnp.float32) for part in slices]
+    _, vjp = jax.vjp(lambda *parts: activation_of_slices(parts, activation_type), *parts32)
+    return tuple(part.astype(dtype) for part in vjp(grad.astype(jnp.float32)))

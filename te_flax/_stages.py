@@ -16,7 +16,14 @@ import jax.numpy as jnp
 from jax import Array, lax
 from jax.typing import DTypeLike
 
-from te_flax._kernels import norm_backward_grads, norm_quantize_operand, tiled_quantize_operand
+from te_flax._activations import activation_backward
+from te_flax._kernels import (
+    GradOperand,
+    activation_grad_operand,
+    norm_backward_grads,
+    norm_quantize_operand,
+    tiled_quantize_operand,
+)
 from te_flax.quantize import (
     LEADING,
     TRAILING,
@@ -30,12 +37,15 @@ from te_flax.quantize import (
 from te_flax.sharding import LogicalAxes, with_logical_constraint
 
 __all__ = [
+    "GradOperand",
     "NormSpec",
     "NormStats",
+    "activation_grad",
     "apply_norm",
     "constrained",
     "dense_backward",
     "dense_forward",
+    "grad_operand",
     "input_uses",
     "kernel_operand",
     "kernel_uses",
@@ -378,8 +388,48 @@ class DenseGrads(NamedTuple):
     dgrad_quantizer: Quantizer | None
 
 
-def dense_backward(
+def grad_operand(
     grad: Array,
+    grad_quantizer: Quantizer | None,
+    n_features: int,
+    bias_dtype: DTypeLike | None = None,
+    grad_axes: LogicalAxes = None,
+) -> GradOperand:
+    """An output gradient ``[batch..., F...]`` prepared for dgrad and wgrad (see
+    ``dense_backward``): quantized once, and summed to the bias gradient with ``bias_dtype``."""
+    n_batch = grad.ndim - n_features
+    d_bias = None if bias_dtype is None else sum_to_bias(grad, n_features, bias_dtype)
+    operand, new_quantizer = quantize_operand(
+        grad, grad_quantizer, grad.dtype, n_batch, (TRAILING, LEADING)
+    )
+    return GradOperand(constrained(operand, grad_axes), new_quantizer, d_bias)
+
+
+def activation_grad(
+    grad: Array,
+    pre_activation: Array,
+    activation_type: tuple[str, ...],
+    grad_quantizer: Quantizer | None,
+    bias_dtype: DTypeLike | None,
+) -> Array | GradOperand:
+    """The gradient of ``activation_forward``'s ``[batch..., n_act, intermediate]`` input, as
+    ``dense_backward`` takes its output gradient: in high precision (the XLA stage), or
+    prepared with ``grad_quantizer`` and ``bias_dtype`` by the kernel that fuses the
+    activation's backward with the quantization (on GPUs, per-tensor FP8)."""
+
+    def xla_stage() -> Array:
+        return activation_backward(grad, pre_activation, activation_type)
+
+    def prepare(d_pre_activation: Array) -> GradOperand:
+        return grad_operand(d_pre_activation, grad_quantizer, 2, bias_dtype)
+
+    return activation_grad_operand(
+        grad, pre_activation, activation_type, grad_quantizer, bias_dtype, xla_stage, prepare
+    )
+
+
+def dense_backward(
+    grad: Array | GradOperand,
     lhs: GemmOperand,
     rhs: GemmOperand,
     grad_quantizer: Quantizer | None,
@@ -397,25 +447,26 @@ def dense_backward(
     its features for dgrad, along its tokens for wgrad), and the saved block-scaled operands
     are the ones the forward prepared for these contractions. ``grad_axes``, the logical axes
     ``grad`` arrives in, keep its quantization on those shards, so that a gather for the GEMMs
-    moves float8 (see ``constrained``).
+    moves float8 (see ``constrained``). A ``GradOperand`` is used as prepared (by a kernel
+    that made it with its producer); ``grad_quantizer``, ``bias_dtype`` and ``grad_axes`` are
+    then not used.
     """
     n_features = operand_ndim(rhs) - n_contract
-    n_batch = grad.ndim - n_features
-    d_bias = None if bias_dtype is None else sum_to_bias(grad, n_features, bias_dtype)
-    grad_operand, new_grad_quantizer = quantize_operand(
-        grad, grad_quantizer, grad.dtype, n_batch, (TRAILING, LEADING)
-    )
-    grad_operand = constrained(grad_operand, grad_axes)
+    if not isinstance(grad, GradOperand):
+        grad = grad_operand(grad, grad_quantizer, n_features, bias_dtype, grad_axes)
+    grad_gemm_operand = grad.operand
+    n_batch = operand_ndim(grad_gemm_operand) - n_features
     # Backward GEMMs accumulate with split (HIGHEST) precision: gradients are summed over many
     # tokens, where fast accumulation's error would grow.
     precision = lax.Precision.HIGHEST
-    feature_axes_of_grad = tuple(range(n_batch, grad.ndim))
+    grad_ndim = n_batch + n_features
+    feature_axes_of_grad = tuple(range(n_batch, grad_ndim))
     feature_axes_of_rhs = tuple(range(n_contract, n_contract + n_features))
     # [batch..., F...] x [K..., F...] -> [batch..., K...]
     d_lhs = _gemm(
-        grad_operand, rhs, (feature_axes_of_grad, feature_axes_of_rhs), lhs_dtype, precision
+        grad_gemm_operand, rhs, (feature_axes_of_grad, feature_axes_of_rhs), lhs_dtype, precision
     )
     # [batch..., K...] x [batch..., F...] -> [K..., F...]
     batch_axes = tuple(range(n_batch))
-    d_rhs = _gemm(lhs, grad_operand, (batch_axes, batch_axes), rhs_dtype, precision)
-    return DenseGrads(d_lhs, d_rhs, d_bias, new_grad_quantizer)
+    d_rhs = _gemm(lhs, grad_gemm_operand, (batch_axes, batch_axes), rhs_dtype, precision)
+    return DenseGrads(d_lhs, d_rhs, grad.bias, grad.quantizer)

@@ -12,19 +12,19 @@ from functools import partial
 from typing import Any, NamedTuple, cast
 
 import jax
-from jax import Array
+from jax import Array, lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 
 from te_flax import _validation as check
 from te_flax._activations import (
-    activation_backward,
     activation_forward,
     canonical_activation_type,
 )
 from te_flax._stages import (
     NormSpec,
     NormStats,
+    activation_grad,
     constrained,
     dense_backward,
     dense_forward,
@@ -127,6 +127,12 @@ def _forward(
     )
     # [batch..., hidden] x [hidden, n_act, intermediate] -> [batch..., n_act, intermediate]
     pre_activation = dense_forward(ln, k_1, 1, x.dtype, biases[0])
+    if isinstance(k_1, ScaledTensor) and k_1.scale_inv is not None:
+        # XLA's GEMM rewriter fuses a tanh GELU into the GEMM as an epilogue, with the
+        # pre-activation as an auxiliary output when anything else reads it (the backward
+        # does), and then fails to emit an FP8 cuBLASLt GEMM with an auxiliary output. The
+        # barrier (no copy) keeps the activation out of the FP8 GEMM.
+        pre_activation = lax.optimization_barrier(pre_activation)
     pre_activation = checkpoint_name(pre_activation, config.ffn1_ckpt_name)
     # [batch..., n_act, intermediate] -> [batch..., intermediate]
     activated, x_2 = _activation_operand(config, pre_activation, set_2.x, x.dtype, input_layouts)
@@ -228,8 +234,10 @@ def _backward(
         grad_axes=config.norm_input_axes,
     )
     d_activated = with_logical_constraint(grads_2.lhs, config.dot_2_input_axes)
-    d_pre_activation = activation_backward(
-        d_activated, residuals.pre_activation, config.activation_type
+    # On GPUs under per-tensor FP8, one kernel computes the activation's backward and
+    # quantizes it for both GEMMs (see te_flax._kernels); elsewhere the XLA stages.
+    d_pre_activation = activation_grad(
+        d_activated, residuals.pre_activation, config.activation_type, set_1.dgrad, bias_1_dtype
     )
     # GEMM 1: d pre-activation [batch..., n_act, intermediate] -> d norm output, d kernel_1.
     grads_1 = dense_backward(

@@ -3,8 +3,9 @@
 One training step (``value_and_grad``) of ``layernorm_dense`` and ``layernorm_mlp`` under
 per-tensor FP8, compiled for the H100 of ``data/h100_sxm.gpu_target_config.txtpb``. The
 lowering platform is CUDA, so ``"auto"`` (traced as in a process with a GPU, since this host
-has none) chooses its kernels (the norm backward and the quantize of each GEMM kernel), and
-``"1"`` every kernel (also the norm-quantize). The kernels
+has none) chooses its kernels (the norm backward, the quantize of each GEMM kernel and the
+MLP's activation backward with its quantization), and ``"1"`` every kernel (also the
+norm-quantize). The kernels
 (``__gpu$xla.gpu.triton`` custom calls) replace XLA fusions; the GEMMs stay 3 (6 for the MLP)
 FP8 cuBLASLt calls and no other GEMM appears.
 """
@@ -37,6 +38,7 @@ RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling}
 NORM_QUANTIZE = "te_flax_norm_quantize"
 NORM_BACKWARD = "te_flax_norm_backward"
 QUANTIZE = "te_flax_quantize"
+ACTIVATION_GRAD = "te_flax_activation_grad"
 _F8_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%\S+ = (\(?f8e4m3fn\[[0-9,]*\][^=]*?) (\S+)\(")
 
 
@@ -116,9 +118,11 @@ def test_kernels_replace_fusions_and_keep_fp8_gemms(op, n_gemms, recipe):
     # Current scaling needs the amax before it quantizes: two passes of each quantize kernel.
     passes = 1 if recipe == "delayed" else 2
     n_kernels = n_gemms // 3
-    quantize = [QUANTIZE] * (n_kernels * passes)
-    assert kernel_names(auto) == sorted([NORM_BACKWARD, *quantize])
-    assert kernel_names(every) == sorted([NORM_BACKWARD, *quantize] + [NORM_QUANTIZE] * passes)
+    chosen = [NORM_BACKWARD] + [QUANTIZE] * (n_kernels * passes)
+    if op == "layernorm_mlp":  # the activation's backward with its quantization
+        chosen += [ACTIVATION_GRAD] * passes
+    assert kernel_names(auto) == sorted(chosen)
+    assert kernel_names(every) == sorted(chosen + [NORM_QUANTIZE] * passes)
     # The GEMM kernels' float8 data in both layouts comes from the quantize kernels alone: no
     # XLA fusion quantizes or transposes it.
     assert "fusion" in float8_kernel_writers(off)

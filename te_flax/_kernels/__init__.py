@@ -3,9 +3,17 @@
 Each entry point here takes the same operands as the XLA stage it replaces and a ``fallback``
 that is that stage; ``switch.dispatch`` picks one per platform. The kernels run on CUDA GPUs
 through Pallas' Triton lowering, and anywhere in interpret mode (tests).
+
+- ``norm_quantize``: normalize with the saved statistics, quantize, amax (kernel 1);
+- ``quantize``: a GEMM kernel's float8 data in both layouts and its amax (kernel 2);
+- ``activation_grad``: LayerNormMLP's activation backward quantized in both layouts, with its
+  amax and bias gradient (kernel 2 with its producer);
+- ``norm_backward``: dx, dgamma and dbeta of the norm (kernel 3).
 """
 
 from te_flax._kernels.operands import (
+    GradOperand,
+    activation_grad_operand,
     norm_backward_grads,
     norm_quantize_operand,
     tiled_quantize_operand,
@@ -14,6 +22,8 @@ from te_flax._kernels.switch import ENV_VAR, dispatch, mode, pallas_kernels
 
 __all__ = [
     "ENV_VAR",
+    "GradOperand",
+    "activation_grad_operand",
     "dispatch",
     "mode",
     "norm_backward_grads",

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax.numpy as jnp
 from jax import Array
 from jax.typing import DTypeLike
 
+from te_flax._kernels.activation_grad import KERNEL_ACTIVATIONS, activation_grad_tiles
 from te_flax._kernels.common import row_blocks
 from te_flax._kernels.norm_backward import norm_backward
 from te_flax._kernels.norm_quantize import norm_quantize
@@ -29,7 +31,13 @@ from te_flax.quantize.quantizer import (
     ScaledTensor,
 )
 
-__all__ = ["norm_backward_grads", "norm_quantize_operand", "tiled_quantize_operand"]
+__all__ = [
+    "GradOperand",
+    "activation_grad_operand",
+    "norm_backward_grads",
+    "norm_quantize_operand",
+    "tiled_quantize_operand",
+]
 
 _Quantized = tuple[GemmOperand, Quantizer | None]
 
@@ -179,6 +187,114 @@ def tiled_quantize_operand(
 
     return dispatch(
         "quantize", kernel, xla, x, quantizer, supported=supported, as_kernel_result=with_transposed
+    )
+
+
+class GradOperand(NamedTuple):
+    """An output gradient prepared for both backward GEMMs: quantized once for dgrad and wgrad
+    (or cast), with its quantizer after this step and the bias gradient (None without a bias).
+    """
+
+    operand: GemmOperand
+    quantizer: Quantizer | None
+    bias: Array | None
+
+
+def activation_grad_operand(
+    grad: Array,
+    pre_activation: Array,
+    activation_type: tuple[str, ...],
+    quantizer: Quantizer | None,
+    bias_dtype: DTypeLike | None,
+    fallback: Callable[[], Array],
+    prepare: Callable[[Array], GradOperand],
+) -> Array | GradOperand:
+    """The gradient of the pre-activation, by kernel (2) as a ``GradOperand``, or ``fallback``.
+
+    ``fallback`` (the XLA stage) returns the gradient in high precision, which the GEMM stage
+    quantizes as any output gradient (``prepare``). The kernel returns it prepared: quantized
+    with ``quantizer`` in both layouts (``transposed`` is ``[n_act, intermediate, batch...]``),
+    with the new quantizer and the bias gradient in ``bias_dtype``.
+
+    Args:
+      grad: ``[batch..., intermediate]``, the gradient of the activation's output.
+      pre_activation: ``[batch..., n_act, intermediate]``.
+      activation_type: the canonical activation names.
+      quantizer: the gradient's quantizer; only per-tensor FP8 quantizers use the kernel.
+      bias_dtype: the bias gradient's dtype, or None without a bias.
+      fallback: the XLA stage, called without arguments.
+      prepare: the GEMM stage's preparation of a high-precision gradient.
+    """
+    n_act, intermediate = len(activation_type), grad.shape[-1] if grad.ndim else 0
+    rows = math.prod(grad.shape[:-1])
+    supported = (
+        _per_tensor(quantizer)
+        and set(activation_type) <= KERNEL_ACTIVATIONS
+        and grad.ndim > 1
+        and rows * intermediate > 0
+        and pre_activation.shape == (*grad.shape[:-1], n_act, intermediate)
+    )
+    with_bias = bias_dtype is not None
+
+    def kernel(
+        grad: Array, pre_activation: Array, quantizer: Quantizer | None, *, interpret: bool
+    ) -> Array | GradOperand:
+        assert quantizer is not None
+        matrices = (pre_activation.reshape(rows, n_act * intermediate), grad.reshape(rows, -1))
+        q_dtype = quantizer.q_dtype
+        if isinstance(quantizer, DelayedScaleQuantizer):
+            scale_inv = quantizer.scale_inv.reshape(())
+            data, transposed, partials, sums = activation_grad_tiles(
+                *matrices, quantizer.scale_inv, activation_type, q_dtype, with_bias,
+                interpret=interpret,
+            )  # fmt: skip
+            new_quantizer: Quantizer = quantizer.update(scaling.amax(partials))
+        else:
+            # Current scaling needs the amax before it can quantize: a first pass for it.
+            one = jnp.ones((1,), jnp.float32)
+            *_, partials, _ = activation_grad_tiles(
+                *matrices, one, activation_type, None, False, interpret=interpret
+            )
+            scale_inv = scaling.compute_scale_inv(scaling.amax(partials), q_dtype, 0, one[0])
+            data, transposed, _, sums = activation_grad_tiles(
+                *matrices, scale_inv.reshape(1), activation_type, q_dtype, with_bias,
+                interpret=interpret,
+            )  # fmt: skip
+            new_quantizer = quantizer
+        assert data is not None and transposed is not None
+        batch = pre_activation.shape[:-2]
+        operand = ScaledTensor(
+            data.reshape(pre_activation.shape),
+            scale_inv,
+            transposed.reshape((n_act, intermediate, *batch)),
+        )
+        bias = None
+        if sums is not None:
+            bias = jnp.sum(sums, axis=0).reshape(n_act, intermediate).astype(bias_dtype)
+        return GradOperand(operand, new_quantizer, bias)
+
+    def xla(*_: object) -> Array | GradOperand:
+        return fallback()
+
+    def as_kernel_result(d_pre_activation: Array | GradOperand) -> Array | GradOperand:
+        assert not isinstance(d_pre_activation, GradOperand)
+        prepared = prepare(d_pre_activation)
+        operand = prepared.operand
+        assert isinstance(operand, ScaledTensor)
+        n_batch = d_pre_activation.ndim - 2
+        order = (*range(n_batch, d_pre_activation.ndim), *range(n_batch))
+        transposed = jnp.transpose(operand.data, order)
+        return prepared._replace(operand=operand._replace(transposed=transposed))
+
+    return dispatch(
+        "activation_grad",
+        kernel,
+        xla,
+        grad,
+        pre_activation,
+        quantizer,
+        supported=supported,
+        as_kernel_result=as_kernel_result,
     )
 
 

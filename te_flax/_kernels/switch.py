@@ -40,9 +40,10 @@ _assume_gpu: list[bool] = []
 # The kernels "auto" uses (see ``dispatch``); "1" uses every kernel. The norm-quantize kernel
 # is left out: in a deviceless H100 compile of the benchmark steps it moves as many bytes as
 # the XLA fusion it replaces (XLA already fuses normalize, quantize and amax), give or take a
-# few kilobytes, so it buys nothing measurable. The quantize kernel (a GEMM kernel's float8
-# layouts and amax in one pass) and the norm backward each save a pass over a tensor.
-AUTO = frozenset({"norm_backward", "quantize"})
+# few kilobytes, so it buys nothing measurable. The others each save a pass over a tensor:
+# the quantize kernel (a GEMM kernel's float8 layouts and its amax), the activation backward
+# with its quantization and the norm backward.
+AUTO = frozenset({"activation_grad", "norm_backward", "quantize"})
 _override: list[str] = []
 
 
