@@ -99,17 +99,23 @@ def activation_backward(
     Computed in float32 and rounded once to the pre-activation's dtype, as TransformerEngine's
     activation-backward kernels do (a bfloat16 chain would round after every operation).
     """
-    slices = [pre_activation[..., index, :] for index in range(len(activation_type))]
-    grads = activation_backward_of_slices(grad, slices, activation_type)
-    return jnp.stack(grads, axis=-2)
+    pre32 = pre_activation.astype(jnp.float32)
+    _, vjp = jax.vjp(lambda pre: activation_forward(pre, activation_type), pre32)
+    return vjp(grad.astype(jnp.float32))[0].astype(pre_activation.dtype)
 
 
 def activation_backward_of_slices(
     grad: Array, slices: Sequence[Array], activation_type: tuple[str, ...]
 ) -> tuple[Array, ...]:
     """The gradient of ``activation_of_slices`` w.r.t. each slice, in the slices' dtype
-    (computed in float32). A kernel that holds the slices runs exactly these operations."""
+    (computed in float32). The operations of ``activation_backward`` on each slice: a kernel
+    that holds the slices runs these."""
     dtype = slices[0].dtype
     parts32 = [part.astype(jnp.float32) for part in slices]
     _, vjp = jax.vjp(lambda *parts: activation_of_slices(parts, activation_type), *parts32)
-    return tuple(part.astype(dtype) for part in vjp(grad.astype(jnp.float32)))
+    grads = vjp(grad.astype(jnp.float32))
+    if len(grads) > 1:
+        # ``activation_backward`` sums the slices' gradients, each padded with zeros to the
+        # whole axis, and -0.0 + 0.0 is +0.0: so a zero gradient is +0.0 here too.
+        grads = tuple(jnp.where(part == 0.0, 0.0, part) for part in grads)
+    return tuple(part.astype(dtype) for part in grads)

@@ -418,7 +418,12 @@ def activation_grad(
     activation's backward with the quantization (on GPUs, per-tensor FP8)."""
 
     def xla_stage() -> Array:
-        return activation_backward(grad, pre_activation, activation_type)
+        # The barrier (no copy) keeps XLA from sharing the float32 backward's first operations
+        # with the forward's activation when both are in one program: it would write the
+        # shared float32 values from the forward and read them back here, and give up fusing
+        # this backward into the gradient's quantization.
+        pre = lax.optimization_barrier(pre_activation)
+        return activation_backward(grad, pre, activation_type)
 
     def prepare(d_pre_activation: Array) -> GradOperand:
         return grad_operand(d_pre_activation, grad_quantizer, 2, bias_dtype)
