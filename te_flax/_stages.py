@@ -205,7 +205,9 @@ def constrained(
     the amax of a sharded array under ``jit`` is taken over all its shards.
 
     Block-scaled operands are flattened matrices, which the tensor's axes do not describe;
-    they follow the sharding of the tensor they were quantized from.
+    they follow the sharding of the tensor they were quantized from. So does a ``transposed``
+    layout, which only the Pallas kernels write (under ``"auto"`` only in programs that XLA
+    does not partition).
     """
     if isinstance(operand, BlockOperand):
         return operand
