@@ -89,20 +89,28 @@ def kernel_quantizations(hlo_text: str, kernel_elements: int, microbatches: int)
                 return True
         return False
 
-    bodies = {
-        body
-        for lines in computations.values()
-        for line in lines
-        for body in _WHILE_BODY.findall(line)
-    }
     total = 0
-    for name, repeats in [(entry, 1)] + [(body, microbatches) for body in sorted(bodies)]:
+    for name, repeats in _runs(computations, entry, microbatches):
         for line in computations.get(name, []):
             if " while(" in line:
                 continue
             if quantizes([line]):
                 total += repeats
     return total
+
+
+def _runs(
+    computations: dict[str, list[str]], entry: str, microbatches: int
+) -> list[tuple[str, int]]:
+    """Each computation that runs per step and how often: the entry once, every while loop's
+    body once per microbatch."""
+    bodies = {
+        body
+        for lines in computations.values()
+        for line in lines
+        for body in _WHILE_BODY.findall(line)
+    }
+    return [(entry, 1)] + [(body, microbatches) for body in sorted(bodies)]
 
 
 # Instructions that move no data of their own (the while loop's are its body's).
@@ -126,14 +134,8 @@ def _bytes(type_text: str) -> float:
 def step_bytes(hlo_text: str, microbatches: int) -> float:
     """Bytes read and written per step: the entry computation once, the loop body k times."""
     computations, entry = _computations(hlo_text)
-    bodies = {
-        body
-        for lines in computations.values()
-        for line in lines
-        for body in _WHILE_BODY.findall(line)
-    }
     total = 0.0
-    for name, repeats in [(entry, 1)] + [(body, microbatches) for body in sorted(bodies)]:
+    for name, repeats in _runs(computations, entry, microbatches):
         types: dict[str, str] = {}
         for line in computations.get(name, []):
             match = _INSTRUCTION.match(line)
