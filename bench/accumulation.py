@@ -113,46 +113,13 @@ def _runs(
     return [(entry, 1)] + [(body, microbatches) for body in sorted(bodies)]
 
 
-# Instructions that move no data of their own (the while loop's are its body's).
-_FREE = ("parameter", "get-tuple-element", "bitcast", "constant", "tuple", "while")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\(.+?\)|\S+) ([a-z][a-z0-9-]*)\((.*)")
-_SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
-_OPERAND = re.compile(r"%([^\s,()]+)")
-
-
-def _bytes(type_text: str) -> float:
-    total = 0.0
-    for element_type, dims in _SHAPE.findall(type_text):
-        if element_type in ("pred", "token") or element_type.startswith(("f8", "s8", "u8")):
-            size = 1.0
-        else:
-            size = int(re.sub(r"\D", "", element_type) or 8) / 8
-        total += _elements(dims) * size
-    return total
-
-
 def step_bytes(hlo_text: str, microbatches: int) -> float:
     """Bytes read and written per step: the entry computation once, the loop body k times."""
     computations, entry = _computations(hlo_text)
-    total = 0.0
-    for name, repeats in _runs(computations, entry, microbatches):
-        types: dict[str, str] = {}
-        for line in computations.get(name, []):
-            match = _INSTRUCTION.match(line)
-            if match is None:
-                continue
-            result, type_text, opcode, operands = match.groups()
-            types[result] = type_text
-            if opcode in _FREE:
-                continue
-            if "__cublas$" in line:
-                type_text = type_text.split(", s8[")[0]  # without the cuBLAS workspace
-            read = sum(
-                _bytes(types.get(o, ""))
-                for o in dict.fromkeys(_OPERAND.findall(operands.split(")")[0]))
-            )
-            total += repeats * (read + _bytes(type_text))
-    return total
+    return sum(
+        repeats * sum(row["bytes"] for row in h100.computation_rows(computations.get(name, [])))
+        for name, repeats in _runs(computations, entry, microbatches)
+    )
 
 
 def _model(intermediate: int) -> te_nn.LayerNormMLP:

@@ -28,6 +28,7 @@ __all__ = [
     "TRITON_OFF",
     "analyze",
     "available",
+    "computation_rows",
     "cost",
     "count_gemms",
     "instruction_bytes",
@@ -52,6 +53,8 @@ _BITS = re.compile(r"(\d+)")
 
 
 def _element_bytes(element_type: str) -> float:
+    if element_type == "token":
+        return 0
     if element_type == "pred":
         return 1
     if element_type.startswith("f8"):
@@ -95,7 +98,8 @@ _INSTRUCTION = re.compile(
 )
 _SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_FREE = ("parameter", "get-tuple-element", "bitcast", "constant", "tuple")
+# Instructions that move no data of their own (a while loop's are its body's).
+_FREE = ("parameter", "get-tuple-element", "bitcast", "constant", "tuple", "while")
 
 
 def _shape_bytes(text: str) -> float:
@@ -119,23 +123,17 @@ def _describe(opcode: str, line: str) -> str:
     return f"fusion {kind}" + (f" {backend.group(1)}" if backend else "")
 
 
-def instruction_bytes(hlo_text: str, top: int | None = 12) -> list[dict]:
-    """The entry computation's instructions that move the most bytes (operands + result).
+def computation_rows(lines: list[str]) -> list[dict]:
+    """One row per instruction of one computation that moves data: its bytes (operands +
+    result), what it is, its result type, its pass and the JAX op it comes from.
 
-    The same accounting as XLA's cost analysis of a fusion (every operand read once, the result
-    written once), applied to custom calls too (cuBLAS GEMMs, Pallas kernels); a GEMM's
-    workspace is left out. The last part of the JAX op name says which line of the model an
-    instruction comes from. ``top=None`` returns every instruction.
+    The same accounting as XLA's cost analysis of a fusion (every distinct operand read once,
+    the result written once), applied to custom calls too (cuBLAS GEMMs, Pallas kernels); a
+    GEMM's workspace is left out. The last part of the JAX op name says which line of the model
+    an instruction comes from.
     """
-    types, rows, inside = {}, [], False
-    for line in hlo_text.splitlines():
-        if line.startswith("ENTRY"):
-            inside = True
-            continue
-        if not inside:
-            continue
-        if line.startswith("}"):
-            break
+    types, rows = {}, []
+    for line in lines:
         match = _INSTRUCTION.match(line)
         if match is None:
             continue
@@ -145,7 +143,6 @@ def instruction_bytes(hlo_text: str, top: int | None = 12) -> list[dict]:
             continue
         if opcode == "custom-call" and "__cublas$" in line:
             result = result.split(", s8[")[0]  # without the cuBLAS workspace
-        # Each distinct operand is read once.
         operand_names = dict.fromkeys(_OPERAND_NAME.findall(operands))
         read = sum(_shape_bytes(types.get(o, "")) for o in operand_names)
         op_name = _OP_NAME.search(line)
@@ -159,7 +156,15 @@ def instruction_bytes(hlo_text: str, top: int | None = 12) -> list[dict]:
                 "from": op_name.rsplit("/", 1)[-1],
             }
         )
-    return sorted(rows, key=lambda row: -row["bytes"])[:top]
+    return rows
+
+
+def instruction_bytes(hlo_text: str, top: int | None = 12) -> list[dict]:
+    """The entry computation's instructions that move the most bytes (``computation_rows``).
+    ``top=None`` returns every instruction."""
+    entry = hlo_text[hlo_text.index("\nENTRY") :].splitlines()[1:]
+    lines = entry[: next(i for i, line in enumerate(entry) if line.startswith("}"))]
+    return sorted(computation_rows(lines), key=lambda row: -row["bytes"])[:top]
 
 
 def kernel_calls(hlo_text: str) -> list[dict]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import jax.numpy as jnp
 from jax import Array
@@ -44,6 +44,31 @@ _Quantized = tuple[GemmOperand, Quantizer | None]
 
 def _per_tensor(quantizer: Quantizer | None) -> bool:
     return isinstance(quantizer, DelayedScaleQuantizer | CurrentScaleQuantizer)
+
+
+R = TypeVar("R")
+
+
+def _scaled_passes(
+    quantizer: Quantizer, run: Callable[[Array, DTypeLike | None], tuple[R, Array]]
+) -> tuple[R, Array, Quantizer]:
+    """Runs a quantizing kernel as a per-tensor quantizer's scaling needs.
+
+    ``run(scale_inv, q_dtype)`` quantizes with the f32 ``[1]`` ``scale_inv`` (computes the
+    amax alone when ``q_dtype`` is None) and returns its outputs and the tile maxima. Delayed
+    scaling takes one pass with the stored scale and records the amax; current scaling needs
+    the amax before it can quantize, so a first pass computes it. Returns the last pass's
+    outputs, the scale they used (a scalar) and the quantizer after this step.
+    """
+    q_dtype = quantizer.q_dtype
+    if isinstance(quantizer, DelayedScaleQuantizer):
+        outputs, partials = run(quantizer.scale_inv, q_dtype)
+        return outputs, quantizer.scale_inv.reshape(()), quantizer.update(scaling.amax(partials))
+    one = jnp.ones((1,), jnp.float32)
+    _, partials = run(one, None)
+    scale_inv = scaling.compute_scale_inv(scaling.amax(partials), q_dtype, 0, one[0])
+    outputs, _ = run(scale_inv.reshape(1), q_dtype)
+    return outputs, scale_inv, quantizer
 
 
 def norm_quantize_operand(
@@ -82,24 +107,11 @@ def norm_quantize_operand(
         matrix = x.reshape(rows, hidden)  # [tokens, hidden]
         row_mean = None if mean is None else mean.reshape(rows)
         args = (matrix, row_mean, rsigma.reshape(rows), gamma, beta)
-        q_dtype = quantizer.q_dtype
-        if isinstance(quantizer, DelayedScaleQuantizer):
-            scale_inv = quantizer.scale_inv.reshape(())
-            data, partials = norm_quantize(
-                *args, quantizer.scale_inv, q_dtype, blocks, interpret=interpret
-            )
-            new_quantizer: Quantizer = quantizer.update(scaling.amax(partials))
-        else:
-            # Current scaling needs the amax before it can quantize: a first pass for it.
-            _, partials = norm_quantize(
-                *args, jnp.ones((1,), jnp.float32), None, blocks, interpret=interpret
-            )
-            one = jnp.ones((), jnp.float32)
-            scale_inv = scaling.compute_scale_inv(scaling.amax(partials), q_dtype, 0, one)
-            data, _ = norm_quantize(
-                *args, scale_inv.reshape(1), q_dtype, blocks, interpret=interpret
-            )
-            new_quantizer = quantizer
+
+        def run(scale_inv: Array, q_dtype: DTypeLike | None) -> tuple[Array | None, Array]:
+            return norm_quantize(*args, scale_inv, q_dtype, blocks, interpret=interpret)
+
+        data, scale_inv, new_quantizer = _scaled_passes(quantizer, run)
         assert data is not None
         return ScaledTensor(data.reshape(x.shape), scale_inv), new_quantizer
 
@@ -149,22 +161,16 @@ def tiled_quantize_operand(
     def kernel(x: Array, quantizer: Quantizer | None, *, interpret: bool) -> _Quantized:
         assert quantizer is not None
         matrix = x.reshape(rows, columns)
-        q_dtype = quantizer.q_dtype
-        if isinstance(quantizer, DelayedScaleQuantizer):
-            scale_inv = quantizer.scale_inv.reshape(())
+
+        def run(
+            scale_inv: Array, q_dtype: DTypeLike | None
+        ) -> tuple[tuple[Array | None, Array | None], Array]:
             data, transposed, partials = quantize_tiles(
-                matrix, quantizer.scale_inv, q_dtype, layouts, interpret=interpret
+                matrix, scale_inv, q_dtype, layouts, interpret=interpret
             )
-            new_quantizer: Quantizer = quantizer.update(scaling.amax(partials))
-        else:
-            # Current scaling needs the amax before it can quantize: a first pass for it.
-            one = jnp.ones((1,), jnp.float32)
-            *_, partials = quantize_tiles(matrix, one, None, layouts, interpret=interpret)
-            scale_inv = scaling.compute_scale_inv(scaling.amax(partials), q_dtype, 0, one[0])
-            data, transposed, _ = quantize_tiles(
-                matrix, scale_inv.reshape(1), q_dtype, layouts, interpret=interpret
-            )
-            new_quantizer = quantizer
+            return (data, transposed), partials
+
+        (data, transposed), scale_inv, new_quantizer = _scaled_passes(quantizer, run)
         if transposed is not None:
             transposed = transposed.reshape(trailing + leading)
         if data is None:
@@ -188,6 +194,10 @@ def tiled_quantize_operand(
     return dispatch(
         "quantize", kernel, xla, x, quantizer, supported=supported, as_kernel_result=with_transposed
     )
+
+
+# The activation-gradient kernel's float8 data, its transposed layout and the column sums.
+_TileResults = tuple[Array | None, Array | None, Array | None]
 
 
 class GradOperand(NamedTuple):
@@ -241,26 +251,15 @@ def activation_grad_operand(
     ) -> Array | GradOperand:
         assert quantizer is not None
         matrices = (pre_activation.reshape(rows, n_act * intermediate), grad.reshape(rows, -1))
-        q_dtype = quantizer.q_dtype
-        if isinstance(quantizer, DelayedScaleQuantizer):
-            scale_inv = quantizer.scale_inv.reshape(())
+
+        def run(scale_inv: Array, q_dtype: DTypeLike | None) -> tuple[_TileResults, Array]:
             data, transposed, partials, sums = activation_grad_tiles(
-                *matrices, quantizer.scale_inv, activation_type, q_dtype, with_bias,
-                interpret=interpret,
+                *matrices, scale_inv, activation_type, q_dtype,
+                with_bias and q_dtype is not None, interpret=interpret,
             )  # fmt: skip
-            new_quantizer: Quantizer = quantizer.update(scaling.amax(partials))
-        else:
-            # Current scaling needs the amax before it can quantize: a first pass for it.
-            one = jnp.ones((1,), jnp.float32)
-            *_, partials, _ = activation_grad_tiles(
-                *matrices, one, activation_type, None, False, interpret=interpret
-            )
-            scale_inv = scaling.compute_scale_inv(scaling.amax(partials), q_dtype, 0, one[0])
-            data, transposed, _, sums = activation_grad_tiles(
-                *matrices, scale_inv.reshape(1), activation_type, q_dtype, with_bias,
-                interpret=interpret,
-            )  # fmt: skip
-            new_quantizer = quantizer
+            return (data, transposed, sums), partials
+
+        (data, transposed, sums), scale_inv, new_quantizer = _scaled_passes(quantizer, run)
         assert data is not None and transposed is not None
         batch = pre_activation.shape[:-2]
         operand = ScaledTensor(
