@@ -1,0 +1,35 @@
+"""The parity suite's results table, printed at the end of the run (docs/parity.md)."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+_RESULTS: dict[tuple[str, str], dict[str, float]] = {}
+
+
+@pytest.fixture
+def parity_results():
+    return _RESULTS
+
+
+@pytest.fixture(autouse=True)
+def _te_promotion_rules():
+    """TE's own code mixes dtypes and ranks, which the test suite's strict rules refuse."""
+    with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
+        yield
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _RESULTS:
+        return
+    whats = ("output", "parameter gradients", "FP8 state")
+    lines = [
+        "| layer | recipe | " + " | ".join(whats) + " |",
+        "| --- | --- | " + " | ".join("---:" for _ in whats) + " |",
+    ]
+    for (case, recipe), errors in sorted(_RESULTS.items()):
+        cells = " | ".join(f"{errors[w]:.1e}" if errors[w] else "0" for w in whats)
+        lines.append(f"| {case} | {recipe} | {cells} |")
+    terminalreporter.write_sep("=", "te_flax against TransformerEngine: worst relative error")
+    terminalreporter.write_line("\n".join(lines))

@@ -1,0 +1,161 @@
+"""te_flax's Linen layers against TransformerEngine 2.20.2's, run side by side.
+
+From the same init key: the same variable tree and the same initial values. From the same
+variables, for several training steps: the same outputs, parameter gradients and new FP8
+state (relative <= 1e-5 in float32). And TE's FP8 state, converted with
+``from_transformer_engine``, continues TE's run in te_flax.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("transformer_engine.jax.flax", reason="needs TransformerEngine (scripts/parity)")
+
+import te_flax.linen as te_nn  # noqa: E402
+from te_flax.convert import from_transformer_engine  # noqa: E402
+from tests.parity import te_reference as ref  # noqa: E402
+
+TOLERANCE = 1e-5
+STEPS = 3
+SHAPE = (2, 8, 32)  # [batch, seq, hidden]
+
+# case -> (layer, attributes, call arguments)
+LAYERS = {
+    "DenseGeneral": ("DenseGeneral", dict(features=48), {}),
+    "LayerNormDenseGeneral layernorm": ("LayerNormDenseGeneral", dict(features=48), {}),
+    "LayerNormDenseGeneral rmsnorm": (
+        "LayerNormDenseGeneral",
+        dict(features=48, layernorm_type="rmsnorm"),
+        {},
+    ),
+    "LayerNormDenseGeneral zero-centered gamma": (
+        "LayerNormDenseGeneral",
+        dict(features=48, zero_centered_gamma=True, use_bias=True),
+        {},
+    ),
+    "LayerNormMLP gelu": ("LayerNormMLP", dict(intermediate_dim=64), {"deterministic": True}),
+    "LayerNormMLP silu+linear": (
+        "LayerNormMLP",
+        dict(intermediate_dim=64, activations=("silu", "linear"), layernorm_type="rmsnorm"),
+        {"deterministic": True},
+    ),
+    "TransformerLayer": (
+        "TransformerLayer",
+        dict(hidden_size=32, mlp_hidden_size=64, num_attention_heads=4),
+        {"deterministic": True},
+    ),
+}
+
+
+def _inputs(step: int, out_features: int, dtype=jnp.float32):
+    x_key, cotangent_key = jax.random.split(jax.random.key(100 + step))
+    x = jax.random.normal(x_key, SHAPE, jnp.float32) * (1.0 + step)
+    cotangent = jax.random.normal(cotangent_key, (*SHAPE[:-1], out_features), jnp.float32)
+    return x.astype(dtype), cotangent
+
+
+def _out_features(attributes):
+    return attributes.get("features", SHAPE[-1])
+
+
+def _perturbed(params, seed=7):
+    """The initial parameters plus noise, so that zero-initialised ones (biases, zero-centered
+    gammas) take part in the comparison."""
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    noisy = [p + 0.05 * jax.random.normal(k, p.shape, p.dtype) for p, k in zip(leaves, keys, strict=True)]
+    return jax.tree.unflatten(treedef, noisy)
+
+
+def _init_both(case, recipe_name):
+    layer, attributes, call = LAYERS[case]
+    our_recipe, te_recipe = ref.RECIPES[recipe_name]
+    theirs = getattr(ref.TE, layer)(**attributes)
+    ours = getattr(te_nn, layer)(**attributes)
+    x, _ = _inputs(0, _out_features(attributes))
+    key = jax.random.key(0)
+    with ref.te_context(te_recipe):
+        te_variables = nn.meta.unbox(theirs.init(key, x, **call))
+    with ref.our_context(our_recipe):
+        our_variables = nn.meta.unbox(ours.init(key, x, **call))
+    return theirs, ours, te_variables, our_variables
+
+
+@pytest.mark.parametrize("recipe_name", list(ref.RECIPES))
+@pytest.mark.parametrize("case", list(LAYERS))
+def test_same_variables_from_the_same_key(case, recipe_name):
+    _, _, te_variables, our_variables = _init_both(case, recipe_name)
+    converted = ref.flat(from_transformer_engine(te_variables))
+    ours = ref.flat(our_variables)
+    assert sorted(converted) == sorted(ours)
+    for name, value in ours.items():
+        np.testing.assert_array_equal(value, converted[name], err_msg=name)
+
+
+def _run(case, recipe_name, steps=STEPS, te_steps_first=0):
+    """Errors of te_flax against TE, step by step, from TE's (perturbed) initial variables.
+
+    With ``te_steps_first``, TE runs that many steps alone first and te_flax starts from its
+    converted variables: a TE run continued in te_flax.
+    """
+    layer, attributes, call = LAYERS[case]
+    our_recipe, te_recipe = ref.RECIPES[recipe_name]
+    theirs, ours, te_variables, _ = _init_both(case, recipe_name)
+    te_variables = {**te_variables, "params": _perturbed(te_variables["params"])}
+    te_runner = ref.Runner(theirs, ref.TE_FP8_COLLECTION, lambda: ref.te_context(te_recipe), call)
+    our_runner = ref.Runner(ours, ref.OURS_FP8_COLLECTION, lambda: ref.our_context(our_recipe), call)
+    for step in range(te_steps_first):
+        te_variables, _ = te_runner.step(te_variables, *_inputs(step, _out_features(attributes)))
+    our_variables = from_transformer_engine(te_variables)
+    errors = []
+    for step in range(te_steps_first, te_steps_first + steps):
+        x, cotangent = _inputs(step, _out_features(attributes))
+        te_variables, te_result = te_runner.step(te_variables, x, cotangent)
+        our_variables, our_result = our_runner.step(our_variables, x, cotangent)
+        errors.append(ref.compare_steps(ref.our_step(our_result), ref.te_step_in_our_layout(te_result)))
+    return errors
+
+
+@pytest.mark.parametrize("recipe_name", list(ref.RECIPES))
+@pytest.mark.parametrize("case", list(LAYERS))
+def test_same_steps_from_the_same_variables(case, recipe_name, parity_results):
+    errors = _run(case, recipe_name)
+    worst = {what: max(step[what] for step in errors) for what in errors[0]}
+    parity_results[(case, recipe_name)] = worst
+    for what, error in worst.items():
+        assert error <= TOLERANCE, f"{what}: {error:.2e}"
+
+
+@pytest.mark.parametrize("case", ["LayerNormMLP silu+linear", "TransformerLayer"])
+def test_a_te_run_continues_in_te_flax(case, parity_results):
+    errors = _run(case, "delayed", steps=2, te_steps_first=2)
+    worst = {what: max(step[what] for step in errors) for what in errors[0]}
+    parity_results[(f"{case}, TE's state after 2 steps", "delayed")] = worst
+    for what, error in worst.items():
+        assert error <= TOLERANCE, f"{what}: {error:.2e}"
+
+
+@pytest.mark.parametrize("recipe_name", ["none", "delayed"])
+@pytest.mark.parametrize("case", ["DenseGeneral", "LayerNormMLP silu+linear"])
+def test_bfloat16_inputs_with_the_default_dtype(case, recipe_name):
+    """TE's ``dtype=float32`` default stores float32 parameters and computes in the input's
+    dtype; te_flax's ``dtype=None`` with ``param_dtype=float32`` does the same."""
+    layer, attributes, call = LAYERS[case]
+    our_recipe, te_recipe = ref.RECIPES[recipe_name]
+    theirs, ours, te_variables, our_variables = _init_both(case, recipe_name)
+    for tree in (te_variables, our_variables):
+        assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(tree["params"]))
+    x, _ = _inputs(0, _out_features(attributes), jnp.bfloat16)
+    with ref.te_context(te_recipe):
+        te_out = theirs.apply(te_variables, x, **call)
+    with ref.our_context(our_recipe):
+        our_out = ours.apply(from_transformer_engine(te_variables), x, **call)
+    te_out, our_out = (o[0] if isinstance(o, tuple) else o for o in (te_out, our_out))
+    assert te_out.dtype == our_out.dtype == jnp.bfloat16
+    # Both compute in bfloat16; only the order of float32 accumulations may differ.
+    assert ref.relative_error(our_out, te_out) <= 1e-2
