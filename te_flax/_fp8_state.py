@@ -10,9 +10,13 @@ NNX shells go through here.
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from typing import Any, TypeVar
 
+import jax
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from jax import Array
+from jax.custom_derivatives import SymbolicZero
 
 from te_flax.quantize import (
     DelayedScaleQuantizer,
@@ -28,13 +32,18 @@ from te_flax.quantize import (
 __all__ = [
     "OVERWRITE_WITH_GRADIENT",
     "SR_RNG",
+    "StaleFp8StateWarning",
     "check_state_matches",
     "fresh_state",
     "needs_sr_key",
     "quantizer_set",
     "resolve_recipe",
     "state_names",
+    "watch_fp8_state",
 ]
+
+P = TypeVar("P")
+S = TypeVar("S")
 
 # Variable role -> QuantizerSet field. "grad" quantizes the gradient of the GEMM's output.
 _ROLES = {"x": "x", "kernel": "kernel", "grad": "dgrad"}
@@ -97,7 +106,7 @@ def quantizer_set(
             amax_history=state[f"{role}{postfix}_amax_history"],
             scale_inv=state[f"{role}{postfix}_scale_inv"],
         )
-    return QuantizerSet(**members)
+    return dataclasses.replace(qs, x=members["x"], kernel=members["kernel"], dgrad=members["dgrad"])
 
 
 def check_state_matches(
@@ -120,3 +129,91 @@ def check_state_matches(
         "apply it inside the te_flax.autocast (or with the recipe=) it was initialised with, "
         "or initialise it again without FP8"
     )
+
+
+class StaleFp8StateWarning(UserWarning):
+    """A step differentiates a layer's parameters but not its FP8 state (under ``jit``).
+
+    The state's update leaves the step as its gradient, so a gradient taken over the parameters
+    only drops it: the amax history and the scales keep their initial values for good.
+    """
+
+
+# The fix, per front end, named in the message.
+_STALE_FIX = {
+    "linen": (
+        "differentiate the whole variable dict, FP8 collection included: "
+        "te_flax.training.value_and_grad(loss_fn)(variables, ...), then "
+        "te_flax.training.apply_gradients (or Flax's TrainState created with params=variables "
+        "and its apply_gradients); see docs/training_loops.md"
+    ),
+    "nnx": (
+        "use te_flax.nnx.value_and_grad(loss_fn, update_fp8_state=True) in place of "
+        "nnx.value_and_grad: it writes the new FP8 state into the model and returns the "
+        "parameter gradients for nnx.Optimizer(model, tx, wrt=nnx.Param).update(model, grads); "
+        "or run the whole step with te_flax.nnx.train_step; see docs/training_loops.md"
+    ),
+}
+# Messages already warned about under jit: each is reported once per process.
+_REPORTED: set[str] = set()
+
+
+def _stale_message(module: str, front_end: str) -> str:
+    collection = "Fp8Meta variables" if front_end == "nnx" else f"{OVERWRITE_WITH_GRADIENT!r}"
+    return (
+        f"{module}'s parameters are differentiated but its FP8 state ({collection}) is not: "
+        "the new FP8 state leaves a step as the gradient of that state, so this step drops it "
+        "and the amax history and scales never change. To fix it, "
+        f"{_STALE_FIX[front_end]}. (Evaluation and gradients of the inputs only are fine.)"
+    )
+
+
+def _report_stale(module: str, front_end: str, concrete: bool) -> None:
+    message = _stale_message(module, front_end)
+    if concrete:
+        raise ValueError(message)
+    if message not in _REPORTED:
+        _REPORTED.add(message)
+        warnings.warn(message, StaleFp8StateWarning, stacklevel=2)
+
+
+def watch_fp8_state(module: str, front_end: str, params: P, state: S) -> tuple[P, S]:
+    """``(params, state)`` unchanged, refusing a gradient that drops the FP8 state's update.
+
+    An identity with a custom VJP: JAX tells its forward rule which inputs are differentiated
+    (``symbolic_zeros``), also inside ``scan``, ``remat`` and ``vmap``, and only when the step
+    is differentiated at all. When some parameter is and no FP8 state is, the update would be
+    lost: that raises with concrete values, or warns once (``StaleFp8StateWarning``) under a
+    trace. It runs while tracing and leaves nothing in the compiled program.
+
+    ``front_end`` is ``"linen"`` or ``"nnx"``: which fix the message names.
+    """
+    if not jax.tree.leaves(state):  # the recipe keeps no state
+        return params, state
+
+    @jax.custom_vjp
+    def identity(params: Any, state: Any) -> tuple[Any, Any]:
+        return params, state
+
+    def forward(params: Any, state: Any) -> tuple[tuple[Any, Any], None]:
+        # With symbolic_zeros each leaf is a CustomVJPPrimal(value, perturbed).
+        params_perturbed = any(leaf.perturbed for leaf in jax.tree.leaves(params))
+        state_perturbed = any(leaf.perturbed for leaf in jax.tree.leaves(state))
+        if params_perturbed and not state_perturbed:
+            values = [leaf.value for leaf in jax.tree.leaves(params)]
+            concrete = not any(isinstance(value, jax.core.Tracer) for value in values)
+            _report_stale(module, front_end, concrete)
+        unwrap = lambda leaf: leaf.value  # noqa: E731
+        return (jax.tree.map(unwrap, params), jax.tree.map(unwrap, state)), None
+
+    def backward(_: None, cotangents: Any) -> Any:
+        # A cotangent that is a symbolic zero goes back as None (a zero).
+        return jax.tree.map(
+            lambda c: None if isinstance(c, SymbolicZero) else c,
+            cotangents,
+            is_leaf=lambda c: isinstance(c, SymbolicZero),
+        )
+
+    identity.defvjp(forward, backward, symbolic_zeros=True)
+    watched: tuple[P, S] = identity(params, state)
+    return watched

@@ -62,13 +62,14 @@ import jax.numpy as jnp
 import optax
 from jax import Array
 
-from te_flax._fp8_state import OVERWRITE_WITH_GRADIENT
+from te_flax._fp8_state import OVERWRITE_WITH_GRADIENT, StaleFp8StateWarning
 from te_flax.accumulate import accumulate_gradients, split_microbatches
 from te_flax.quantize import check_merged, merge_by_max
 
 __all__ = [
     "OVERWRITE_WITH_GRADIENT",
     "OptimizerState",
+    "StaleFp8StateWarning",
     "accumulate_gradients",
     "all_finite",
     "apply_gradients",

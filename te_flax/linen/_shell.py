@@ -18,12 +18,26 @@ from te_flax._fp8_state import (
     quantizer_set,
     resolve_recipe,
     state_names,
+    watch_fp8_state,
 )
 from te_flax._layers import ParamSpec
 from te_flax._validation import check_dtype
-from te_flax.quantize import QuantizerSet
+from te_flax.quantize import Recipe
 
 __all__ = ["LinenShell"]
+
+
+class LogicallyPartitioned(nn.LogicallyPartitioned):
+    """A parameter's logical axis names, kept as metadata when bridged to NNX.
+
+    ``nnx.bridge.ToNNX`` turns the names into an ``nnx.Param``'s ``out_sharding``; te_flax's
+    own NNX modules keep theirs without eager placement (``jit`` places the arrays by their
+    partition specs), so that a module builds with or without a mesh. Bridged modules do the
+    same.
+    """
+
+    def to_nnx_metadata(self) -> dict[str, Any]:
+        return {**super().to_nnx_metadata(), "eager_sharding": False}
 
 
 class LinenShell(nn.Module):
@@ -32,7 +46,18 @@ class LinenShell(nn.Module):
     def _run(self, inputs: Array, dropout: Callable[[Array], Array] | None = None) -> Any:
         specs = self.param_specs(self.in_features(inputs))
         params = {spec.name: self._param(spec) for spec in specs}
-        sets = tuple(self._quantizer_set(postfix) for postfix in self.fp8_postfixes)
+        recipe = resolve_recipe(self.recipe) if self.fp8_postfixes else None
+        states = {postfix: self._fp8_state(recipe, postfix) for postfix in self.fp8_postfixes}
+        params, states = watch_fp8_state(type(self).__name__, "linen", params, states)
+        sets = tuple(
+            quantizer_set(
+                recipe,
+                postfix,
+                states.get(postfix, {}),
+                self.make_rng(SR_RNG) if needs_sr_key(recipe) else None,
+            )
+            for postfix in self.fp8_postfixes
+        )
         return self.forward(params, inputs, sets, dropout)
 
     def _param(self, spec: ParamSpec) -> Array:
@@ -46,12 +71,14 @@ class LinenShell(nn.Module):
                     "shape, or reshape the input"
                 )
         check_dtype(self.param_dtype, "param_dtype")
-        init = nn.with_logical_partitioning(spec.init, spec.axes)
+
+        def init(*args: Any) -> LogicallyPartitioned:
+            return LogicallyPartitioned(spec.init(*args), names=spec.axes)
+
         # Linen unboxes the LogicallyPartitioned value when the module reads it.
         return cast(Array, self.param(spec.name, init, spec.shape, self.param_dtype))
 
-    def _quantizer_set(self, postfix: str) -> QuantizerSet:
-        recipe = resolve_recipe(self.recipe)
+    def _fp8_state(self, recipe: Recipe | None, postfix: str) -> dict[str, Array]:
         fresh = fresh_state(recipe, postfix)
         if not self.is_initializing():
             present = {
@@ -68,5 +95,4 @@ class LinenShell(nn.Module):
                     "re-initialise the FP8 state (amax_history_len changed)"
                 )
             state[name] = variable.value
-        sr_key = self.make_rng(SR_RNG) if needs_sr_key(recipe) else None
-        return quantizer_set(recipe, postfix, state, sr_key)
+        return state

@@ -19,6 +19,7 @@ from te_flax._fp8_state import (
     quantizer_set,
     resolve_recipe,
     state_names,
+    watch_fp8_state,
 )
 from te_flax._validation import check_dtype, check_sizes
 from te_flax.nnx._fp8_meta import Fp8Meta
@@ -102,11 +103,16 @@ class NnxShell(nnx.Module):
         params = {
             spec.name: getattr(self, spec.name)[...] for spec in self.param_specs(self.in_features_)
         }
-        sets = tuple(self._quantizer_set(postfix) for postfix in self.fp8_postfixes)
+        recipe = resolve_recipe(self.recipe) if self.fp8_postfixes else None
+        states = {postfix: self._fp8_state(recipe, postfix) for postfix in self.fp8_postfixes}
+        params, states = watch_fp8_state(type(self).__name__, "nnx", params, states)
+        sets = tuple(
+            quantizer_set(recipe, postfix, states.get(postfix, {}), self._sr_key(recipe))
+            for postfix in self.fp8_postfixes
+        )
         return self.forward(params, inputs, sets, dropout)
 
-    def _quantizer_set(self, postfix: str) -> QuantizerSet:
-        recipe = resolve_recipe(self.recipe)
+    def _fp8_state(self, recipe: Recipe | None, postfix: str) -> dict[str, Array]:
         fresh = fresh_state(recipe, postfix)
         names = state_names(postfix)
         present = {n for n in names if isinstance(getattr(self, n, None), Fp8Meta)}
@@ -121,14 +127,17 @@ class NnxShell(nnx.Module):
                     "(amax_history_len changed)"
                 )
             state[name] = stored
-        sr_key = None
-        if needs_sr_key(recipe):
-            if self.sr_rngs is None:
-                raise ValueError(
-                    f"{type(self).__name__} is applied with {recipe}, whose stochastic rounding "
-                    "needs an RNG stream, but it was built without that recipe; build it inside "
-                    "the same te_flax.autocast (or with recipe=), so that it keeps an 'sr_rng' "
-                    "stream from its rngs"
-                )
-            sr_key = self.sr_rngs()
-        return quantizer_set(recipe, postfix, state, sr_key)
+        return state
+
+    def _sr_key(self, recipe: Recipe | None) -> Array | None:
+        if not needs_sr_key(recipe):
+            return None
+        if self.sr_rngs is None:
+            raise ValueError(
+                f"{type(self).__name__} is applied with {recipe}, whose stochastic rounding "
+                "needs an RNG stream, but it was built without that recipe; build it inside "
+                "the same te_flax.autocast (or with recipe=), so that it keeps an 'sr_rng' "
+                "stream from its rngs"
+            )
+        key: Array = self.sr_rngs()
+        return key

@@ -42,13 +42,22 @@ from te_flax.training import _keep_unused, _select, all_finite
 __all__ = ["train_step", "update_fp8_state", "value_and_grad"]
 
 
-def value_and_grad(loss_fn: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
+def value_and_grad(
+    loss_fn: Callable[..., Any], *, has_aux: bool = False, update_fp8_state: bool = False
+) -> Callable[..., Any]:
     """``loss_fn(model, *args)`` -> ``(value, grads)`` over ``nnx.Param`` and ``Fp8Meta``.
 
     ``grads`` is an ``nnx.State`` holding the parameter gradients and the new FP8 state. Other
     state the loss changes (RNG counters of dropout, ...) is written back to the model, as
     ``nnx.value_and_grad`` would. With ``has_aux`` the loss returns ``(value, aux)`` and the
     result is ``((value, aux), grads)``.
+
+    With ``update_fp8_state=True`` it is a drop-in for ``nnx.value_and_grad`` in a training
+    loop: the new FP8 state is written into the model (checked as ``update_fp8_state`` checks
+    it), the way ``nnx.value_and_grad`` writes back BatchNorm statistics, and ``grads`` holds
+    the parameter gradients only, ready for ``nnx.Optimizer(model, tx,
+    wrt=nnx.Param).update(model, grads)``. Leave it False to inspect the new state without
+    applying it (then apply it with ``update_fp8_state`` or use ``train_step``).
     """
 
     def wrapped(model: nnx.Module, *args: Any, **kwargs: Any) -> Any:
@@ -72,7 +81,11 @@ def value_and_grad(loss_fn: Callable[..., Any], *, has_aux: bool = False) -> Cal
         grad_fn = jax.value_and_grad(pure, argnums=(0, 1), has_aux=True)
         (value, (aux, new_rest)), (param_grads, fp8_grads) = grad_fn(params, fp8, rest, *args)
         nnx.update(model, new_rest)
-        grads = nnx.merge_state(param_grads, fp8_grads)
+        if update_fp8_state:
+            _overwrite_fp8_state(model, fp8_grads)
+            grads = param_grads
+        else:
+            grads = nnx.merge_state(param_grads, fp8_grads)
         return ((value, aux) if has_aux else value), grads
 
     return wrapped
@@ -85,8 +98,19 @@ def update_fp8_state(model: nnx.Module, grads: nnx.State[Any, Any]) -> None:
     came back summed over its uses raises, or warns once under ``jit``
     (``te_flax.quantize.check_merged``).
     """
-    old = nnx.state(model, Fp8Meta)
     new = nnx.state(grads, Fp8Meta)
+    if nnx.state(model, Fp8Meta) and not new:
+        raise ValueError(
+            "the model holds FP8 state (Fp8Meta variables) but grads holds none, so there is "
+            "no new FP8 state to apply: take grads with te_flax.nnx.value_and_grad (which "
+            "differentiates the Fp8Meta variables too), or let it apply the state itself with "
+            "te_flax.nnx.value_and_grad(loss_fn, update_fp8_state=True)"
+        )
+    _overwrite_fp8_state(model, new)
+
+
+def _overwrite_fp8_state(model: nnx.Module, new: nnx.State[Any, Any]) -> None:
+    old = nnx.state(model, Fp8Meta)
     check_merged(old, new)
     nnx.update(model, _keep_unused(new, old))
 

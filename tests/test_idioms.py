@@ -1,0 +1,406 @@
+"""Everyday JAX and Flax training idioms met with te_flax layers.
+
+Each idiom either gives what the plain path gives, or fails with an error (or, under ``jit``,
+one warning) that names the fix:
+- FP8 state that a step forgets to differentiate (the NNX loop of Flax's guides, a Linen
+  gradient of ``params`` only) is refused; ``te_nnx.value_and_grad(..., update_fp8_state=True)``
+  makes that NNX loop train FP8 as written otherwise;
+- ``nnx.bridge.ToNNX`` / ``ToLinen`` with and without a mesh;
+- ``donate_argnums``, ``optax.MultiSteps`` in NNX, an ensemble under ``vmap``, float16 and
+  bfloat16 parameters, orbax save and restore of an NNX model, remat policies, inputs closed
+  over by a jitted function under sharding rules.
+
+Covered elsewhere: scans over layers and microbatch accumulation (test_linen, test_nnx,
+test_training, test_accumulate), jitted initialization with out_shardings and nnx.split /
+nnx.merge steps (test_multidevice).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+
+import te_flax.linen as te_nn
+import te_flax.nnx as te_nnx
+import te_flax.nnx._shell as nnx_shell
+from te_flax.quantize import DelayedScaling
+from te_flax.sharding import use_sharding
+from te_flax.training import (
+    OVERWRITE_WITH_GRADIENT,
+    StaleFp8StateWarning,
+    apply_gradients,
+    init_optimizer,
+    value_and_grad,
+)
+
+HIDDEN, FEATURES = 16, 8
+RECIPE = DelayedScaling(amax_history_len=4)
+FP8 = OVERWRITE_WITH_GRADIENT
+
+
+def _x(seed: int, shape=(8, HIDDEN)):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+def _mse(model, x):
+    return jnp.mean(model(x) ** 2)
+
+
+def _nnx_layer(**attributes):
+    return te_nnx.DenseGeneral(HIDDEN, FEATURES, recipe=RECIPE, rngs=nnx.Rngs(0), **attributes)
+
+
+def _linen_layer(**attributes):
+    return te_nn.DenseGeneral(features=FEATURES, recipe=RECIPE, **attributes)
+
+
+def _linen_loss(layer):
+    def loss(variables, x):
+        return jnp.mean(layer.apply(variables, x) ** 2)
+
+    return loss
+
+
+def _linen_steps(layer, variables, xs, tx=None, jit=jax.jit):
+    """``variables`` after one te_flax Linen step per input (``te_flax.training``)."""
+    tx = tx or optax.sgd(0.1)
+    opt_state = init_optimizer(tx, variables)
+
+    @jit
+    def step(variables, opt_state, x):
+        _, grads = value_and_grad(_linen_loss(layer))(variables, x)
+        return apply_gradients(tx, variables, grads, opt_state)
+
+    for x in xs:
+        variables, opt_state = step(variables, opt_state, x)
+    return variables
+
+
+def _nnx_steps(model, xs, tx=None):
+    optimizer = nnx.Optimizer(model, tx or optax.sgd(0.1), wrt=nnx.Param)
+    step = nnx.jit(lambda m, o, x: te_nnx.train_step(m, o, _mse, x))
+    for x in xs:
+        step(model, optimizer, x)
+    return model
+
+
+def _pure(model):
+    return nnx.to_pure_dict(nnx.state(model, nnx.Any(nnx.Param, te_nnx.Fp8Meta)))
+
+
+def _assert_trees_equal(actual, expected, rtol=0.0):
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    jax.tree.map(
+        lambda a, e: np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol),
+        actual,
+        expected,
+    )
+
+
+@pytest.fixture(autouse=True)
+def _each_warning_anew(monkeypatch):
+    # The stale-state warning is given once per process; each test starts afresh.
+    import te_flax._fp8_state as fp8_state
+
+    monkeypatch.setattr(fp8_state, "_REPORTED", set())
+
+
+# ----------------------------------------------------------------------------- stale FP8 state
+
+
+def _flax_guide_step(value_and_grad_fn):
+    """The NNX training step of Flax's guides, with ``value_and_grad_fn`` as given."""
+
+    @nnx.jit
+    def step(model, optimizer, x):
+        loss, grads = value_and_grad_fn(lambda m: _mse(m, x))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    return step
+
+
+def test_flax_guide_nnx_loop_is_told_once_that_its_fp8_state_stays_stale():
+    model = _nnx_layer()
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = _flax_guide_step(nnx.value_and_grad)
+    with pytest.warns(StaleFp8StateWarning, match="update_fp8_state=True") as caught:
+        for seed in range(3):
+            step(model, optimizer, _x(seed))
+    assert len(caught) == 1
+    np.testing.assert_array_equal(model.x_amax_history[...], np.zeros(4))
+    # Outside jit the same gradient is an error.
+    with pytest.raises(ValueError, match=r"te_flax\.nnx\.value_and_grad"):
+        nnx.value_and_grad(lambda m: _mse(m, _x(0)))(model)
+
+
+def test_flax_guide_nnx_loop_trains_fp8_with_value_and_grad_updating_the_state():
+    xs = [_x(seed) for seed in range(3)]
+    model = _nnx_layer()
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    step = _flax_guide_step(lambda f: te_nnx.value_and_grad(f, update_fp8_state=True))
+    for x in xs:
+        with jax.numpy_dtype_promotion("standard"):  # adam mixes int32 and float (not strict)
+            step(model, optimizer, x)
+    expected = _nnx_steps(_nnx_layer(), xs, optax.adam(1e-2))
+    _assert_trees_equal(_pure(model), _pure(expected))
+    assert float(model.x_amax_history[...][2]) > 0
+
+
+def test_update_fp8_state_refuses_gradients_without_fp8_state():
+    model = _nnx_layer()
+    _, grads = nnx.jit(te_nnx.value_and_grad(lambda m: _mse(m, _x(0)), update_fp8_state=True))(
+        model
+    )
+    assert not nnx.state(grads, te_nnx.Fp8Meta)
+    with pytest.raises(ValueError, match="grads holds none"):
+        te_nnx.update_fp8_state(model, grads)
+
+
+def test_linen_gradient_of_params_only_is_refused():
+    layer = _linen_layer()
+    variables = layer.init(jax.random.key(0), _x(0))
+
+    def loss(params, x):
+        return _linen_loss(layer)({"params": params, FP8: variables[FP8]}, x)
+
+    with pytest.warns(StaleFp8StateWarning, match=r"te_flax\.training\.value_and_grad"):
+        jax.jit(jax.grad(loss))(variables["params"], _x(0))
+    with pytest.raises(ValueError, match="'_overwrite_with_gradient'"):
+        jax.grad(loss)(variables["params"], _x(0))
+
+
+def test_evaluation_and_input_gradients_are_not_refused():
+    # Warnings are errors in this test suite: none may be given here.
+    model = _nnx_layer()
+    nnx.jit(_mse)(model, _x(0))
+    model(_x(0))
+    jax.grad(lambda x: _mse(model, x))(_x(0))
+    layer = _linen_layer()
+    variables = layer.init(jax.random.key(0), _x(0))
+    jax.jit(_linen_loss(layer))(variables, _x(0))
+    jax.grad(lambda x: _linen_loss(layer)(variables, x))(_x(0))
+
+
+def test_stale_state_is_seen_through_scan_and_remat():
+    model = _nnx_layer()
+    xs = jnp.stack([_x(seed) for seed in range(2)])
+
+    def scanned(model):
+        @nnx.scan(in_axes=(nnx.Carry, None, 0), out_axes=nnx.Carry)
+        def body(total, model, x):
+            return total + nnx.remat(_mse)(model, x)
+
+        return body(jnp.zeros(()), model, xs)
+
+    with pytest.warns(StaleFp8StateWarning):
+        nnx.jit(nnx.grad(scanned))(model)
+    nnx.jit(te_nnx.value_and_grad(scanned))(model)  # and the right gradient passes
+
+
+def test_the_check_leaves_the_step_program_unchanged(monkeypatch):
+    def lowered_step():
+        model = _nnx_layer()
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        step = nnx.jit(lambda m, o, x: te_nnx.train_step(m, o, _mse, x))
+        return step.lower(model, optimizer, _x(0)).as_text()
+
+    with_check = lowered_step()
+    monkeypatch.setattr(nnx_shell, "watch_fp8_state", lambda module, front, p, s: (p, s))
+    assert lowered_step() == with_check
+
+
+# ----------------------------------------------------------------------------- bridges
+
+
+def _sharding(mesh: bool):
+    if not mesh:
+        return contextlib.nullcontext()
+    return use_sharding("dp_fsdp_tp", {"data": 2, "fsdp": 2, "tensor": 2})
+
+
+@pytest.mark.parametrize("mesh", [False, True], ids=["no_mesh", "mesh"])
+def test_linen_layer_through_to_nnx_trains_as_in_linen(mesh):
+    xs = [_x(seed) for seed in range(2)]
+    layer = _linen_layer(kernel_axes=("embed", "mlp"), input_axes=("batch", "embed"))
+    with _sharding(mesh):
+        # No eager-sharding switch and no mesh needed, as for a stock nn.Dense.
+        bridged = nnx.bridge.ToNNX(layer, rngs=nnx.Rngs(0))
+        nnx.bridge.lazy_init(bridged, xs[0])
+        assert isinstance(bridged.x_amax_history, te_nnx.Fp8Meta)
+        variables = {
+            "params": {"kernel": bridged.kernel[...], "bias": bridged.bias[...]},
+            FP8: {name: value[...] for name, value in nnx.state(bridged, te_nnx.Fp8Meta).items()},
+        }
+        _nnx_steps(bridged, xs)
+        expected = _linen_steps(layer, variables, xs)
+    assert float(bridged.x_amax_history[...][1]) > 0
+    _assert_trees_equal(
+        {"params": {"kernel": bridged.kernel[...], "bias": bridged.bias[...]}},
+        {"params": expected["params"]},
+        rtol=1e-6,
+    )
+    _assert_trees_equal(nnx.to_pure_dict(nnx.state(bridged, te_nnx.Fp8Meta)), expected[FP8])
+
+
+@pytest.mark.parametrize("mesh", [False, True], ids=["no_mesh", "mesh"])
+def test_nnx_layer_through_to_linen_trains_as_in_nnx(mesh):
+    xs = [_x(seed) for seed in range(2)]
+    attributes = {"kernel_axes": ("embed", "mlp"), "recipe": RECIPE}
+    bridged = nnx.bridge.ToLinen(te_nnx.DenseGeneral, args=(HIDDEN, FEATURES), kwargs=attributes)
+    with _sharding(mesh):
+        variables = nn.meta.unbox(bridged.init(jax.random.key(0), xs[0]))
+        assert set(variables) == {"params", FP8}
+        model = te_nnx.DenseGeneral(HIDDEN, FEATURES, rngs=nnx.Rngs(1), **attributes)
+        te_nnx.load_linen_variables(model, variables)
+        trained = _linen_steps(bridged, variables, xs)
+        _nnx_steps(model, xs)
+    assert te_nnx.linen_variables(model).keys() == trained.keys()
+    _assert_trees_equal(te_nnx.linen_variables(model)[FP8], trained[FP8])
+    _assert_trees_equal(te_nnx.linen_variables(model)["params"], trained["params"], rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- the sweep
+
+
+def test_donated_train_state_gives_the_same_steps():
+    xs = [_x(seed) for seed in range(2)]
+    layer = _linen_layer()
+    variables = layer.init(jax.random.key(0), xs[0])
+    plain = _linen_steps(layer, variables, xs)
+    donated = _linen_steps(layer, variables, xs, jit=lambda f: jax.jit(f, donate_argnums=(0, 1)))
+    _assert_trees_equal(donated, plain)
+
+    model = _nnx_layer()
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = nnx.jit(lambda m, o, x: te_nnx.train_step(m, o, _mse, x), donate_argnums=(0, 1))
+    for x in xs:
+        step(model, optimizer, x)
+    _assert_trees_equal(_pure(model), _pure(_nnx_steps(_nnx_layer(), xs)))
+
+
+def test_nnx_multi_steps_advances_fp8_state_per_microbatch_and_never_optimizes_it():
+    # In NNX the FP8 state is applied with every mini-step (each microbatch is a step of
+    # delayed scaling); the parameters take the mean gradient once every k mini-steps.
+    k, xs = 2, [_x(seed) for seed in range(2)]
+    model = _nnx_layer()
+    _nnx_steps(model, xs, optax.MultiSteps(optax.sgd(0.1), every_k_schedule=k))
+
+    reference = _nnx_layer()
+    initial = nnx.to_pure_dict(nnx.state(reference, nnx.Param))
+    grads = []
+    for x in xs:  # the same mini-steps by hand: FP8 state applied, gradients kept
+        _, g = nnx.jit(te_nnx.value_and_grad(_mse, update_fp8_state=True))(reference, x)
+        grads.append(nnx.to_pure_dict(g))
+    mean = jax.tree.map(lambda *g: sum(g) / k, *grads)
+    expected = jax.tree.map(lambda p, g: p - 0.1 * g, initial, mean)
+    _assert_trees_equal(nnx.to_pure_dict(nnx.state(model, nnx.Param)), expected, rtol=1e-6)
+    _assert_trees_equal(
+        nnx.to_pure_dict(nnx.state(model, te_nnx.Fp8Meta)),
+        nnx.to_pure_dict(nnx.state(reference, te_nnx.Fp8Meta)),
+    )
+
+
+def test_vmapped_ensemble_keeps_fp8_state_per_member():
+    members, xs = 3, jnp.stack([_x(seed) for seed in range(3)])
+    layer, tx = _linen_layer(), optax.sgd(0.1)
+    keys = jax.random.split(jax.random.key(0), members)
+    ensemble = jax.vmap(layer.init)(keys, xs)
+
+    @jax.jit
+    @jax.vmap
+    def step(variables, x):
+        _, grads = value_and_grad(_linen_loss(layer))(variables, x)
+        return apply_gradients(tx, variables, grads, init_optimizer(tx, variables))[0]
+
+    trained = step(ensemble, xs)
+    member = 1
+    single = jax.tree.map(lambda a: a[member], ensemble)
+    expected = _linen_steps(layer, single, [xs[member]], tx)
+    _assert_trees_equal(jax.tree.map(lambda a: a[member], trained), expected, rtol=1e-6)
+
+    @nnx.split_rngs(splits=members)
+    @nnx.vmap
+    def create(rngs):
+        return te_nnx.DenseGeneral(HIDDEN, FEATURES, recipe=RECIPE, rngs=rngs)
+
+    models = create(nnx.Rngs(0))
+    optimizers = nnx.vmap(lambda m: nnx.Optimizer(m, optax.sgd(0.1), wrt=nnx.Param))(models)
+    nnx.jit(nnx.vmap(lambda m, o, x: te_nnx.train_step(m, o, _mse, x)))(models, optimizers, xs)
+    history = np.asarray(models.x_amax_history[...])
+    np.testing.assert_allclose(history[:, 0], jnp.max(jnp.abs(xs), axis=(1, 2)))
+
+
+@pytest.mark.parametrize("param_dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+def test_half_precision_parameters_train_alike_in_both_front_ends(param_dtype):
+    xs = [_x(seed) for seed in range(2)]
+    layer = _linen_layer(param_dtype=param_dtype)
+    variables = nn.meta.unbox(layer.init(jax.random.key(0), xs[0]))
+    model = te_nnx.DenseGeneral(
+        HIDDEN, FEATURES, recipe=RECIPE, param_dtype=param_dtype, rngs=nnx.Rngs(0)
+    )
+    te_nnx.load_linen_variables(model, variables)
+    trained = _linen_steps(layer, variables, xs)
+    _nnx_steps(model, xs)
+    assert {a.dtype for a in jax.tree.leaves(trained["params"])} == {jnp.dtype(param_dtype)}
+    assert {a.dtype for a in jax.tree.leaves(trained[FP8])} == {jnp.dtype(jnp.float32)}
+    # The kernel's amax is that of the kernel as stored.
+    kernel = np.asarray(variables["params"]["kernel"], np.float32)
+    np.testing.assert_allclose(trained[FP8]["kernel_amax_history"][1], np.abs(kernel).max())
+    _assert_trees_equal(te_nnx.linen_variables(model), trained)
+
+
+def test_orbax_restores_an_nnx_model_with_its_fp8_state(tmp_path):
+    xs = [_x(seed) for seed in range(3)]
+    model = _nnx_steps(_nnx_layer(), xs[:2])
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "state", nnx.state(model))
+        checkpointer.wait_until_finished()
+        graphdef, abstract_state = nnx.split(nnx.eval_shape(_nnx_layer))
+        restored = nnx.merge(graphdef, checkpointer.restore(tmp_path / "state", abstract_state))
+    _assert_trees_equal(_pure(restored), _pure(model))
+    # Training resumes where it stopped: the restored history feeds the next scales.
+    _assert_trees_equal(_pure(_nnx_steps(restored, xs[2:])), _pure(_nnx_steps(model, xs[2:])))
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [jax.checkpoint_policies.nothing_saveable, jax.checkpoint_policies.dots_saveable],
+    ids=["nothing_saveable", "dots_saveable"],
+)
+def test_remat_policies_keep_gradients_and_fp8_state(policy):
+    x = _x(0)
+    layer = _linen_layer()
+    variables = layer.init(jax.random.key(0), x)
+    remat_layer = nn.remat(te_nn.DenseGeneral, policy=policy)(features=FEATURES, recipe=RECIPE)
+    grads = jax.jit(value_and_grad(_linen_loss(layer)))(variables, x)
+    remat_grads = jax.jit(value_and_grad(_linen_loss(remat_layer)))(variables, x)
+    _assert_trees_equal(remat_grads, grads, rtol=1e-6)
+
+    model = _nnx_layer()
+    remat_loss = lambda m, x: jnp.mean(nnx.remat(lambda m, x: m(x), policy=policy)(m, x) ** 2)  # noqa: E731
+    nnx_grads = nnx.jit(te_nnx.value_and_grad(_mse))(model, x)
+    nnx_remat_grads = nnx.jit(te_nnx.value_and_grad(remat_loss))(model, x)
+    _assert_trees_equal(nnx.to_pure_dict(nnx_remat_grads[1]), nnx.to_pure_dict(nnx_grads[1]), 1e-6)
+
+
+def test_inputs_closed_over_under_jit_with_sharding_rules():
+    x = _x(0)
+    layer = _linen_layer(kernel_axes=("embed", "mlp"), input_axes=("batch", "embed"))
+    variables = layer.init(jax.random.key(0), x)
+    model = _nnx_layer(kernel_axes=("embed", "mlp"), input_axes=("batch", "embed"))
+    with _sharding(True):
+        passed = jax.jit(layer.apply)(variables, x)
+        closed_over = jax.jit(lambda v: layer.apply(v, x))(variables)
+        nnx_passed = nnx.jit(lambda m, x: m(x))(model, x)
+        nnx_closed_over = nnx.jit(lambda m: m(x))(model)
+    np.testing.assert_array_equal(closed_over, passed)
+    np.testing.assert_array_equal(nnx_closed_over, nnx_passed)
