@@ -5,6 +5,10 @@ from __future__ import annotations
 import jax
 import pytest
 
+# Imported by the tests once TransformerEngine is known to import; not a test module itself
+# (the suite collects every module for doctests).
+collect_ignore = ["te_reference.py"]
+
 _RESULTS: dict[tuple[str, str], dict[str, float]] = {}
 
 
@@ -18,6 +22,17 @@ def _te_promotion_rules():
     """TE's own code mixes dtypes and ranks, which the test suite's strict rules refuse."""
     with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
         yield
+
+
+def pytest_collection_modifyitems(items):
+    # TE warns about its own deprecated names (logical axes, defaults that will change); the
+    # suite's warnings-as-errors rule is for te_flax, not for the reference.
+    for item in items:
+        if "tests/parity/" in str(item.fspath).replace("\\", "/"):
+            item.add_marker(pytest.mark.filterwarnings("ignore::DeprecationWarning"))
+            item.add_marker(pytest.mark.filterwarnings("ignore::FutureWarning"))
+            # On a CPU TE takes its unfused (pure-JAX) softmax and attention, and says so.
+            item.add_marker(pytest.mark.filterwarnings("ignore:Using unfused JAX"))
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -36,6 +36,7 @@ transformer_engine_jax.get_fused_attn_backend = lambda *args, **kwargs: (
 TE = te_flax_layers
 OURS_FP8_COLLECTION = "_overwrite_with_gradient"
 HISTORY = 4
+LEARNING_RATE = 1e-3
 
 # name -> (te_flax recipe, TE recipe); None: no FP8.
 RECIPES: dict[str, tuple[Any, Any]] = {
@@ -100,7 +101,7 @@ def _loss_fn(
 class Runner:
     """Training steps of one module: gradients of ``sum(out * cotangent)`` w.r.t. the
     parameters and the FP8 collection, whose "gradient" is the new FP8 state (TE's rule and
-    te_flax's), then an SGD step on the parameters."""
+    te_flax's), then a small SGD step on the parameters."""
 
     def __init__(
         self,
@@ -119,7 +120,10 @@ class Runner:
         params, fp8 = variables["params"], variables.get(self.fp8_collection, {})
         with self.context():
             (_, out), (param_grads, new_fp8) = self.grad(params, fp8, x, cotangent)
-        new_params = jax.tree.map(lambda p, g: p - 0.1 * g.astype(p.dtype), params, param_grads)
+        # A small step: a large one would amplify float32 rounding differences step by step.
+        new_params = jax.tree.map(
+            lambda p, g: p - LEARNING_RATE * g.astype(p.dtype), params, param_grads
+        )
         new_variables = {"params": new_params, **({self.fp8_collection: new_fp8} if fp8 else {})}
         return new_variables, (out, param_grads, new_fp8)
 

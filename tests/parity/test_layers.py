@@ -157,5 +157,43 @@ def test_bfloat16_inputs_with_the_default_dtype(case, recipe_name):
         our_out = ours.apply(from_transformer_engine(te_variables), x, **call)
     te_out, our_out = (o[0] if isinstance(o, tuple) else o for o in (te_out, our_out))
     assert te_out.dtype == our_out.dtype == jnp.bfloat16
-    # Both compute in bfloat16; only the order of float32 accumulations may differ.
-    assert ref.relative_error(our_out, te_out) <= 1e-2
+    # Both compute in bfloat16, rounding some intermediates (the activation, the GEMM outputs)
+    # at different points: agreement to a few bfloat16 ulps (one is 2**-8 relative).
+    assert ref.relative_error(our_out, te_out) <= 3e-2
+
+
+def _swap_gradient_state(fp8):
+    swapped = {}
+    for name, value in fp8.items():
+        for a, b in (("grad_0_", "grad_1_"), ("grad_1_", "grad_0_")):
+            if a in name:
+                name = name.replace(a, b)
+                break
+        swapped[name] = value
+    return swapped
+
+
+def test_te_unfused_layernorm_mlp_names_its_gradient_state_the_other_way():
+    """TE's LayerNormMLP quantizes the output gradient with ``grad_0_*`` on its fused path and
+    with ``grad_1_*`` on its unfused one (``return_layernorm_output=True``, dropout); te_flax
+    keeps the fused path's meaning everywhere (docs/porting.md). Everything else agrees."""
+    attributes = dict(intermediate_dim=64, return_layernorm_output=True)
+    our_recipe, te_recipe = ref.RECIPES["delayed"]
+    theirs, ours = ref.TE.LayerNormMLP(**attributes), te_nn.LayerNormMLP(**attributes)
+    x, cotangent = _inputs(0, SHAPE[-1])
+    with ref.te_context(te_recipe):
+        te_variables = nn.meta.unbox(theirs.init(jax.random.key(0), x, deterministic=True))
+    call = {"deterministic": True}
+    te_runner = ref.Runner(theirs, ref.TE_FP8_COLLECTION, lambda: ref.te_context(te_recipe), call)
+    our_runner = ref.Runner(ours, ref.OURS_FP8_COLLECTION, lambda: ref.our_context(our_recipe), call)
+    our_variables = from_transformer_engine(te_variables)
+    for step in range(2):
+        x, cotangent = _inputs(step, SHAPE[-1])
+        te_variables, te_result = te_runner.step(te_variables, x, cotangent)
+        our_variables, our_result = our_runner.step(our_variables, x, cotangent)
+        theirs_step = ref.te_step_in_our_layout(te_result)
+        theirs_step.fp8 = _swap_gradient_state(theirs_step.fp8)
+        errors = ref.compare_steps(ref.our_step(our_result), theirs_step)
+        # Each run goes on with its own state: both quantize each gradient with its own
+        # history, under different names.
+        assert max(errors.values()) <= TOLERANCE, errors
