@@ -4,11 +4,18 @@ An activation type is a tuple of names, one per slice of the ``act`` axis of the
 output: ``("gelu",)`` applies GELU to the single slice, a gated pair such as ``("silu", "linear")``
 (SwiGLU) applies the activation to slice 0 and multiplies by slice 1. The backward is ``jax.vjp``
 of the same function, so it is exact for every activation by construction.
+
+One pair takes parameters: TransformerEngine's clamped SwiGLU (gpt-oss),
+``("clamped_silu", "clamped_linear")`` with ``ClampedSwigluParams(limit, alpha,
+glu_linear_offset)``, computes ``silu_alpha(min(a, limit)) * (clip(b, -limit, limit) +
+glu_linear_offset)`` with ``silu_alpha(x) = x * sigmoid(alpha * x)``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -16,10 +23,13 @@ from jax import Array
 
 __all__ = [
     "ACTIVATIONS",
+    "CLAMPED_SWIGLU",
+    "ClampedSwigluParams",
     "activation_backward",
     "activation_backward_of_slices",
     "activation_forward",
     "activation_of_slices",
+    "canonical_activation_params",
     "canonical_activation_type",
 ]
 
@@ -45,6 +55,40 @@ ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
 }
 
 
+# TransformerEngine's clamped SwiGLU: the only activation pair that takes parameters.
+CLAMPED_SWIGLU = ("clamped_silu", "clamped_linear")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClampedSwigluParams:
+    """The parameters of TransformerEngine's clamped SwiGLU, with TE's names and defaults.
+
+    ``limit`` clamps the activated slice from above and the linear slice to
+    ``[-limit, limit]``; ``alpha`` scales the sigmoid's input; ``glu_linear_offset`` is added
+    to the clamped linear slice. Frozen and hashable: it travels in an op's static config.
+    """
+
+    limit: float = 7.0
+    alpha: float = 1.702
+    glu_linear_offset: float = 1.0
+
+
+def _clamped_silu(x: Array, params: ClampedSwigluParams) -> Array:
+    clamped = jnp.minimum(x, jnp.asarray(params.limit, x.dtype))
+    return clamped * jax.nn.sigmoid(jnp.asarray(params.alpha, x.dtype) * clamped)
+
+
+def _clamped_linear(x: Array, params: ClampedSwigluParams) -> Array:
+    limit = jnp.asarray(params.limit, x.dtype)
+    return jnp.clip(x, -limit, limit) + jnp.asarray(params.glu_linear_offset, x.dtype)
+
+
+_PARAMETERIZED: dict[str, Callable[[Array, ClampedSwigluParams], Array]] = {
+    "clamped_silu": _clamped_silu,
+    "clamped_linear": _clamped_linear,
+}
+
+
 def canonical_activation_type(activation_type: Sequence[str]) -> tuple[str, ...]:
     """``activation_type`` as a tuple with a gated pair's activation first.
 
@@ -57,12 +101,19 @@ def canonical_activation_type(activation_type: Sequence[str]) -> tuple[str, ...]
             "e.g. ('gelu',) or ('silu', 'linear') for SwiGLU"
         )
     names = tuple(activation_type)
-    unknown = [name for name in names if name not in ACTIVATIONS]
+    unknown = [name for name in names if name not in ACTIVATIONS and name not in _PARAMETERIZED]
     if unknown:
         raise ValueError(
             f"unknown activation {unknown[0]!r} in activation_type={names!r}; known: "
-            f"{', '.join(ACTIVATIONS)}"
+            f"{', '.join(ACTIVATIONS)}, and the pair {CLAMPED_SWIGLU} (clamped SwiGLU)"
         )
+    if any(name in _PARAMETERIZED for name in names):
+        if sorted(names) != sorted(CLAMPED_SWIGLU):
+            raise ValueError(
+                f"activation_type={names!r}: 'clamped_silu' and 'clamped_linear' form one gated "
+                f"pair, TransformerEngine's clamped SwiGLU; use {CLAMPED_SWIGLU}"
+            )
+        return CLAMPED_SWIGLU
     if len(names) == 1:
         return names
     if len(names) == 2 and "linear" in names:
@@ -73,8 +124,58 @@ def canonical_activation_type(activation_type: Sequence[str]) -> tuple[str, ...]
     )
 
 
-def activation_of_slices(slices: Sequence[Array], activation_type: tuple[str, ...]) -> Array:
+def canonical_activation_params(
+    activation_type: tuple[str, ...], activation_params: Mapping[str, float] | None
+) -> ClampedSwigluParams | None:
+    """The parameters of a canonical ``activation_type``, as a hashable value (or None).
+
+    ``activation_params`` is TransformerEngine's dict: for the clamped SwiGLU the keys of
+    ``ClampedSwigluParams`` (missing keys take TE's defaults, None or ``{}`` all of them); any
+    other activation takes none.
+    """
+    if activation_params is not None and not isinstance(activation_params, Mapping):
+        raise TypeError(
+            f"activation_params must be a dict or None, got {activation_params!r}; e.g. "
+            "{'limit': 7.0, 'alpha': 1.702} for ('clamped_silu', 'clamped_linear')"
+        )
+    given = dict(activation_params or {})
+    if activation_type != CLAMPED_SWIGLU:
+        if given:
+            raise ValueError(
+                f"activation_params={given!r} given, but activation_type={activation_type!r} "
+                f"takes no parameters; only the clamped SwiGLU {CLAMPED_SWIGLU} does (keys "
+                f"{[f.name for f in dataclasses.fields(ClampedSwigluParams)]})"
+            )
+        return None
+    known = [field.name for field in dataclasses.fields(ClampedSwigluParams)]
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise ValueError(
+            f"unknown activation_params {unknown} for {CLAMPED_SWIGLU}; its keys are {known}"
+        )
+    for name, value in given.items():
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+        ):
+            raise TypeError(f"activation_params[{name!r}] must be a finite number, got {value!r}")
+    params = ClampedSwigluParams(**{name: float(value) for name, value in given.items()})
+    if params.limit <= 0:
+        raise ValueError(f"activation_params['limit'] must be positive, got {params.limit}")
+    return params
+
+
+def activation_of_slices(
+    slices: Sequence[Array],
+    activation_type: tuple[str, ...],
+    params: ClampedSwigluParams | None = None,
+) -> Array:
     """The activation of the ``act`` axis' slices (each ``[..., intermediate]``)."""
+    if activation_type == CLAMPED_SWIGLU:
+        params = params or ClampedSwigluParams()
+        # Gated: clamped_silu(slice 0) * clamped_linear(slice 1).
+        return _clamped_silu(slices[0], params) * _clamped_linear(slices[1], params)
     activated = ACTIVATIONS[activation_type[0]](slices[0])
     if len(activation_type) == 1:
         return activated
@@ -82,17 +183,26 @@ def activation_of_slices(slices: Sequence[Array], activation_type: tuple[str, ..
     return activated * slices[1]
 
 
-def activation_forward(pre_activation: Array, activation_type: tuple[str, ...]) -> Array:
+def activation_forward(
+    pre_activation: Array,
+    activation_type: tuple[str, ...],
+    params: ClampedSwigluParams | None = None,
+) -> Array:
     """``[batch..., n_act, intermediate]`` -> ``[batch..., intermediate]``.
 
     Computed in the input's dtype, as the GEMM epilogue that XLA may fuse it into would.
+    ``params``: the clamped SwiGLU's (None: TE's defaults); see
+    ``canonical_activation_params``.
     """
     slices = [pre_activation[..., index, :] for index in range(len(activation_type))]
-    return activation_of_slices(slices, activation_type)
+    return activation_of_slices(slices, activation_type, params)
 
 
 def activation_backward(
-    grad: Array, pre_activation: Array, activation_type: tuple[str, ...]
+    grad: Array,
+    pre_activation: Array,
+    activation_type: tuple[str, ...],
+    params: ClampedSwigluParams | None = None,
 ) -> Array:
     """The gradient of ``activation_forward`` w.r.t. its ``[..., n_act, intermediate]`` input.
 
@@ -100,7 +210,7 @@ def activation_backward(
     activation-backward kernels do (a bfloat16 chain would round after every operation).
     """
     pre32 = pre_activation.astype(jnp.float32)
-    _, vjp = jax.vjp(lambda pre: activation_forward(pre, activation_type), pre32)
+    _, vjp = jax.vjp(lambda pre: activation_forward(pre, activation_type, params), pre32)
     return vjp(grad.astype(jnp.float32))[0].astype(pre_activation.dtype)
 
 

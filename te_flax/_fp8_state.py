@@ -145,16 +145,19 @@ _STALE_FIX = {
         "differentiate the whole variable dict, FP8 collection included: "
         "te_flax.training.value_and_grad(loss_fn)(variables, ...), then "
         "te_flax.training.apply_gradients (or Flax's TrainState created with params=variables "
-        "and its apply_gradients); see docs/training_loops.md"
+        "and its apply_gradients); in an NNX model through nnx.bridge.ToNNX, use "
+        "te_flax.nnx.value_and_grad(loss_fn, update_fp8_state=True); see docs/training_loops.md"
     ),
     "nnx": (
         "use te_flax.nnx.value_and_grad(loss_fn, update_fp8_state=True) in place of "
         "nnx.value_and_grad: it writes the new FP8 state into the model and returns the "
         "parameter gradients for nnx.Optimizer(model, tx, wrt=nnx.Param).update(model, grads); "
-        "or run the whole step with te_flax.nnx.train_step; see docs/training_loops.md"
+        "or run the whole step with te_flax.nnx.train_step; in a Linen model through "
+        "nnx.bridge.ToLinen, differentiate the whole variable dict with "
+        "te_flax.training.value_and_grad; see docs/training_loops.md"
     ),
 }
-# Messages already warned about under jit: each is reported once per process.
+# Front ends already warned about under jit: one warning per process says it for all layers.
 _REPORTED: set[str] = set()
 
 
@@ -172,8 +175,8 @@ def _report_stale(module: str, front_end: str, concrete: bool) -> None:
     message = _stale_message(module, front_end)
     if concrete:
         raise ValueError(message)
-    if message not in _REPORTED:
-        _REPORTED.add(message)
+    if front_end not in _REPORTED:
+        _REPORTED.add(front_end)
         warnings.warn(message, StaleFp8StateWarning, stacklevel=2)
 
 

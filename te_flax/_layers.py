@@ -22,7 +22,12 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 
 from te_flax import _validation as check
-from te_flax._activations import activation_forward, canonical_activation_type
+from te_flax._activations import (
+    ClampedSwigluParams,
+    activation_forward,
+    canonical_activation_params,
+    canonical_activation_type,
+)
 from te_flax._lora import lora_delta, lora_shapes
 from te_flax.dense import dense
 from te_flax.layernorm import layernorm
@@ -410,6 +415,7 @@ class LayerNormMLPSpec(_Norm, _LowRank):
     bias_axes_2: tuple[str | None, ...] = ("embed",)
     return_layernorm_output: bool = False
     activations: Sequence[str] = ("gelu",)
+    activation_params: dict[str, float] | None = None
     intermediate_dropout_rng_name: str = "dropout"
     intermediate_dropout_rate: float = 0.0
     intermediate_hidden_dropout_dims: Sequence[int] = ()
@@ -435,7 +441,7 @@ class LayerNormMLPSpec(_Norm, _LowRank):
 
     def param_specs(self, in_features: tuple[int, ...]) -> list[ParamSpec]:
         hidden = in_features[-1]
-        n_act = len(canonical_activation_type(self.activations))
+        n_act = len(self._activation()[0])
         intermediate = self.intermediate_dim
         if not isinstance(intermediate, int) or intermediate < 1:
             raise ValueError(f"intermediate_dim must be a positive int, got {intermediate!r}")
@@ -474,7 +480,7 @@ class LayerNormMLPSpec(_Norm, _LowRank):
         """``dropout`` is None when the intermediate dropout is off (rate 0 or deterministic)."""
         x = _compute_input(x, self.dtype)
         _check_last_axis(self.axis, x)
-        activation_type = canonical_activation_type(self.activations)
+        activation_type, activation_params = self._activation()
         fused = (
             self.enable_layernorm
             and dropout is None
@@ -496,10 +502,18 @@ class LayerNormMLPSpec(_Norm, _LowRank):
                 ffn1_ckpt_name=self.ffn1_ckpt_name,
                 ffn2_ckpt_name=self.ffn2_ckpt_name,
                 activation_type=activation_type,
+                activation_params=self.activation_params,
                 quantizer_sets=(quantizer_sets[0], quantizer_sets[1]),
             )
             return out, None
-        return self._composed(params, x, quantizer_sets, dropout, activation_type)
+        return self._composed(
+            params, x, quantizer_sets, dropout, activation_type, activation_params
+        )
+
+    def _activation(self) -> tuple[tuple[str, ...], ClampedSwigluParams | None]:
+        """The canonical activation type and its parameters (checked)."""
+        activation_type = canonical_activation_type(self.activations)
+        return activation_type, canonical_activation_params(activation_type, self.activation_params)
 
     def _composed(
         self,
@@ -508,6 +522,7 @@ class LayerNormMLPSpec(_Norm, _LowRank):
         quantizer_sets: Sequence[QuantizerSet],
         dropout: Dropout,
         activation_type: tuple[str, ...],
+        activation_params: ClampedSwigluParams | None,
     ) -> tuple[Array, Array | None]:
         """The same layer from the ops, where dropout or LoRA must sit between the GEMMs."""
         gemm_1: dict[str, Any] = dict(
@@ -531,7 +546,7 @@ class LayerNormMLPSpec(_Norm, _LowRank):
         pre_activation = self._with_lora(pre_activation, ln, params, "wi_", 1)
         pre_activation = checkpoint_name(pre_activation, self.ffn1_ckpt_name)
         # [batch..., n_act, intermediate] -> [batch..., intermediate]
-        activated = activation_forward(pre_activation, activation_type)
+        activated = activation_forward(pre_activation, activation_type, activation_params)
         if dropout is not None:
             activated = dropout(activated)
         out = dense(

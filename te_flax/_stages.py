@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import Array, lax
 from jax.typing import DTypeLike
 
-from te_flax._activations import activation_backward
+from te_flax._activations import ClampedSwigluParams, activation_backward
 from te_flax._kernels import (
     GradOperand,
     activation_grad_operand,
@@ -413,11 +413,13 @@ def activation_grad(
     activation_type: tuple[str, ...],
     grad_quantizer: Quantizer | None,
     bias_dtype: DTypeLike | None,
+    activation_params: ClampedSwigluParams | None = None,
 ) -> Array | GradOperand:
     """The gradient of ``activation_forward``'s ``[batch..., n_act, intermediate]`` input, as
     ``dense_backward`` takes its output gradient: in high precision (the XLA stage), or
     prepared with ``grad_quantizer`` and ``bias_dtype`` by the kernel that fuses the
-    activation's backward with the quantization (on GPUs, per-tensor FP8)."""
+    activation's backward with the quantization (on GPUs, per-tensor FP8). The kernel takes
+    no activation parameters: the clamped SwiGLU always runs the XLA stage."""
 
     def xla_stage() -> Array:
         # The barrier (no copy) keeps XLA from sharing the float32 backward's first operations
@@ -425,7 +427,7 @@ def activation_grad(
         # shared float32 values from the forward and read them back here, and give up fusing
         # this backward into the gradient's quantization.
         pre = lax.optimization_barrier(pre_activation)
-        return activation_backward(grad, pre, activation_type)
+        return activation_backward(grad, pre, activation_type, activation_params)
 
     def prepare(d_pre_activation: Array) -> GradOperand:
         return grad_operand(d_pre_activation, grad_quantizer, 2, bias_dtype)

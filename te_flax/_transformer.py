@@ -689,13 +689,6 @@ class TransformerLayerSpec:
             )
         for name in ("hidden_dropout", "attention_dropout", "intermediate_dropout", "drop_path"):
             _rate(getattr(self, name), name)
-        _refuse(
-            "TransformerLayer",
-            "mlp_activation_params",
-            self.mlp_activation_params,
-            None,
-            "the clamped SwiGLU activation is not implemented; use ('silu', 'linear')",
-        )
 
     @property
     def decoder(self) -> bool:
@@ -789,6 +782,7 @@ class TransformerLayerSpec:
             return_layernorm_output=self.apply_residual_connection_post_layernorm,
             intermediate_dim=self.mlp_hidden_size,
             activations=tuple(self.mlp_activations),
+            activation_params=self.mlp_activation_params,
             intermediate_dropout_rng_name=self.dropout_rng_name,
             intermediate_dropout_rate=self.intermediate_dropout,
             intermediate_hidden_dropout_dims=tuple(self.intermediate_dropout_dims),

@@ -18,7 +18,9 @@ from jax.typing import DTypeLike
 
 from te_flax import _validation as check
 from te_flax._activations import (
+    ClampedSwigluParams,
     activation_forward,
+    canonical_activation_params,
     canonical_activation_type,
 )
 from te_flax._stages import (
@@ -55,6 +57,7 @@ __all__ = ["layernorm_mlp"]
 class _Config:
     norm: NormSpec
     activation_type: tuple[str, ...]
+    activation_params: ClampedSwigluParams | None
     norm_input_axes: tuple[str | None, ...] | None
     dot_1_input_axes: tuple[str | None, ...] | None
     dot_2_input_axes: tuple[str | None, ...] | None
@@ -90,7 +93,7 @@ def _activation_operand(
     dtype: DTypeLike,
     uses: tuple[str, ...],
 ) -> tuple[GemmOperand, Quantizer | None]:
-    activated = activation_forward(pre_activation, config.activation_type)
+    activated = activation_forward(pre_activation, config.activation_type, config.activation_params)
     operand, new_quantizer = quantize_operand(activated, quantizer, dtype, activated.ndim - 1, uses)
     return constrained(operand, config.dot_2_input_axes), new_quantizer
 
@@ -237,7 +240,12 @@ def _backward(
     # On GPUs under per-tensor FP8, one kernel computes the activation's backward and
     # quantizes it for both GEMMs (see te_flax._kernels); elsewhere the XLA stages.
     d_pre_activation = activation_grad(
-        d_activated, residuals.pre_activation, config.activation_type, set_1.dgrad, bias_1_dtype
+        d_activated,
+        residuals.pre_activation,
+        config.activation_type,
+        set_1.dgrad,
+        bias_1_dtype,
+        config.activation_params,
     )
     # GEMM 1: d pre-activation [batch..., n_act, intermediate] -> d norm output, d kernel_1.
     grads_1 = dense_backward(
@@ -328,6 +336,7 @@ def layernorm_mlp(
     ffn1_ckpt_name: str = "ffn1",
     ffn2_ckpt_name: str = "ffn2",
     activation_type: Sequence[str] = ("gelu",),
+    activation_params: dict[str, float] | None = None,
     quantizer_sets: tuple[QuantizerSet, QuantizerSet] = (noop_quantizer_set, noop_quantizer_set),
 ) -> Array:
     """Norm, GEMM 1 (+ bias 1), activation, GEMM 2 (+ bias 2), as one differentiable op.
@@ -362,7 +371,12 @@ def layernorm_mlp(
       activation_type: ``("gelu",)`` (default), any of ``gelu``, ``gelu_exact``, ``silu``,
         ``relu``, ``quick_gelu``, ``squared_relu``, ``linear``, or a gated pair of one of them
         with ``"linear"`` (``("silu", "linear")`` is SwiGLU; the order within the pair does not
-        matter).
+        matter), or ``("clamped_silu", "clamped_linear")``, TransformerEngine's clamped SwiGLU
+        (gpt-oss): ``a = min(h0, limit) * sigmoid(alpha * min(h0, limit)) * (clip(h1, -limit,
+        limit) + glu_linear_offset)``.
+      activation_params: the clamped SwiGLU's parameters as TE's dict, keys ``limit`` (default
+        7.0), ``alpha`` (1.702) and ``glu_linear_offset`` (1.0); None (default) for TE's
+        defaults. Any other activation takes none.
       quantizer_sets: one ``QuantizerSet`` per GEMM (default: no FP8).
 
     Returns:
@@ -385,6 +399,7 @@ def layernorm_mlp(
     if x.ndim < 1:
         raise ValueError("x must have at least one axis (the hidden axis it is normalized over)")
     activation_type = canonical_activation_type(activation_type)
+    checked_params = canonical_activation_params(activation_type, activation_params)
     _check_kernels_and_biases(x, kernels, biases, len(activation_type))
     norm = check.check_norm(x, gamma, beta, norm_type, zero_centered_gamma, epsilon)
     check.check_bool(transpose_batch_sequence, "transpose_batch_sequence")
@@ -401,6 +416,7 @@ def layernorm_mlp(
     config = _Config(
         norm=norm,
         activation_type=activation_type,
+        activation_params=checked_params,
         norm_input_axes=check.check_axes(norm_input_axes, x.ndim, "norm_input_axes", "x"),
         dot_1_input_axes=check.check_axes(dot_1_input_axes, x.ndim, "dot_1_input_axes", "x"),
         dot_2_input_axes=check.check_axes(

@@ -271,6 +271,23 @@ def test_nnx_layer_through_to_linen_trains_as_in_nnx(mesh):
 # ----------------------------------------------------------------------------- the sweep
 
 
+def test_jitted_init_with_out_shardings_from_the_partition_specs():
+    # MaxText's way: shapes and logical axes from jax.eval_shape, then a jitted init that
+    # creates every variable in place.
+    x = _x(0)
+    layer = _linen_layer(kernel_axes=("embed", "mlp"), bias_axes=("mlp",))
+    with _sharding(True) as mesh:
+        abstract = jax.eval_shape(layer.init, jax.random.key(0), x)
+        specs = nn.get_partition_spec(abstract)
+        shardings = nn.logical_to_mesh_sharding(specs, mesh, nn.get_logical_axis_rules())
+        variables = jax.jit(layer.init, out_shardings=shardings)(jax.random.key(0), x)
+    assert set(variables) == {"params", FP8}
+    kernel = variables["params"]["kernel"]
+    assert kernel.names == ("embed", "mlp")
+    assert kernel.value.sharding.spec == shardings["params"]["kernel"].spec
+    _assert_trees_equal(nn.meta.unbox(variables), nn.meta.unbox(layer.init(jax.random.key(0), x)))
+
+
 def test_donated_train_state_gives_the_same_steps():
     xs = [_x(seed) for seed in range(2)]
     layer = _linen_layer()
@@ -309,6 +326,7 @@ def test_nnx_multi_steps_advances_fp8_state_per_microbatch_and_never_optimizes_i
     )
 
 
+@pytest.mark.slow
 def test_vmapped_ensemble_keeps_fp8_state_per_member():
     members, xs = 3, jnp.stack([_x(seed) for seed in range(3)])
     layer, tx = _linen_layer(), optax.sgd(0.1)
@@ -339,7 +357,11 @@ def test_vmapped_ensemble_keeps_fp8_state_per_member():
     np.testing.assert_allclose(history[:, 0], jnp.max(jnp.abs(xs), axis=(1, 2)))
 
 
-@pytest.mark.parametrize("param_dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    "param_dtype",
+    [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)],
+    ids=["bf16", "fp16"],
+)
 def test_half_precision_parameters_train_alike_in_both_front_ends(param_dtype):
     xs = [_x(seed) for seed in range(2)]
     layer = _linen_layer(param_dtype=param_dtype)

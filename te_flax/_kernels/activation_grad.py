@@ -32,7 +32,9 @@ __all__ = ["KERNEL_ACTIVATIONS", "activation_grad_tiles"]
 
 # The activations whose backward this kernel computes as XLA does. ReLU and squared ReLU are
 # left out: Triton's maximum ignores NaN, so a NaN pre-activation would become 0; the exact
-# GELU is left out: Triton has no erf.
+# GELU is left out: Triton has no erf. The clamped SwiGLU is left out for both reasons it could
+# differ: its clamps are a minimum and a maximum (NaN would become the limit), and its
+# parameters are not passed to the kernel; it always runs the XLA stage.
 KERNEL_ACTIVATIONS = frozenset({"gelu", "silu", "quick_gelu", "linear"})
 
 

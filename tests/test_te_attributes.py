@@ -1,0 +1,229 @@
+"""TransformerEngine 2.20.2 attributes: clamped SwiGLU (``activation_params``), the quantized
+tensors' checkpoint name (``quantization_checkpoint_name``), ``score_mod`` /
+``score_mod_bprop`` and ``return_max_logit``, each against a hand-written reference."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import te_flax.linen as te_nn
+import te_flax.nnx as te_nnx
+from te_flax import _stages
+from te_flax._kernels import pallas_kernels
+from te_flax.layernorm_mlp import layernorm_mlp
+from te_flax.quantize import DelayedScaling, Float8CurrentScaling, QuantizerFactory
+from tests.helpers import (
+    F32,
+    FP8_FORWARD_TOLERANCE,
+    HIGHEST,
+    assert_close,
+    grad_fake_quant,
+    normal,
+    reference_norm,
+    relative_error,
+    straight_through_fake_quant,
+    tolerance,
+)
+
+HIDDEN, INTERMEDIATE = 16, 32
+CLAMPED = ("clamped_silu", "clamped_linear")
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+# ----------------------------------------------------------------------------- clamped SwiGLU
+
+
+def reference_clamped_swiglu(h, limit=7.0, alpha=1.702, offset=1.0):
+    """gpt-oss's clamped SwiGLU, written from its definition: ``[..., 2, F] -> [..., F]``."""
+    gate = jnp.minimum(h[..., 0, :], limit)
+    linear = jnp.minimum(jnp.maximum(h[..., 1, :], -limit), limit)
+    return gate / (1 + jnp.exp(-alpha * gate)) * (linear + offset)
+
+
+def reference_mlp(x, gamma, beta, kernels, biases, fp8_scale_inv=False, **params):
+    """Unfused float32 norm, GEMM, clamped SwiGLU, GEMM. With ``fp8_scale_inv`` (a scale, or
+    None for current scaling) each GEMM operand is fake-quantized to e4m3 and each GEMM
+    output's gradient to e5m2, as the FP8 op quantizes them."""
+    operand = gradient = lambda value: value
+    if fp8_scale_inv is not False:
+        operand = partial(straight_through_fake_quant, scale_inv=fp8_scale_inv, dtype=E4M3)
+        gradient = grad_fake_quant(fp8_scale_inv, E5M2)
+    ln = reference_norm(x, gamma, beta)
+    # [b, s, hidden] x [hidden, 2, inter] -> [b, s, 2, inter]
+    h = jnp.einsum("bsh,hai->bsai", operand(ln), operand(kernels[0]), precision=HIGHEST)
+    a = reference_clamped_swiglu(gradient(h) + biases[0][None, None], **params)
+    # [b, s, inter] x [inter, hidden] -> [b, s, hidden]
+    out = jnp.einsum("bsi,ih->bsh", operand(a), operand(kernels[1]), precision=HIGHEST)
+    return gradient(out) + biases[1][None, None]
+
+
+def mlp_inputs(scale=3.0):
+    keys = jax.random.split(jax.random.key(0), 6)
+    x = normal(keys[0], (2, 3, HIDDEN))
+    gamma = 1 + 0.1 * normal(keys[1], (HIDDEN,))
+    beta = 0.1 * normal(keys[2], (HIDDEN,))
+    # Large enough pre-activations that the clamps cut in on both sides.
+    kernels = (
+        normal(keys[3], (HIDDEN, 2, INTERMEDIATE), scale=scale / np.sqrt(HIDDEN)),
+        normal(keys[4], (INTERMEDIATE, HIDDEN), scale=1 / np.sqrt(INTERMEDIATE)),
+    )
+    biases = (0.1 * normal(keys[5], (2, INTERMEDIATE)), jnp.zeros(HIDDEN))
+    return x, gamma, beta, kernels, biases
+
+
+PARAMS = {"limit": 1.5, "alpha": 2.0, "glu_linear_offset": 0.5}
+
+
+def _loss_of(fn):
+    def loss(x, gamma, beta, kernels, biases):
+        out = fn(x, gamma, beta, kernels, biases)
+        return jnp.sum(out * jnp.sin(out)), out
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
+
+
+@pytest.mark.parametrize("params", [None, PARAMS], ids=["te_defaults", "given"])
+def test_clamped_swiglu_matches_the_formula_and_its_gradient(params):
+    limit = (params or {}).get("limit", 7.0)
+    inputs = mlp_inputs(scale=2 * limit)
+    x, gamma, beta, kernels, _ = inputs
+    pre = reference_norm(x, gamma, beta) @ kernels[0].reshape(HIDDEN, -1)
+    assert jnp.mean(jnp.abs(pre) > limit) > 0.05, "the clamps must cut in"
+
+    def ours(*args):
+        return layernorm_mlp(
+            *args[:3], args[3], args[4], "layernorm", activation_type=CLAMPED,
+            activation_params=params,
+        )  # fmt: skip
+
+    expected_params = {} if params is None else {
+        "limit": params["limit"], "alpha": params["alpha"], "offset": params["glu_linear_offset"]
+    }  # fmt: skip
+    (_, out), grads = _loss_of(ours)(*inputs)
+    (_, ref), ref_grads = _loss_of(lambda *a: reference_mlp(*a, **expected_params))(*inputs)
+    assert_close(out, ref, tolerance(F32), "output")
+    for name, got, want in zip(("x", "gamma", "beta"), grads, ref_grads, strict=False):
+        assert_close(got, want, tolerance(F32), name)
+    assert_close(grads[3][0], ref_grads[3][0], tolerance(F32), "kernel_1")
+    assert_close(grads[3][1], ref_grads[3][1], tolerance(F32), "kernel_2")
+    assert_close(grads[4][0], ref_grads[4][0], tolerance(F32), "bias_1")
+
+
+@pytest.mark.parametrize(
+    "recipe, scale_inv",
+    [(DelayedScaling(), 1.0), (Float8CurrentScaling(), None)],
+    ids=["delayed", "current"],
+)
+def test_clamped_swiglu_under_fp8_matches_the_fake_quantized_formula(recipe, scale_inv):
+    inputs = mlp_inputs()
+    sets = QuantizerFactory.create_set(2, fp8_recipe=recipe)
+
+    def ours(x, gamma, beta, kernels, biases):
+        return layernorm_mlp(
+            x, gamma, beta, kernels, biases, "layernorm", activation_type=CLAMPED,
+            activation_params=PARAMS, quantizer_sets=sets,
+        )  # fmt: skip
+
+    params = {"limit": 1.5, "alpha": 2.0, "offset": 0.5}
+    (_, out), grads = _loss_of(ours)(*inputs)
+    (_, ref), ref_grads = _loss_of(lambda *a: reference_mlp(*a, scale_inv, **params))(*inputs)
+    (_, exact), _ = _loss_of(lambda *a: reference_mlp(*a, **params))(*inputs)
+    # The same float8 roundings as the formula fake-quantized (up to a rare neighbouring
+    # float8 value), and an FP8 error against the unquantized formula.
+    assert relative_error(out, ref) < 1e-2
+    assert relative_error(out, exact) < 2 * FP8_FORWARD_TOLERANCE
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        assert relative_error(got, want) < 2e-2
+
+
+def test_clamped_swiglu_backward_equals_autodiff_of_the_formula_at_the_clamps():
+    from te_flax._activations import activation_backward, canonical_activation_params
+
+    params = canonical_activation_params(CLAMPED, PARAMS)
+    # Values on both sides of each clamp, and exactly on them.
+    values = jnp.array([-3.0, -1.5, -0.4, 0.0, 0.7, 1.5, 2.5], F32)
+    pre = jnp.stack(jnp.meshgrid(values, values), axis=0).reshape(2, -1).T[:, :, None]
+    grad = normal(jax.random.key(1), pre[..., 0, :].shape)
+    _, vjp = jax.vjp(lambda h: reference_clamped_swiglu(h, 1.5, 2.0, 0.5), pre)
+    assert_close(activation_backward(grad, pre, CLAMPED, params), vjp(grad)[0], 1e-6)
+
+
+def test_clamped_swiglu_runs_the_xla_stage_whatever_the_kernel_switch():
+    from te_flax._activations import canonical_activation_params
+
+    params = canonical_activation_params(CLAMPED, PARAMS)
+    pre = normal(jax.random.key(0), (8, 2, INTERMEDIATE), scale=3.0)
+    grad = normal(jax.random.key(1), (8, INTERMEDIATE))
+    quantizer = QuantizerFactory.create_set(fp8_recipe=DelayedScaling()).dgrad
+    with pallas_kernels("1"):
+        result = _stages.activation_grad(grad, pre, CLAMPED, quantizer, None, params)
+    # The kernel would return a prepared (quantized) gradient; the XLA stage a plain array.
+    assert isinstance(result, jax.Array)
+    _, vjp = jax.vjp(lambda h: reference_clamped_swiglu(h, 1.5, 2.0, 0.5), pre)
+    assert_close(result, vjp(grad)[0], 1e-6)
+
+
+def test_clamped_swiglu_modules_fused_and_composed_paths_agree_linen_and_nnx():
+    x = mlp_inputs()[0]
+    attributes = dict(
+        intermediate_dim=INTERMEDIATE, activations=("clamped_linear", "clamped_silu"),
+        activation_params=PARAMS, recipe=DelayedScaling(),
+    )  # fmt: skip
+    fused = te_nn.LayerNormMLP(**attributes)
+    variables = fused.init(jax.random.key(0), x)
+    out, _ = fused.apply(variables, x)
+    composed, ln = te_nn.LayerNormMLP(**attributes, return_layernorm_output=True).apply(
+        variables, x
+    )
+    assert ln is not None
+    np.testing.assert_array_equal(out, composed)
+    other = te_nn.LayerNormMLP(**{**attributes, "activation_params": {"limit": 0.5}})
+    assert relative_error(other.apply(variables, x)[0], out) > 0.01, "the parameters are used"
+    module = te_nnx.LayerNormMLP(HIDDEN, **attributes, rngs=nnx.Rngs(0))
+    te_nnx.load_linen_variables(module, variables)
+    np.testing.assert_array_equal(module(x)[0], out)
+
+
+def test_transformer_layer_passes_mlp_activation_params():
+    x = mlp_inputs()[0]
+    layer = te_nn.TransformerLayer(
+        hidden_size=HIDDEN, mlp_hidden_size=INTERMEDIATE, num_attention_heads=2,
+        mlp_activations=CLAMPED, mlp_activation_params=PARAMS,
+    )  # fmt: skip
+    assert layer.children()["mlp"].attributes["activation_params"] == PARAMS
+    variables = layer.init(jax.random.key(0), x, deterministic=True)
+    out = layer.apply(variables, x, deterministic=True)
+    default = layer.clone(mlp_activation_params=None).apply(variables, x, deterministic=True)
+    assert out.shape == x.shape and relative_error(out, default) > 1e-3
+
+
+@pytest.mark.parametrize(
+    "activations, params, error, message",
+    [
+        (("gelu",), {"limit": 7.0}, ValueError, "takes no parameters"),
+        (CLAMPED, {"limit": 7.0, "beta": 1.0}, ValueError, "unknown activation_params"),
+        (CLAMPED, {"limit": -1.0}, ValueError, "positive"),
+        (CLAMPED, {"alpha": "big"}, TypeError, "finite number"),
+        (CLAMPED, [("limit", 7.0)], TypeError, "dict or None"),
+        (("clamped_silu",), None, ValueError, "one gated pair"),
+        (("clamped_silu", "linear"), None, ValueError, "one gated pair"),
+    ],
+)
+def test_bad_activation_params_are_refused(activations, params, error, message):
+    x, gamma, beta, kernels, biases = mlp_inputs()
+    kernels = (kernels[0][:, : len(activations)], kernels[1])
+    biases = (biases[0][: len(activations)], biases[1])
+    with pytest.raises(error, match=message):
+        layernorm_mlp(
+            x, gamma, beta, kernels, biases, "layernorm", activation_type=activations,
+            activation_params=params,
+        )  # fmt: skip
+    with pytest.raises(error, match=message):
+        te_nn.LayerNormMLP(
+            intermediate_dim=INTERMEDIATE, activations=activations, activation_params=params
+        ).init(jax.random.key(0), x)
