@@ -13,7 +13,10 @@ microbatches). Without the mark autodiff adds up the updates of the uses. The ma
 made where the variables enter the step, before they fan out, so a module cannot make it for
 the uses of its own variables; with ``jax.grad`` directly, call ``merge_fp8_state(variables)``
 first thing in the loss. ``apply_gradients`` checks every new state
-(``te_flax.quantize.check_merged``): a summed one raises, or warns once under ``jit``.
+(``te_flax.quantize.check_merged``): a summed one raises, or warns once under ``jit``. A
+gradient of ``variables["params"]`` alone, the FP8 collection passed through as a constant,
+would drop the new state: the layers refuse it (an error, or one ``StaleFp8StateWarning`` under
+``jit``).
 
 Applying the gradients, two ways, one rule:
 

@@ -3,7 +3,8 @@
 Each module is its layer description (``te_flax._layers``: attributes, parameters, forward)
 plus the Linen shell that creates the variables. Parameters carry logical axis names
 (``nn.with_logical_partitioning``); FP8 state lives in the ``_overwrite_with_gradient``
-collection, whose "gradient" is its new value (``te_flax.training`` applies it).
+collection, whose "gradient" is its new value (``te_flax.training`` applies it): differentiate
+the whole variable dict, as a gradient of the ``params`` alone is refused.
 
 Common attributes: ``dtype`` is the compute dtype (None: the input's), ``param_dtype`` the
 storage dtype (default float32; FP8 kernels are quantized from it), ``recipe`` the FP8 recipe

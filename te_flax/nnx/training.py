@@ -9,6 +9,13 @@ FP8 state overwritten with its gradient (its new value), never touched by optax.
 checked with ``te_flax.quantize.check_merged`` where it is applied, so a gradient taken without
 the merge (``nnx.grad`` directly) cannot sum a reused state unnoticed.
 
+The training loop of Flax's guides needs one change: ``value_and_grad(loss_fn,
+update_fp8_state=True)`` in place of ``nnx.value_and_grad`` writes the new FP8 state into the
+model and returns the parameter gradients, for a plain ``nnx.Optimizer(model, tx,
+wrt=nnx.Param).update(model, grads)``. A plain ``nnx.value_and_grad`` would differentiate the
+parameters only and drop the new state; the layers refuse that (an error, or one
+``te_flax.training.StaleFp8StateWarning`` under ``jit``).
+
 Example usage::
 
   >>> import jax, jax.numpy as jnp, optax
