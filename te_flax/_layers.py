@@ -196,6 +196,22 @@ class _LowRank:
         return out + delta.astype(out.dtype)
 
 
+def _named_sets(
+    quantizer_sets: Sequence[QuantizerSet], name: str | None
+) -> tuple[QuantizerSet, ...]:
+    """The sets with TE's ``quantization_checkpoint_name``: the quantized operands each GEMM
+    saves for its backward carry that ``jax.checkpoint`` name (unquantized sets save none)."""
+    if name is not None and not isinstance(name, str):
+        raise TypeError(
+            f"quantization_checkpoint_name must be a str (a jax.checkpoint name) or None, got "
+            f"{name!r}"
+        )
+    return tuple(
+        qs if name is None or qs.is_noop else dataclasses.replace(qs, checkpoint_name=name)
+        for qs in quantizer_sets
+    )
+
+
 # ----------------------------------------------------------------------------- LayerNorm
 
 
@@ -254,6 +270,7 @@ class DenseGeneralSpec(_LowRank):
     param_dtype: Any = jnp.float32
     input_axes: tuple[str | None, ...] = ()
     transpose_batch_sequence: bool = False
+    quantization_checkpoint_name: str | None = None
     recipe: Recipe | None = None
 
     fp8_postfixes: tuple[str, ...] = ("",)
@@ -288,6 +305,7 @@ class DenseGeneralSpec(_LowRank):
     ) -> Array:
         x = _compute_input(x, self.dtype)
         axes = self._axes(x.ndim)
+        quantizer_sets = _named_sets(quantizer_sets, self.quantization_checkpoint_name)
         out = dense(
             x,
             params["kernel"],
@@ -333,6 +351,7 @@ class LayerNormDenseGeneralSpec(_Norm, _LowRank):
     dot_input_axes: tuple[str | None, ...] | None = None
     depth_scaling: float | None = None
     transpose_batch_sequence: bool = False
+    quantization_checkpoint_name: str | None = None
     recipe: Recipe | None = None
 
     fp8_postfixes: tuple[str, ...] = ("",)
@@ -362,6 +381,7 @@ class LayerNormDenseGeneralSpec(_Norm, _LowRank):
     ) -> tuple[Array, Array | None]:
         x = _compute_input(x, self.dtype)
         _check_last_axis(self.axis, x)
+        quantizer_sets = _named_sets(quantizer_sets, self.quantization_checkpoint_name)
         gemm: dict[str, Any] = dict(
             kernel=params["kernel"],
             bias=params.get("bias"),
@@ -431,6 +451,7 @@ class LayerNormMLPSpec(_Norm, _LowRank):
     ffn1_ckpt_name: str = "ffn1"
     ffn2_ckpt_name: str = "ffn2"
     transpose_batch_sequence: bool = False
+    quantization_checkpoint_name: str | None = None
     recipe: Recipe | None = None
 
     fp8_postfixes: tuple[str, ...] = ("_0", "_1")
@@ -481,6 +502,7 @@ class LayerNormMLPSpec(_Norm, _LowRank):
         x = _compute_input(x, self.dtype)
         _check_last_axis(self.axis, x)
         activation_type, activation_params = self._activation()
+        quantizer_sets = _named_sets(quantizer_sets, self.quantization_checkpoint_name)
         fused = (
             self.enable_layernorm
             and dropout is None

@@ -4,9 +4,12 @@ tensors' checkpoint name (``quantization_checkpoint_name``), ``score_mod`` /
 
 from __future__ import annotations
 
+import contextlib
+import io
 from functools import partial
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,6 +19,7 @@ import te_flax.linen as te_nn
 import te_flax.nnx as te_nnx
 from te_flax import _stages
 from te_flax._kernels import pallas_kernels
+from te_flax.dense import dense
 from te_flax.layernorm_mlp import layernorm_mlp
 from te_flax.quantize import DelayedScaling, Float8CurrentScaling, QuantizerFactory
 from tests.helpers import (
@@ -227,3 +231,87 @@ def test_bad_activation_params_are_refused(activations, params, error, message):
         te_nn.LayerNormMLP(
             intermediate_dim=INTERMEDIATE, activations=activations, activation_params=params
         ).init(jax.random.key(0), x)
+
+
+# ---------------------------------------------------------------- quantization_checkpoint_name
+
+# The quantized operands, and LayerNormMLP's pre-activation (its ffn1_ckpt_name), which its
+# backward also needs: without it the first GEMM would run (and quantize) again.
+SAVE_FP8 = jax.checkpoint_policies.save_only_these_names("fp8_operands", "ffn1")
+
+
+def _e4m3_quantizations(jaxpr) -> int:
+    """How many conversions to float8_e4m3fn (the forward operands' format) a jaxpr runs."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "convert_element_type":
+            count += eqn.params["new_dtype"] == jnp.dtype(E4M3)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            count += _e4m3_quantizations(sub)
+    return count
+
+
+def _remat_facts(loss, params):
+    """The float8 residuals a remat with the policy saves, and the e4m3 quantizations its
+    backward runs again."""
+    remat = jax.checkpoint(loss, policy=SAVE_FP8)
+    listing = io.StringIO()
+    with contextlib.redirect_stdout(listing):
+        jax.ad_checkpoint.print_saved_residuals(remat, params)
+    # One line per residual: "<dtype>[<shape>] <where it comes from>".
+    saved = [line for line in listing.getvalue().splitlines() if line.startswith("f8_")]
+    _, backward = jax.vjp(remat, params)
+    requantized = _e4m3_quantizations(jax.make_jaxpr(backward)(jnp.ones((), F32)).jaxpr)
+    return saved, requantized
+
+
+@pytest.mark.parametrize(
+    "make, n_gemms",
+    [
+        (lambda **a: te_nn.DenseGeneral(features=8, **a), 1),
+        (lambda **a: te_nn.LayerNormDenseGeneral(features=8, **a), 1),
+        (lambda **a: te_nn.LayerNormMLP(intermediate_dim=INTERMEDIATE, **a), 2),
+    ],
+    ids=["DenseGeneral", "LayerNormDenseGeneral", "LayerNormMLP"],
+)
+def test_quantization_checkpoint_name_lets_remat_save_the_float8_operands(make, n_gemms):
+    x = mlp_inputs()[0]
+    facts = {}
+    for name in ("fp8_operands", None):
+        module = make(quantization_checkpoint_name=name, recipe=DelayedScaling())
+        variables = module.init(jax.random.key(0), x)
+
+        def loss(variables, module=module):
+            # Differentiated with its FP8 state, as a train step is; linear in the output, so
+            # that the backward needs the op's residuals only, not the output itself.
+            out = module.apply(variables, x)
+            out = out[0] if isinstance(out, tuple) else out
+            return jnp.sum(out * jnp.cos(jnp.arange(out.size, dtype=F32)).reshape(out.shape))
+
+        facts[name] = _remat_facts(loss, variables)
+    saved, requantized = facts["fp8_operands"]
+    # Both operands of each GEMM (input and kernel) kept as float8, named; nothing requantized.
+    assert len(saved) == 2 * n_gemms, saved
+    assert all("named 'fp8_operands'" in line for line in saved)
+    assert requantized == 0
+    # Unnamed, the policy saves no float8 tensor and the backward quantizes the operands again.
+    saved, requantized = facts[None]
+    assert saved == [] and requantized >= 2 * n_gemms
+
+
+def test_quantization_checkpoint_name_in_the_functional_api_and_nnx():
+    x = mlp_inputs()[0]
+    kernel = normal(jax.random.key(3), (HIDDEN, 8))
+    named = QuantizerFactory.create_set(fp8_recipe=DelayedScaling(), checkpoint_name="fp8_operands")
+    assert named.checkpoint_name == "fp8_operands"
+    saved, requantized = _remat_facts(lambda k: jnp.sum(dense(x, k, quantizer_set=named)), kernel)
+    assert len(saved) == 2 and requantized == 0
+    module = te_nnx.DenseGeneral(
+        HIDDEN, 8, quantization_checkpoint_name="fp8_operands", recipe=DelayedScaling(),
+        rngs=nnx.Rngs(0),
+    )  # fmt: skip
+    assert module.quantization_checkpoint_name == "fp8_operands"
+    with pytest.raises(TypeError, match="quantization_checkpoint_name must be a str"):
+        te_nn.DenseGeneral(features=8, quantization_checkpoint_name=3).init(jax.random.key(0), x)
+    with pytest.raises(TypeError, match="checkpoint_name must be a str"):
+        QuantizerFactory.create_set(fp8_recipe=DelayedScaling(), checkpoint_name=("a",))

@@ -348,11 +348,14 @@ class QuantizerSet:
 
     ``dgrad`` quantizes the gradient of this GEMM's own output, which both backward GEMMs
     (dgrad and wgrad) consume. All three are None for no quantization.
+    ``checkpoint_name`` (static, None by default) names the quantized operands the GEMM saves
+    for its backward, for ``jax.checkpoint`` policies (TE's quantization checkpoint name).
     """
 
     x: Quantizer | None = None
     kernel: Quantizer | None = None
     dgrad: Quantizer | None = None
+    checkpoint_name: str | None = _static(None)
 
     @property
     def is_noop(self) -> bool:
@@ -371,6 +374,11 @@ class QuantizerSet:
         for name, quantizer in members.items():
             if quantizer is not None:
                 check_quantizer(quantizer, f"{argument}.{name}")
+        if self.checkpoint_name is not None and not isinstance(self.checkpoint_name, str):
+            raise TypeError(
+                f"{argument}.checkpoint_name must be a str (a jax.checkpoint name) or None, got "
+                f"{self.checkpoint_name!r}"
+            )
         quantizers = {n: quantizer for n, quantizer in members.items() if quantizer is not None}
         if not quantizers:
             return
@@ -420,6 +428,7 @@ class QuantizerFactory:
         *,
         fp8_recipe: Recipe | None = None,
         sr_key: Array | None = None,
+        checkpoint_name: str | None = None,
     ) -> QuantizerSet: ...
 
     @overload
@@ -429,6 +438,7 @@ class QuantizerFactory:
         *,
         fp8_recipe: Recipe | None = None,
         sr_key: Array | None = None,
+        checkpoint_name: str | None = None,
     ) -> tuple[QuantizerSet, QuantizerSet]: ...
 
     @overload
@@ -438,6 +448,7 @@ class QuantizerFactory:
         *,
         fp8_recipe: Recipe | None = None,
         sr_key: Array | None = None,
+        checkpoint_name: str | None = None,
     ) -> QuantizerSet | tuple[QuantizerSet, ...]: ...
 
     @staticmethod
@@ -446,6 +457,7 @@ class QuantizerFactory:
         *,
         fp8_recipe: Recipe | None = None,
         sr_key: Array | None = None,
+        checkpoint_name: str | None = None,
     ) -> QuantizerSet | tuple[QuantizerSet, ...]:
         """Fresh quantizer sets for ``n_quantizer_sets`` GEMMs.
 
@@ -456,6 +468,10 @@ class QuantizerFactory:
           sr_key: the RNG key of stochastic rounding, required by
             ``NVFP4BlockScaling(stochastic_rounding=True)`` (each set gets its own key split
             from it) and unused by the other recipes.
+          checkpoint_name: TransformerEngine's quantization checkpoint name (default None): the
+            quantized operands each GEMM saves for its backward are named so with
+            ``jax.ad_checkpoint.checkpoint_name``, so that a ``jax.checkpoint`` policy such as
+            ``save_only_these_names(checkpoint_name)`` keeps them rather than quantizing again.
 
         Returns:
           One ``QuantizerSet`` when ``n_quantizer_sets == 1``, else a tuple of them.
@@ -483,7 +499,17 @@ class QuantizerFactory:
                     "sr_key=jax.random.key(...) (modules draw it from the 'sr_rng' stream)"
                 )
             keys = list(jax.random.split(sr_key, n_quantizer_sets))
+        if checkpoint_name is not None and not isinstance(checkpoint_name, str):
+            raise TypeError(
+                f"checkpoint_name must be a str (a jax.checkpoint name) or None, got "
+                f"{checkpoint_name!r}"
+            )
         sets = tuple(_set_from_recipe(recipe, key) for key in keys)
+        if checkpoint_name is not None:
+            sets = tuple(
+                qs if qs.is_noop else dataclasses.replace(qs, checkpoint_name=checkpoint_name)
+                for qs in sets
+            )
         return sets[0] if n_quantizer_sets == 1 else sets
 
 
