@@ -14,7 +14,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import Array, lax
-from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 
 from te_flax._activations import ClampedSwigluParams, activation_backward
@@ -31,6 +30,7 @@ from te_flax.quantize import (
     BlockOperand,
     BlockScaledTensor,
     GemmOperand,
+    GemmPrecision,
     Quantizer,
     ScaledTensor,
     quantize_operand,
@@ -53,7 +53,6 @@ __all__ = [
     "norm_operand",
     "normalize",
     "normalize_backward",
-    "saved_operand",
     "sum_to_bias",
 ]
 
@@ -232,15 +231,6 @@ def kernel_uses(for_backward: bool) -> tuple[str, ...]:
     return (LEADING, TRAILING) if for_backward else (LEADING,)
 
 
-def saved_operand(operand: GemmOperand, use: str, name: str | None) -> GemmOperand:
-    """A quantized GEMM operand as the backward keeps it: ``operand.keep(use)``, named ``name``
-    with ``jax.ad_checkpoint.checkpoint_name`` when one is given (TransformerEngine's
-    quantization checkpoint name), so that a ``jax.checkpoint`` policy can save the float8
-    copy instead of recomputing the quantization in the backward."""
-    kept = operand.keep(use)
-    return kept if name is None else checkpoint_name(kept, name)
-
-
 def kernel_operand(
     kernel: Array,
     quantizer: Quantizer | None,
@@ -370,14 +360,26 @@ def _gemm(
     return (out * (lhs.scale_inv * rhs.scale_inv).astype(gemm_dtype)).astype(out_dtype)
 
 
+_DEFAULT_PRECISION = GemmPrecision()
+
+
 def dense_forward(
-    lhs: GemmOperand, rhs: GemmOperand, n_contract: int, out_dtype: DTypeLike, bias: Array | None
+    lhs: GemmOperand,
+    rhs: GemmOperand,
+    n_contract: int,
+    out_dtype: DTypeLike,
+    bias: Array | None,
+    precision: GemmPrecision = _DEFAULT_PRECISION,
 ) -> Array:
-    """``lhs[batch..., K...] . rhs[K..., F...] (+ bias[F...])`` -> ``[batch..., F...]``."""
+    """``lhs[batch..., K...] . rhs[K..., F...] (+ bias[F...])`` -> ``[batch..., F...]``.
+
+    A per-tensor FP8 GEMM runs with ``precision.fprop`` (the quantizer set's ``precision``).
+    """
     lhs_ndim = operand_ndim(lhs)
     contracting = (tuple(range(lhs_ndim - n_contract, lhs_ndim)), tuple(range(n_contract)))
-    # Forward GEMM with fast accumulation: its error is far below e4m3's rounding.
-    out = _gemm(lhs, rhs, contracting, out_dtype, lax.Precision.DEFAULT)
+    # By default the forward GEMM uses fast accumulation: its error is far below e4m3's
+    # rounding (the recipe's fp8_gemm_fprop can ask for split accumulation).
+    out = _gemm(lhs, rhs, contracting, out_dtype, precision.fprop)
     # The bias is added in the output dtype so that XLA fuses it as the GEMM's BIAS epilogue
     # (cuBLASLt takes no float32 bias for FP8 GEMMs).
     return out if bias is None else out + _leading_ones(bias.astype(out_dtype), out.ndim)
@@ -458,6 +460,7 @@ def dense_backward(
     rhs_dtype: DTypeLike,
     bias_dtype: DTypeLike | None = None,
     grad_axes: LogicalAxes = None,
+    precision: GemmPrecision = _DEFAULT_PRECISION,
 ) -> DenseGrads:
     """dgrad and wgrad of ``dense_forward`` (and dbias when ``bias_dtype`` is given).
 
@@ -469,24 +472,27 @@ def dense_backward(
     ``grad`` arrives in, keep its quantization on those shards, so that a gather for the GEMMs
     moves float8 (see ``constrained``). A ``GradOperand`` is used as prepared (by a kernel
     that made it with its producer); ``grad_quantizer``, ``bias_dtype`` and ``grad_axes`` are
-    then not used.
+    then not used. Per-tensor FP8 GEMMs run with ``precision.dgrad`` and ``precision.wgrad``.
     """
     n_features = operand_ndim(rhs) - n_contract
     if not isinstance(grad, GradOperand):
         grad = grad_operand(grad, grad_quantizer, n_features, bias_dtype, grad_axes)
     grad_gemm_operand = grad.operand
     n_batch = operand_ndim(grad_gemm_operand) - n_features
-    # Backward GEMMs accumulate with split (HIGHEST) precision: gradients are summed over many
-    # tokens, where fast accumulation's error would grow.
-    precision = lax.Precision.HIGHEST
+    # By default the backward GEMMs accumulate with split (HIGHEST) precision: gradients are
+    # summed over many tokens, where fast accumulation's error would grow.
     grad_ndim = n_batch + n_features
     feature_axes_of_grad = tuple(range(n_batch, grad_ndim))
     feature_axes_of_rhs = tuple(range(n_contract, n_contract + n_features))
     # [batch..., F...] x [K..., F...] -> [batch..., K...]
     d_lhs = _gemm(
-        grad_gemm_operand, rhs, (feature_axes_of_grad, feature_axes_of_rhs), lhs_dtype, precision
+        grad_gemm_operand,
+        rhs,
+        (feature_axes_of_grad, feature_axes_of_rhs),
+        lhs_dtype,
+        precision.dgrad,
     )
     # [batch..., K...] x [batch..., F...] -> [K..., F...]
     batch_axes = tuple(range(n_batch))
-    d_rhs = _gemm(lhs, grad_gemm_operand, (batch_axes, batch_axes), rhs_dtype, precision)
+    d_rhs = _gemm(lhs, grad_gemm_operand, (batch_axes, batch_axes), rhs_dtype, precision.wgrad)
     return DenseGrads(d_lhs, d_rhs, grad.bias, grad.quantizer)

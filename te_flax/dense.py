@@ -18,7 +18,6 @@ from te_flax._stages import (
     dense_forward,
     input_uses,
     kernel_operand,
-    saved_operand,
 )
 from te_flax.quantize import (
     LEADING,
@@ -74,12 +73,12 @@ def _forward(
         kernel, quantizer_set.kernel, x.dtype, config.n_contract, for_backward, config.kernel_axes
     )
     # [batch..., K...] x [K..., features...] -> [batch..., features...]
-    out = dense_forward(lhs, rhs, config.n_contract, x.dtype, bias)
+    out = dense_forward(lhs, rhs, config.n_contract, x.dtype, bias, quantizer_set.precision)
     out = with_logical_constraint(out, config.output_axes)
     fp8 = not quantizer_set.is_noop
     residuals = _Residuals(
-        lhs=saved_operand(lhs, LEADING, quantizer_set.checkpoint_name) if fp8 else x,
-        rhs=saved_operand(rhs, TRAILING, quantizer_set.checkpoint_name) if fp8 else kernel,
+        lhs=lhs.keep(LEADING) if fp8 else x,
+        rhs=rhs.keep(TRAILING) if fp8 else kernel,
         quantizers=dataclasses.replace(quantizer_set, x=x_quantizer, kernel=kernel_quantizer),
     )
     return out, residuals
@@ -117,6 +116,7 @@ def _backward(
         config.kernel_dtype,
         config.bias_dtype,
         grad_axes=config.output_axes,
+        precision=quantizers.precision,
     )
     d_x = with_logical_constraint(grads.lhs, config.input_axes)
     d_kernel = with_logical_constraint(grads.rhs, config.kernel_axes)

@@ -21,7 +21,6 @@ from te_flax._stages import (
     norm_operand,
     normalize,
     normalize_backward,
-    saved_operand,
 )
 from te_flax.quantize import (
     LEADING,
@@ -95,7 +94,7 @@ def _forward(
         kernel, quantizer_set.kernel, x.dtype, 1, for_backward, config.kernel_axes
     )
     # [batch..., hidden] x [hidden, features...] -> [batch..., features...]
-    out = dense_forward(lhs, rhs, 1, x.dtype, bias)
+    out = dense_forward(lhs, rhs, 1, x.dtype, bias, quantizer_set.precision)
     fp8 = not quantizer_set.is_noop
     output: _Output = out
     if config.return_norm_output:
@@ -108,10 +107,8 @@ def _forward(
         stats=stats,
         gamma=gamma,
         beta=beta,
-        ln_operand=saved_operand(lhs, LEADING, quantizer_set.checkpoint_name) if fp8 else None,
-        kernel_operand=saved_operand(rhs, TRAILING, quantizer_set.checkpoint_name)
-        if fp8
-        else kernel,
+        ln_operand=lhs.keep(LEADING) if fp8 else None,
+        kernel_operand=rhs.keep(TRAILING) if fp8 else kernel,
         quantizers=dataclasses.replace(quantizer_set, x=x_quantizer, kernel=kernel_quantizer),
     )
     return output, residuals
@@ -158,7 +155,15 @@ def _backward(
         lhs = cast(GemmOperand, residuals.ln_operand)
         rhs = cast(GemmOperand, residuals.kernel_operand)
     grads = dense_backward(
-        out_grad, lhs, rhs, quantizers.dgrad, 1, x.dtype, config.kernel_dtype, config.bias_dtype
+        out_grad,
+        lhs,
+        rhs,
+        quantizers.dgrad,
+        1,
+        x.dtype,
+        config.kernel_dtype,
+        config.bias_dtype,
+        precision=quantizers.precision,
     )
     d_ln = grads.lhs if d_ln_output is None else grads.lhs + d_ln_output
     d_ln = with_logical_constraint(d_ln, config.layernorm_input_axes)

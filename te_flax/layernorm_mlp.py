@@ -35,7 +35,6 @@ from te_flax._stages import (
     norm_operand,
     normalize,
     normalize_backward,
-    saved_operand,
 )
 from te_flax.quantize import (
     LEADING,
@@ -130,7 +129,7 @@ def _forward(
         kernel_1, set_1.kernel, x.dtype, 1, for_backward, config.kernel_1_axes
     )
     # [batch..., hidden] x [hidden, n_act, intermediate] -> [batch..., n_act, intermediate]
-    pre_activation = dense_forward(ln, k_1, 1, x.dtype, biases[0])
+    pre_activation = dense_forward(ln, k_1, 1, x.dtype, biases[0], set_1.precision)
     if isinstance(k_1, ScaledTensor) and k_1.scale_inv is not None:
         # XLA's GEMM rewriter fuses a tanh GELU into the GEMM as an epilogue, with the
         # pre-activation as an auxiliary output when anything else reads it (the backward
@@ -144,20 +143,18 @@ def _forward(
         kernel_2, set_2.kernel, x.dtype, 1, for_backward, config.kernel_2_axes
     )
     # [batch..., intermediate] x [intermediate, hidden] -> [batch..., hidden]
-    out = dense_forward(activated, k_2, 1, x.dtype, biases[1])
+    out = dense_forward(activated, k_2, 1, x.dtype, biases[1], set_2.precision)
     fp8 = not (set_1.is_noop and set_2.is_noop)
     residuals = _Residuals(
         x=x,
         stats=stats,
         gamma=gamma,
         beta=beta,
-        ln_operand=saved_operand(ln, LEADING, set_1.checkpoint_name) if fp8 else None,
-        kernel_1_operand=saved_operand(k_1, TRAILING, set_1.checkpoint_name) if fp8 else kernel_1,
+        ln_operand=ln.keep(LEADING) if fp8 else None,
+        kernel_1_operand=k_1.keep(TRAILING) if fp8 else kernel_1,
         pre_activation=pre_activation,
-        activation_operand=saved_operand(activated, LEADING, set_2.checkpoint_name)
-        if fp8
-        else None,
-        kernel_2_operand=saved_operand(k_2, TRAILING, set_2.checkpoint_name) if fp8 else kernel_2,
+        activation_operand=activated.keep(LEADING) if fp8 else None,
+        kernel_2_operand=k_2.keep(TRAILING) if fp8 else kernel_2,
         quantizer_sets=(
             dataclasses.replace(set_1, x=x_1, kernel=kernel_q_1),
             dataclasses.replace(set_2, x=x_2, kernel=kernel_q_2),
@@ -238,6 +235,7 @@ def _backward(
         kernel_2_dtype,
         bias_2_dtype,
         grad_axes=config.norm_input_axes,
+        precision=set_2.precision,
     )
     d_activated = with_logical_constraint(grads_2.lhs, config.dot_2_input_axes)
     # On GPUs under per-tensor FP8, one kernel computes the activation's backward and
@@ -252,7 +250,15 @@ def _backward(
     )
     # GEMM 1: d pre-activation [batch..., n_act, intermediate] -> d norm output, d kernel_1.
     grads_1 = dense_backward(
-        d_pre_activation, ln, kernel_1, set_1.dgrad, 1, x.dtype, kernel_1_dtype, bias_1_dtype
+        d_pre_activation,
+        ln,
+        kernel_1,
+        set_1.dgrad,
+        1,
+        x.dtype,
+        kernel_1_dtype,
+        bias_1_dtype,
+        precision=set_1.precision,
     )
     # The norm-output gradient returns to the norm input's layout (a reduce-scatter under
     # sequence parallelism).

@@ -37,9 +37,13 @@ from tests.helpers import (
 )
 
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
-MXFP8, NVFP4 = MXFP8BlockScaling(), NVFP4BlockScaling()
-NVFP4_SR = NVFP4BlockScaling(stochastic_rounding=True)
-RECIPES = {"mxfp8": MXFP8, "mxfp8_hybrid": MXFP8BlockScaling(Format.HYBRID), "nvfp4": NVFP4}
+MXFP8, NVFP4 = MXFP8BlockScaling(), NVFP4BlockScaling(disable_stochastic_rounding=True)
+NVFP4_SR = NVFP4BlockScaling()
+RECIPES = {
+    "mxfp8": MXFP8,
+    "mxfp8_hybrid": MXFP8BlockScaling(fp8_format=Format.HYBRID),
+    "nvfp4": NVFP4,
+}
 # Block-scaled GEMMs against NumPy's float64 GEMM of the same dequantized operands.
 FAKE_QUANT_TOLERANCE = 1e-5
 SR_KEY = jax.random.key(11)
@@ -453,7 +457,7 @@ def test_recipe_arguments_are_checked():
     with pytest.raises(ValueError, match="E2M1"):
         NVFP4BlockScaling(fp4_format=Format.E4M3)
     with pytest.raises(TypeError, match="bool"):
-        NVFP4BlockScaling(stochastic_rounding=1)
+        NVFP4BlockScaling(disable_stochastic_rounding=1)
 
 
 def test_stochastic_rounding_without_a_key_is_refused():

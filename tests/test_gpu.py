@@ -87,7 +87,7 @@ RECIPES = {
     "delayed": DelayedScaling(amax_history_len=16),
     "current": Float8CurrentScaling(),
     "mxfp8": MXFP8BlockScaling(),
-    "nvfp4": NVFP4BlockScaling(),
+    "nvfp4": NVFP4BlockScaling(disable_stochastic_rounding=True),
 }
 # Every op under the per-tensor recipes; the block-scaled ones (jax.nn.scaled_matmul on a GPU,
 # lax.scaled_dot elsewhere: different code on the two backends) through layernorm_dense.

@@ -56,7 +56,10 @@ RECIPES = {
 }
 OPS = ("layernorm_dense", "dense")
 # Block-scaled recipes, which the H100 has no GEMM for: XLA dequantizes their operands.
-BLOCK_RECIPES = {"mxfp8": MXFP8BlockScaling(), "nvfp4": NVFP4BlockScaling()}
+BLOCK_RECIPES = {
+    "mxfp8": MXFP8BlockScaling(),
+    "nvfp4": NVFP4BlockScaling(disable_stochastic_rounding=True),
+}
 BLOCK_TYPES = {"mxfp8": ("f8e4m3fn", "f8e8m0fnu"), "nvfp4": ("f4e2m1fn", "f8e4m3fn")}
 
 

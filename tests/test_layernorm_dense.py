@@ -73,7 +73,7 @@ FP8_RECIPES = [
     pytest.param(DelayedScaling(amax_history_len=4), id="delayed-hybrid"),
     pytest.param(DelayedScaling(fp8_format=Format.E4M3, amax_history_len=4), id="delayed-e4m3"),
     pytest.param(Float8CurrentScaling(), id="current-hybrid"),
-    pytest.param(Float8CurrentScaling(Format.E4M3), id="current-e4m3"),
+    pytest.param(Float8CurrentScaling(fp8_format=Format.E4M3), id="current-e4m3"),
 ]
 RECIPES_AND_NONE = [
     pytest.param(None, id="no-fp8"),

@@ -190,7 +190,7 @@ def test_factory_builds_hybrid_delayed_sets():
 
 
 def test_factory_builds_several_sets_and_current_scaling_sets():
-    sets = QuantizerFactory.create_set(2, fp8_recipe=Float8CurrentScaling(Format.E4M3))
+    sets = QuantizerFactory.create_set(2, fp8_recipe=Float8CurrentScaling(fp8_format=Format.E4M3))
     assert len(sets) == 2
     assert all(isinstance(q, CurrentScaleQuantizer) for q in (sets[0].x, sets[1].dgrad))
     assert sets[0].dgrad.q_dtype == E4M3

@@ -87,7 +87,7 @@ def make_recipe(config: Config):
     if t.recipe == "mxfp8":
         return MXFP8BlockScaling()
     if t.recipe == "nvfp4":
-        return NVFP4BlockScaling()
+        return NVFP4BlockScaling(disable_stochastic_rounding=True)
     return None
 
 

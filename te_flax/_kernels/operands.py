@@ -64,9 +64,9 @@ def _scaled_passes(
     if isinstance(quantizer, DelayedScaleQuantizer):
         outputs, partials = run(quantizer.scale_inv, q_dtype)
         return outputs, quantizer.scale_inv.reshape(()), quantizer.update(scaling.amax(partials))
-    one = jnp.ones((1,), jnp.float32)
-    _, partials = run(one, None)
-    scale_inv = scaling.compute_scale_inv(scaling.amax(partials), q_dtype, 0, one[0])
+    assert isinstance(quantizer, CurrentScaleQuantizer), "only per-tensor quantizers run kernels"
+    _, partials = run(jnp.ones((1,), jnp.float32), None)
+    scale_inv = quantizer.scale_inv_for(scaling.amax(partials))
     outputs, _ = run(scale_inv.reshape(1), q_dtype)
     return outputs, scale_inv, quantizer
 

@@ -4,7 +4,9 @@ Public API::
 
   Format, DelayedScaling, Float8CurrentScaling        per-tensor recipes
   MXFP8BlockScaling, NVFP4BlockScaling                block-scaled recipes
+  MMParams, QParams                                   a recipe's GEMM and quantization options
   QuantizerSet, QuantizerFactory, noop_quantizer_set  per-GEMM quantizer state (pytrees)
+  GemmPrecision                                       the precision of a set's FP8 GEMMs
   DelayedScaleQuantizer, CurrentScaleQuantizer,       the quantizers a set holds
   BlockScaleQuantizer, NVFP4Quantizer
   merge_by_max                                        max-merge the updates of a reused state
@@ -28,6 +30,7 @@ from te_flax.quantize.quantizer import (
     CurrentScaleQuantizer,
     DelayedScaleQuantizer,
     GemmOperand,
+    GemmPrecision,
     NVFP4Quantizer,
     Quantizer,
     QuantizerFactory,
@@ -42,8 +45,10 @@ from te_flax.quantize.recipes import (
     DelayedScaling,
     Float8CurrentScaling,
     Format,
+    MMParams,
     MXFP8BlockScaling,
     NVFP4BlockScaling,
+    QParams,
     Recipe,
 )
 
@@ -59,9 +64,12 @@ __all__ = [
     "Float8CurrentScaling",
     "Format",
     "GemmOperand",
+    "GemmPrecision",
+    "MMParams",
     "MXFP8BlockScaling",
     "NVFP4BlockScaling",
     "NVFP4Quantizer",
+    "QParams",
     "Quantizer",
     "QuantizerFactory",
     "QuantizerSet",

@@ -22,7 +22,7 @@ from typing import Any, Literal, NamedTuple, TypeVar, overload
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import Array
+from jax import Array, lax
 from jax.typing import DTypeLike
 
 from te_flax.quantize import block_scaling, scaling
@@ -45,6 +45,7 @@ __all__ = [
     "CurrentScaleQuantizer",
     "DelayedScaleQuantizer",
     "GemmOperand",
+    "GemmPrecision",
     "NVFP4Quantizer",
     "Quantizer",
     "QuantizerFactory",
@@ -158,7 +159,9 @@ class DelayedScaleQuantizer:
       amax_history: f32[L], past amax values, newest at index 0.
       q_dtype: the float8 dtype (static).
       margin: powers of two of headroom (static).
-      amax_compute_algo: ``"max"`` or ``"most_recent"`` (static).
+      amax_compute_algo: ``"max"``, ``"most_recent"`` or a function of the history (static).
+      recipe: the recipe the quantizer was made from (static), or None. When its
+        ``scaling_factor_compute_algo`` is set, that function computes the new scale.
     """
 
     block_scaled = False  # quantizes per block along a contraction
@@ -167,7 +170,8 @@ class DelayedScaleQuantizer:
     amax_history: Array
     q_dtype: Any = _static(jnp.float8_e4m3fn)  # noqa: RUF009
     margin: float = _static(0)
-    amax_compute_algo: str = _static("max")
+    amax_compute_algo: str | Callable[[Array], Array] = _static("max")  # noqa: RUF009
+    recipe: DelayedScaling | None = _static(None)  # noqa: RUF009
 
     @classmethod
     def fresh(cls, q_dtype: DTypeLike, recipe: DelayedScaling) -> DelayedScaleQuantizer:
@@ -178,6 +182,7 @@ class DelayedScaleQuantizer:
             q_dtype=q_dtype,
             margin=recipe.margin,
             amax_compute_algo=recipe.amax_compute_algo,
+            recipe=recipe,
         )
 
     def quantize(
@@ -200,26 +205,47 @@ class DelayedScaleQuantizer:
         """
         history = scaling.push_amax(self.amax_history, amax_value)
         reduced = scaling.reduce_history(history, self.amax_compute_algo)
-        scale_inv = scaling.compute_scale_inv(reduced, self.q_dtype, self.margin, self.scale_inv)
+        custom = None if self.recipe is None else self.recipe.scaling_factor_compute_algo
+        if custom is None:
+            scale_inv = scaling.compute_scale_inv(
+                reduced, self.q_dtype, self.margin, self.scale_inv
+            )
+        else:
+            scale_inv = scaling.scale_inv_from_scaling_factor(
+                custom, reduced, self.q_dtype, self.scale_inv, self.recipe
+            )
         return dataclasses.replace(self, scale_inv=scale_inv.reshape(1), amax_history=history)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class CurrentScaleQuantizer:
-    """Quantizes with a scale from the tensor's own amax; keeps no state."""
+    """Quantizes with a scale from the tensor's own amax; keeps no state.
+
+    Attributes:
+      q_dtype: the float8 dtype (static).
+      power_2_scale: round the scale to a power of two (static; see
+        ``scaling.compute_scale_inv``).
+    """
 
     block_scaled = False  # quantizes per block along a contraction
 
     q_dtype: Any = _static(jnp.float8_e4m3fn)  # noqa: RUF009
+    power_2_scale: bool = _static(False)
+
+    def scale_inv_for(self, amax_value: Array) -> Array:
+        """The scalar ``scale_inv`` of a tensor whose amax is ``amax_value``: ``amax / fp8_max``
+        (a power of two at or above it with ``power_2_scale``), 1 for a zero or non-finite amax.
+        """
+        one = jnp.ones((), jnp.float32)
+        return scaling.compute_scale_inv(amax_value, self.q_dtype, 0, one, self.power_2_scale)
 
     def quantize(
         self, x: Array, split: int | None = None, uses: Sequence[str] = ()
     ) -> tuple[ScaledTensor, CurrentScaleQuantizer]:
         """Returns ``x`` quantized with ``amax(x) / fp8_max``, and this (stateless) quantizer."""
         del split, uses
-        one = jnp.ones((), jnp.float32)
-        scale_inv = scaling.compute_scale_inv(scaling.amax(x), self.q_dtype, 0, one)
+        scale_inv = self.scale_inv_for(scaling.amax(x))
         return ScaledTensor(scaling.quantize(x, self.q_dtype, scale_inv), scale_inv), self
 
 
@@ -341,21 +367,37 @@ _DTYPES = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class GemmPrecision:
+    """The ``lax.dot_general`` precision of each per-tensor FP8 GEMM of a layer.
+
+    ``lax.Precision.DEFAULT`` lets cuBLASLt accumulate FP8 products with fast accumulation (on
+    Hopper and Ada), ``lax.Precision.HIGHEST`` with split (full float32) accumulation: a recipe's
+    ``MMParams(use_split_accumulator=...)`` False and True. The defaults are
+    ``Float8CurrentScaling``'s and what ``DelayedScaling`` uses: fast accumulation for the forward
+    GEMM, whose error stays far below e4m3's rounding, and split accumulation for the backward
+    GEMMs, which sum gradients over many tokens. Block-scaled GEMMs take no precision.
+    """
+
+    fprop: lax.Precision = lax.Precision.DEFAULT
+    dgrad: lax.Precision = lax.Precision.HIGHEST
+    wgrad: lax.Precision = lax.Precision.HIGHEST
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizerSet:
     """The quantizers of one GEMM: its input ``x``, its ``kernel`` and its output gradient.
 
     ``dgrad`` quantizes the gradient of this GEMM's own output, which both backward GEMMs
-    (dgrad and wgrad) consume. All three are None for no quantization.
-    ``checkpoint_name`` (static, None by default) names the quantized operands the GEMM saves
-    for its backward, for ``jax.checkpoint`` policies (TE's quantization checkpoint name).
+    (dgrad and wgrad) consume. All three are None for no quantization. ``precision`` (static)
+    is the precision of the forward, dgrad and wgrad GEMMs under per-tensor FP8.
     """
 
     x: Quantizer | None = None
     kernel: Quantizer | None = None
     dgrad: Quantizer | None = None
-    checkpoint_name: str | None = _static(None)
+    precision: GemmPrecision = _static(GemmPrecision())  # noqa: RUF009
 
     @property
     def is_noop(self) -> bool:
@@ -374,11 +416,6 @@ class QuantizerSet:
         for name, quantizer in members.items():
             if quantizer is not None:
                 check_quantizer(quantizer, f"{argument}.{name}")
-        if self.checkpoint_name is not None and not isinstance(self.checkpoint_name, str):
-            raise TypeError(
-                f"{argument}.checkpoint_name must be a str (a jax.checkpoint name) or None, got "
-                f"{self.checkpoint_name!r}"
-            )
         quantizers = {n: quantizer for n, quantizer in members.items() if quantizer is not None}
         if not quantizers:
             return
@@ -428,7 +465,6 @@ class QuantizerFactory:
         *,
         fp8_recipe: Recipe | None = None,
         sr_key: Array | None = None,
-        checkpoint_name: str | None = None,
     ) -> QuantizerSet: ...
 
     @overload
@@ -438,7 +474,6 @@ class QuantizerFactory:
         *,
         fp8_recipe: Recipe | None = None,
         sr_key: Array | None = None,
-        checkpoint_name: str | None = None,
     ) -> tuple[QuantizerSet, QuantizerSet]: ...
 
     @overload
@@ -448,7 +483,6 @@ class QuantizerFactory:
         *,
         fp8_recipe: Recipe | None = None,
         sr_key: Array | None = None,
-        checkpoint_name: str | None = None,
     ) -> QuantizerSet | tuple[QuantizerSet, ...]: ...
 
     @staticmethod
@@ -457,7 +491,6 @@ class QuantizerFactory:
         *,
         fp8_recipe: Recipe | None = None,
         sr_key: Array | None = None,
-        checkpoint_name: str | None = None,
     ) -> QuantizerSet | tuple[QuantizerSet, ...]:
         """Fresh quantizer sets for ``n_quantizer_sets`` GEMMs.
 
@@ -465,13 +498,9 @@ class QuantizerFactory:
           n_quantizer_sets: how many sets to create (default 1; ``layernorm_mlp`` takes 2).
           fp8_recipe: the recipe; None means the recipe of the active ``te_flax.autocast``,
             or no quantization outside of one.
-          sr_key: the RNG key of stochastic rounding, required by
-            ``NVFP4BlockScaling(stochastic_rounding=True)`` (each set gets its own key split
-            from it) and unused by the other recipes.
-          checkpoint_name: TransformerEngine's quantization checkpoint name (default None): the
-            quantized operands each GEMM saves for its backward are named so with
-            ``jax.ad_checkpoint.checkpoint_name``, so that a ``jax.checkpoint`` policy such as
-            ``save_only_these_names(checkpoint_name)`` keeps them rather than quantizing again.
+          sr_key: the RNG key of stochastic rounding, required by ``NVFP4BlockScaling()``
+            unless ``disable_stochastic_rounding=True`` (each set gets its own key split from
+            it) and unused by the other recipes.
 
         Returns:
           One ``QuantizerSet`` when ``n_quantizer_sets == 1``, else a tuple of them.
@@ -495,21 +524,13 @@ class QuantizerFactory:
         if isinstance(recipe, NVFP4BlockScaling) and recipe.stochastic_rounding:
             if sr_key is None:
                 raise ValueError(
-                    "NVFP4BlockScaling(stochastic_rounding=True) needs an RNG key: pass "
-                    "sr_key=jax.random.key(...) (modules draw it from the 'sr_rng' stream)"
+                    "NVFP4BlockScaling() rounds gradients stochastically (TransformerEngine's "
+                    "default), which needs an RNG key: pass sr_key=jax.random.key(...) (a new "
+                    "one each step; modules draw it from the 'sr_rng' stream), or round to "
+                    "nearest with NVFP4BlockScaling(disable_stochastic_rounding=True)"
                 )
             keys = list(jax.random.split(sr_key, n_quantizer_sets))
-        if checkpoint_name is not None and not isinstance(checkpoint_name, str):
-            raise TypeError(
-                f"checkpoint_name must be a str (a jax.checkpoint name) or None, got "
-                f"{checkpoint_name!r}"
-            )
         sets = tuple(_set_from_recipe(recipe, key) for key in keys)
-        if checkpoint_name is not None:
-            sets = tuple(
-                qs if qs.is_noop else dataclasses.replace(qs, checkpoint_name=checkpoint_name)
-                for qs in sets
-            )
         return sets[0] if n_quantizer_sets == 1 else sets
 
 
@@ -527,10 +548,16 @@ def _set_from_recipe(recipe: Recipe | None, sr_key: Array | None) -> QuantizerSe
             BlockScaleQuantizer(backward),
         )
     if isinstance(recipe, Float8CurrentScaling):
+        power_2 = recipe.use_power_2_scales
         return QuantizerSet(
-            CurrentScaleQuantizer(forward),
-            CurrentScaleQuantizer(forward),
-            CurrentScaleQuantizer(backward),
+            CurrentScaleQuantizer(forward, power_2),
+            CurrentScaleQuantizer(forward, power_2),
+            CurrentScaleQuantizer(backward, power_2),
+            GemmPrecision(
+                fprop=recipe.fp8_gemm_fprop.precision,
+                dgrad=recipe.fp8_gemm_dgrad.precision,
+                wgrad=recipe.fp8_gemm_wgrad.precision,
+            ),
         )
     return QuantizerSet(
         DelayedScaleQuantizer.fresh(forward, recipe),

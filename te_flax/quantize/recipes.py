@@ -3,6 +3,11 @@
 Per-tensor recipes (``DelayedScaling``, ``Float8CurrentScaling``) give each GEMM operand one
 float32 scale; block-scaled recipes (``MXFP8BlockScaling``, ``NVFP4BlockScaling``) give every
 block of consecutive elements along a GEMM's contraction its own scale.
+
+Every recipe has TransformerEngine 2.20's fields, in its order and with its defaults. A field
+te_flax cannot honour accepts TransformerEngine's default and refuses any other value with an
+error that says why. Unlike TransformerEngine, te_flax reads no ``NVTE_*`` environment
+variables: a default is the value written here, whatever the environment.
 """
 
 from __future__ import annotations
@@ -10,16 +15,21 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax.numpy as jnp
+from jax import lax
 from jax.typing import DTypeLike
 
 __all__ = [
     "DelayedScaling",
     "Float8CurrentScaling",
     "Format",
+    "MMParams",
     "MXFP8BlockScaling",
     "NVFP4BlockScaling",
+    "QParams",
     "Recipe",
 ]
 
@@ -50,6 +60,93 @@ class Format(enum.Enum):
         return self.value[1]
 
 
+@dataclasses.dataclass(frozen=True)
+class MMParams:
+    """Options of one FP8 GEMM (TransformerEngine's ``MMParams``).
+
+    Args:
+      use_split_accumulator: accumulate in full float32 precision (default True); False lets
+        Hopper and Ada GPUs use FP8 fast accumulation (cuBLASLt's
+        ``CUBLASLT_MATMUL_DESC_FAST_ACCUM``). te_flax gives the GEMM ``lax.Precision.HIGHEST``
+        for True and ``lax.Precision.DEFAULT`` for False, the precisions XLA's GEMM rewriter maps
+        to those two cuBLASLt settings.
+    """
+
+    use_split_accumulator: bool = True
+
+    def __post_init__(self) -> None:
+        _check_bool("MMParams", "use_split_accumulator", self.use_split_accumulator)
+
+    @property
+    def precision(self) -> lax.Precision:
+        """The ``lax.dot_general`` precision of a GEMM with these options."""
+        return lax.Precision.HIGHEST if self.use_split_accumulator else lax.Precision.DEFAULT
+
+
+@dataclasses.dataclass(frozen=True)
+class QParams:
+    """How one tensor role is quantized (TransformerEngine's ``QParams``), as recipes report it.
+
+    Read-only: recipes derive these from their own fields (``fp8_quant_fwd_inp`` and the like
+    are properties, not constructor arguments).
+    """
+
+    power_2_scale: bool = False
+    amax_epsilon: float = 0.0
+    random_hadamard_transform: bool = False
+    stochastic_rounding: bool = False
+    fp4_2d_quantization: bool = False
+
+
+_BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
+_NVFP4_4OVER6_SCOPES = ("none", "weights", "activations", "all")
+_NVFP4_4OVER6_ERR_MODES = ("MAE", "MSE")
+
+
+class _RecipeKind:
+    """TransformerEngine's recipe-kind predicates, as class methods of every recipe."""
+
+    @classmethod
+    def delayed(cls) -> bool:
+        """Whether the recipe is delayed scaling."""
+        return issubclass(cls, DelayedScaling)
+
+    @classmethod
+    def float8_current_scaling(cls) -> bool:
+        """Whether the recipe is (per-tensor) current scaling."""
+        return issubclass(cls, Float8CurrentScaling)
+
+    @classmethod
+    def float8_per_tensor_scaling(cls) -> bool:
+        """Whether the recipe scales per tensor (delayed or current scaling)."""
+        return issubclass(cls, DelayedScaling | Float8CurrentScaling)
+
+    @classmethod
+    def mxfp8(cls) -> bool:
+        """Whether the recipe is MXFP8 block scaling."""
+        return issubclass(cls, MXFP8BlockScaling)
+
+    @classmethod
+    def nvfp4(cls) -> bool:
+        """Whether the recipe is NVFP4 block scaling."""
+        return issubclass(cls, NVFP4BlockScaling)
+
+    @classmethod
+    def float8_block_scaling(cls) -> bool:
+        """Whether the recipe is TransformerEngine's ``Float8BlockScaling`` (te_flax has none)."""
+        return False
+
+    @classmethod
+    def custom(cls) -> bool:
+        """Whether the recipe is TransformerEngine's ``CustomRecipe`` (te_flax has none)."""
+        return False
+
+
+def _check_bool(recipe_name: str, field: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{recipe_name}({field}=...) must be a bool, got {value!r}")
+
+
 def _check_format(recipe_name: str, fp8_format: object) -> None:
     if not isinstance(fp8_format, Format):
         raise TypeError(
@@ -69,8 +166,50 @@ def _check_format(recipe_name: str, fp8_format: object) -> None:
         )
 
 
+def _check_attention(recipe_name: str, fp8_dpa: object, fp8_mha: object) -> None:
+    """``fp8_dpa`` and ``fp8_mha``: False (TransformerEngine's default) is all te_flax can do."""
+    for field, value in (("fp8_dpa", fp8_dpa), ("fp8_mha", fp8_mha)):
+        _check_bool(recipe_name, field, value)
+        if value:
+            raise ValueError(
+                f"{recipe_name}({field}=True) asks for FP8 attention, which te_flax does not "
+                "have: te_flax.attention (DotProductAttention, MultiHeadAttention) runs in high "
+                "precision (its inputs' dtype) under every recipe, while the recipe still "
+                f"quantizes the projections' GEMMs; leave {field}=False"
+            )
+
+
+def _check_backward_override(recipe_name: str, backward_override: object) -> None:
+    """``backward_override``: TransformerEngine's values; only None is implemented."""
+    if backward_override not in _BACKWARD_OVERRIDES:
+        raise ValueError(
+            f"{recipe_name}(backward_override=...) must be None, 'high_precision' or "
+            f"'dequantized', got {backward_override!r}"
+        )
+    if backward_override is not None:
+        raise ValueError(
+            f"{recipe_name}(backward_override={backward_override!r}) is not implemented in "
+            "te_flax: its backward GEMMs always multiply the operands the forward quantized with "
+            "the quantized output gradient (TransformerEngine's backward_override=None). "
+            "TransformerEngine's JAX layers ignore this field; for a high-precision backward "
+            "leave the layer unquantized (recipe=None)"
+        )
+
+
+def _check_hashable(recipe_name: str, field: str, value: object) -> None:
+    """Recipes are static configuration (part of jit's cache key), so they must hash."""
+    try:
+        hash(value)
+    except TypeError:
+        raise TypeError(
+            f"{recipe_name}({field}=...) must be hashable, as recipes are static configuration "
+            f"(part of jax.jit's cache key), got an unhashable {type(value).__name__}; pass a "
+            "plain function or a functools.partial of one"
+        ) from None
+
+
 @dataclasses.dataclass(frozen=True)
-class DelayedScaling:
+class DelayedScaling(_RecipeKind):
     """Per-tensor scaling from a history of past amax values (TransformerEngine's default recipe).
 
     The tensor of step ``t`` is quantized with ``scale_inv`` computed at the end of step ``t - 1``
@@ -83,13 +222,38 @@ class DelayedScaling:
       margin: powers of two of headroom left below the format's maximum (default 0).
       fp8_format: the formats to use (default ``Format.HYBRID``).
       amax_history_len: how many steps of amax the history keeps (default 1024, at least 1).
-      amax_compute_algo: ``"max"`` (default) or ``"most_recent"``.
+      amax_compute_algo: ``"max"`` (default), ``"most_recent"``, or a function
+        ``amax_compute_algo(amax_history) -> amax`` of the float32 ``[amax_history_len]``
+        history (newest entry first) returning a float32 scalar.
+      scaling_factor_compute_algo: None (default: the formula above), or a function
+        ``scaling_factor_compute_algo(amax, old_scaling_factor, fp8_max, recipe) ->
+        new_scaling_factor`` with TransformerEngine's meaning: the scaling factor is the
+        *quantization* scale ``1 / scale_inv``, and ``amax``, ``old_scaling_factor`` and
+        ``fp8_max`` are float32 scalars. The new ``scale_inv`` is ``1 / new_scaling_factor``;
+        where that is not a positive finite number the previous ``scale_inv`` is kept.
+      reduce_amax: True (default): the amax is taken over the whole tensor, across every
+        device it is sharded over, so all devices share one scale (te_flax's state is one value
+        per tensor). False (TransformerEngine: one amax and scale per device) is refused.
+      fp8_dpa: FP8 dot-product attention (default False); True is refused: te_flax's
+        attention runs in high precision.
+      fp8_mha: FP8 multi-head attention (default False); True is refused, as ``fp8_dpa``.
+      backward_override: None (default). TransformerEngine allows only None for delayed
+        scaling, and so does te_flax.
+
+    Functions given as ``amax_compute_algo`` or ``scaling_factor_compute_algo`` run inside the
+    traced backward pass (jax.numpy on float32 scalars), and must be hashable (a plain function
+    or a ``functools.partial``): a recipe is static configuration.
     """
 
     margin: float = 0
     fp8_format: Format = Format.HYBRID
     amax_history_len: int = 1024
-    amax_compute_algo: str = "max"
+    amax_compute_algo: str | Callable[[Any], Any] = "max"
+    scaling_factor_compute_algo: Callable[..., Any] | None = None
+    reduce_amax: bool = True
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: str | None = None
 
     def __post_init__(self) -> None:
         _check_format("DelayedScaling", self.fp8_format)
@@ -106,32 +270,112 @@ class DelayedScaling:
                 "DelayedScaling(amax_history_len=...) must be an int >= 1, got "
                 f"{self.amax_history_len!r}; 1 keeps only the newest amax"
             )
-        if self.amax_compute_algo not in ("max", "most_recent"):
+        if callable(self.amax_compute_algo):
+            _check_hashable("DelayedScaling", "amax_compute_algo", self.amax_compute_algo)
+        elif self.amax_compute_algo not in ("max", "most_recent"):
             raise ValueError(
-                'DelayedScaling(amax_compute_algo=...) must be "max" or "most_recent", got '
-                f"{self.amax_compute_algo!r}"
+                'DelayedScaling(amax_compute_algo=...) must be "max" or "most_recent", or a '
+                f"function of the amax history, got {self.amax_compute_algo!r}"
+            )
+        if self.scaling_factor_compute_algo is not None:
+            if not callable(self.scaling_factor_compute_algo):
+                raise TypeError(
+                    "DelayedScaling(scaling_factor_compute_algo=...) must be None or a function "
+                    "(amax, old_scaling_factor, fp8_max, recipe) -> new_scaling_factor, got "
+                    f"{self.scaling_factor_compute_algo!r}"
+                )
+            _check_hashable(
+                "DelayedScaling", "scaling_factor_compute_algo", self.scaling_factor_compute_algo
+            )
+        _check_bool("DelayedScaling", "reduce_amax", self.reduce_amax)
+        if not self.reduce_amax:
+            raise ValueError(
+                "DelayedScaling(reduce_amax=False) keeps a separate amax and scale on every "
+                "device, but te_flax's FP8 state is one value per tensor: under jax.jit the amax "
+                "of a sharded tensor is its global amax, and inside shard_map the state must "
+                "stay the same on every device (it is returned as one replicated variable). "
+                "TransformerEngine's JAX layers require reduce_amax=True as well; leave it True"
+            )
+        _check_attention("DelayedScaling", self.fp8_dpa, self.fp8_mha)
+        if self.backward_override not in _BACKWARD_OVERRIDES:
+            _check_backward_override("DelayedScaling", self.backward_override)
+        if self.backward_override is not None:
+            raise ValueError(
+                f"DelayedScaling(backward_override={self.backward_override!r}): delayed scaling "
+                "only supports backward_override=None (as in TransformerEngine)"
             )
 
 
 @dataclasses.dataclass(frozen=True)
-class Float8CurrentScaling:
+class Float8CurrentScaling(_RecipeKind):
     """Per-tensor scaling from the tensor's own amax, computed at every use (no state).
 
     ``scale_inv = amax(x) / fp8_max``. It costs one extra reduction over each tensor before it is
     quantized, and keeps no variables.
 
     Args:
+      use_power_2_scales: round every scale to a power of two (default False), as
+        TransformerEngine's kernels do: the quantization scale ``fp8_max / amax`` is rounded
+        *down* to a power of two (its float32 mantissa dropped), so ``scale_inv`` is the
+        power of two at or above ``amax / fp8_max`` and no element saturates.
       fp8_format: the formats to use (default ``Format.HYBRID``).
+      fp8_gemm_fprop: the forward GEMM's options (default
+        ``MMParams(use_split_accumulator=False)``: fast accumulation, whose error is far below
+        e4m3's rounding).
+      fp8_gemm_dgrad: the data-gradient GEMM's options (default
+        ``MMParams(use_split_accumulator=True)``: gradients are summed over many terms).
+      fp8_gemm_wgrad: the weight-gradient GEMM's options (default
+        ``MMParams(use_split_accumulator=True)``: a sum over every token).
+      fp8_dpa: FP8 dot-product attention (default False); True is refused: te_flax's
+        attention runs in high precision.
+      fp8_mha: FP8 multi-head attention (default False); True is refused, as ``fp8_dpa``.
+      backward_override: None (default); ``"high_precision"`` and ``"dequantized"`` are
+        refused (not implemented).
+
+    ``fp8_quant_fwd_inp``, ``fp8_quant_fwd_weight`` and ``fp8_quant_bwd_grad`` report the
+    ``QParams`` each tensor is quantized with; in TransformerEngine they are class attributes
+    that follow an environment variable, here they follow ``use_power_2_scales``.
     """
 
+    use_power_2_scales: bool = False
     fp8_format: Format = Format.HYBRID
+    fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=False)
+    fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: str | None = None
 
     def __post_init__(self) -> None:
+        _check_bool("Float8CurrentScaling", "use_power_2_scales", self.use_power_2_scales)
         _check_format("Float8CurrentScaling", self.fp8_format)
+        for field in ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"):
+            if not isinstance(getattr(self, field), MMParams):
+                raise TypeError(
+                    f"Float8CurrentScaling({field}=...) must be a te_flax.quantize.MMParams, got "
+                    f"{getattr(self, field)!r}; e.g. MMParams(use_split_accumulator=True)"
+                )
+        _check_attention("Float8CurrentScaling", self.fp8_dpa, self.fp8_mha)
+        _check_backward_override("Float8CurrentScaling", self.backward_override)
+
+    @property
+    def fp8_quant_fwd_inp(self) -> QParams:
+        """How GEMM inputs are quantized."""
+        return QParams(power_2_scale=self.use_power_2_scales)
+
+    @property
+    def fp8_quant_fwd_weight(self) -> QParams:
+        """How kernels are quantized."""
+        return QParams(power_2_scale=self.use_power_2_scales)
+
+    @property
+    def fp8_quant_bwd_grad(self) -> QParams:
+        """How gradients are quantized."""
+        return QParams(power_2_scale=self.use_power_2_scales)
 
 
 @dataclasses.dataclass(frozen=True)
-class MXFP8BlockScaling:
+class MXFP8BlockScaling(_RecipeKind):
     """MXFP8: float8 data with one power-of-two scale per 32 elements (no state).
 
     Every GEMM operand is quantized in blocks of 32 consecutive elements along that GEMM's
@@ -144,18 +388,48 @@ class MXFP8BlockScaling:
     GEMMs natively; elsewhere XLA dequantizes the blocks and runs a high-precision GEMM.
 
     Args:
+      margin: 0 (default). TransformerEngine has the field but uses it for no MXFP8 scale
+        (its JAX and PyTorch MXFP8 quantizers ignore it); te_flax refuses any other value
+        rather than ignore it.
       fp8_format: ``Format.E4M3`` (default, as in TransformerEngine: e4m3 everywhere) or
         ``Format.HYBRID`` (e5m2 gradients).
+      fp8_dpa: FP8 dot-product attention (default False); True is refused: te_flax's
+        attention runs in high precision.
+      fp8_mha: FP8 multi-head attention (default False); True is refused, as ``fp8_dpa``.
+      backward_override: None (default); ``"high_precision"`` and ``"dequantized"`` are
+        refused (not implemented).
+      enable_2d_quantization: False (default): kernels are scaled in 1x32 blocks like every
+        other tensor. True (TransformerEngine: 2D blocks for kernels) is refused.
     """
 
+    margin: int = 0
     fp8_format: Format = Format.E4M3
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: str | None = None
+    enable_2d_quantization: bool = False
 
     def __post_init__(self) -> None:
+        if self.margin != 0 or isinstance(self.margin, bool):
+            raise ValueError(
+                f"MXFP8BlockScaling(margin={self.margin!r}): MXFP8 scales are the powers of two "
+                "just above each block's amax / fp8_max and take no margin (TransformerEngine "
+                "ignores the field for MXFP8); leave margin=0"
+            )
         _check_format("MXFP8BlockScaling", self.fp8_format)
+        _check_attention("MXFP8BlockScaling", self.fp8_dpa, self.fp8_mha)
+        _check_backward_override("MXFP8BlockScaling", self.backward_override)
+        _check_bool("MXFP8BlockScaling", "enable_2d_quantization", self.enable_2d_quantization)
+        if self.enable_2d_quantization:
+            raise ValueError(
+                "MXFP8BlockScaling(enable_2d_quantization=True) asks for 2D-block kernel scales, "
+                "which te_flax does not implement: it scales kernels in 1x32 blocks along each "
+                "GEMM's contraction, like every other tensor; leave it False"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
-class NVFP4BlockScaling:
+class NVFP4BlockScaling(_RecipeKind):
     """NVFP4: float4 (e2m1) data with an e4m3 scale per 16 elements and one float32 scale.
 
     Each GEMM operand gets a tensor scale ``amax(x) / (6 * 448)`` and, for every 16 consecutive
@@ -165,31 +439,117 @@ class NVFP4BlockScaling:
     quantized once per contraction layout, so contractions must be multiples of 16. All GEMMs of
     a training step, the backward ones included, use NVFP4 operands.
 
-    Args:
-      fp4_format: ``Format.E2M1`` (default, the only float4 format).
-      stochastic_rounding: round the gradients (the backward GEMMs' gradient operands)
-        stochastically instead of to nearest (default False), which keeps their rounding
-        unbiased. It needs an RNG key: modules draw one from the ``"sr_rng"`` stream
-        (Linen ``rngs={"sr_rng": key}``; NNX ``rngs=nnx.Rngs(sr_rng=...)`` at construction),
-        ``QuantizerFactory.create_set`` takes ``sr_key=``. TransformerEngine's
-        ``disable_stochastic_rounding=False`` is ``stochastic_rounding=True`` here.
+    The gradients (both backward GEMMs' gradient operands) are rounded stochastically by
+    default, as in TransformerEngine, which keeps their rounding unbiased. That needs an RNG
+    key at every call: modules draw one from the ``"sr_rng"`` stream (Linen:
+    ``apply(..., rngs={"sr_rng": key})`` with a new key each step; NNX:
+    ``rngs=nnx.Rngs(0, sr_rng=1)`` at construction), ``QuantizerFactory.create_set`` takes
+    ``sr_key=``. ``disable_stochastic_rounding=True`` rounds to nearest and needs no key.
 
-    TransformerEngine's random Hadamard transform and 16x16 kernel blocks are not implemented.
+    Two of TransformerEngine's defaults are not implemented, and te_flax behaves as with
+    them disabled: the random Hadamard transform of the weight-gradient GEMM's operands
+    (``disable_rht=False`` is quantized as ``disable_rht=True``) and one scale per 16x16 block
+    of each kernel (``disable_2d_quantization=False`` is quantized as ``True``: kernels get
+    1x16 blocks along each GEMM's contraction, each layout from high precision).
+
+    Args:
+      disable_rht: TransformerEngine: skip the random Hadamard transform (default False; te_flax
+        never applies it, see above).
+      disable_stochastic_rounding: round the gradients to nearest instead of stochastically
+        (default False: stochastic).
+      disable_2d_quantization: TransformerEngine: 1x16 kernel blocks instead of 16x16 (default
+        False; te_flax always uses 1x16 blocks, see above).
+      row_scaled_activation: False (default); True (one tensor scale per row of the forward
+        activations) is refused, not implemented.
+      nvfp4_4over6: ``"none"`` (default); TransformerEngine's adaptive 4-over-6 block scaling
+        (``"weights"``, ``"activations"``, ``"all"``) is refused, not implemented.
+      nvfp4_4over6_e4m3_use_256: which 4-over-6 tensors bound their scales by 256 (default
+        ``"all"``); validated, and without effect while ``nvfp4_4over6="none"``.
+      nvfp4_4over6_err_mode: ``"MAE"`` (default) or ``"MSE"``; validated, and without effect
+        while ``nvfp4_4over6="none"``.
+      fp4_format: ``Format.E2M1`` (default, the only float4 format).
+      fp8_format: ``Format.E4M3`` (default, the only format of the block scales).
+      fp8_dpa: FP8 dot-product attention (default False); True is refused: te_flax's
+        attention runs in high precision.
+      fp8_mha: FP8 multi-head attention (default False); True is refused, as ``fp8_dpa``.
+      backward_override: None (default); ``"high_precision"`` and ``"dequantized"`` are
+        refused (not implemented).
     """
 
+    disable_rht: bool = False
+    disable_stochastic_rounding: bool = False
+    disable_2d_quantization: bool = False
+    row_scaled_activation: bool = False
+    nvfp4_4over6: str = "none"
+    nvfp4_4over6_e4m3_use_256: str = "all"
+    nvfp4_4over6_err_mode: str = "MAE"
     fp4_format: Format = Format.E2M1
-    stochastic_rounding: bool = False
+    fp8_format: Format = Format.E4M3
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: str | None = None
 
     def __post_init__(self) -> None:
-        if self.fp4_format is not Format.E2M1:
+        name = "NVFP4BlockScaling"
+        for field in (
+            "disable_rht",
+            "disable_stochastic_rounding",
+            "disable_2d_quantization",
+            "row_scaled_activation",
+        ):
+            _check_bool(name, field, getattr(self, field))
+        if self.row_scaled_activation:
             raise ValueError(
-                f"NVFP4BlockScaling(fp4_format=...) must be Format.E2M1, got {self.fp4_format!r}"
+                f"{name}(row_scaled_activation=True) asks for one tensor scale per row of the "
+                "forward activations, which te_flax does not implement (one float32 scale per "
+                "tensor); leave it False"
             )
-        if not isinstance(self.stochastic_rounding, bool):
-            raise TypeError(
-                "NVFP4BlockScaling(stochastic_rounding=...) must be a bool, got "
-                f"{self.stochastic_rounding!r}"
+        for field, allowed in (
+            ("nvfp4_4over6", _NVFP4_4OVER6_SCOPES),
+            ("nvfp4_4over6_e4m3_use_256", _NVFP4_4OVER6_SCOPES),
+            ("nvfp4_4over6_err_mode", _NVFP4_4OVER6_ERR_MODES),
+        ):
+            if getattr(self, field) not in allowed:
+                raise ValueError(
+                    f"{name}({field}=...) must be one of {', '.join(map(repr, allowed))}, got "
+                    f"{getattr(self, field)!r}"
+                )
+        if self.nvfp4_4over6 != "none":
+            raise ValueError(
+                f"{name}(nvfp4_4over6={self.nvfp4_4over6!r}) asks for TransformerEngine's "
+                "adaptive 4-over-6 block scaling, which te_flax does not implement; leave "
+                "nvfp4_4over6='none'"
             )
+        if self.fp4_format is not Format.E2M1:
+            raise ValueError(f"{name}(fp4_format=...) must be Format.E2M1, got {self.fp4_format!r}")
+        if self.fp8_format is not Format.E4M3:
+            raise ValueError(
+                f"{name}(fp8_format=...) is the format of the block scales and must be "
+                f"Format.E4M3 (as in TransformerEngine), got {self.fp8_format!r}"
+            )
+        _check_attention(name, self.fp8_dpa, self.fp8_mha)
+        _check_backward_override(name, self.backward_override)
+
+    @property
+    def stochastic_rounding(self) -> bool:
+        """Whether gradients are rounded stochastically: ``not disable_stochastic_rounding``."""
+        return not self.disable_stochastic_rounding
+
+    @property
+    def fp4_quant_fwd_inp(self) -> QParams:
+        """How GEMM inputs are quantized, as te_flax does it (no Hadamard transform)."""
+        return QParams()
+
+    @property
+    def fp4_quant_fwd_weight(self) -> QParams:
+        """How kernels are quantized, as te_flax does it (1x16 blocks)."""
+        return QParams()
+
+    @property
+    def fp4_quant_bwd_grad(self) -> QParams:
+        """How gradients are quantized, as te_flax does it (stochastic rounding unless
+        disabled, no Hadamard transform)."""
+        return QParams(stochastic_rounding=self.stochastic_rounding)
 
 
 Recipe = DelayedScaling | Float8CurrentScaling | MXFP8BlockScaling | NVFP4BlockScaling

@@ -6,6 +6,9 @@ Scales are stored as *dequantization* scales, ``scale_inv``: ``x ~= q * scale_in
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax import Array, lax
@@ -19,6 +22,7 @@ __all__ = [
     "push_amax",
     "quantize",
     "reduce_history",
+    "scale_inv_from_scaling_factor",
 ]
 
 _F32 = jnp.finfo(jnp.float32)
@@ -43,18 +47,62 @@ def amax(x: Array) -> Array:
 
 
 def compute_scale_inv(
-    amax_value: Array, dtype: DTypeLike, margin: float, previous_scale_inv: Array
+    amax_value: Array,
+    dtype: DTypeLike,
+    margin: float,
+    previous_scale_inv: Array,
+    power_2_scale: bool = False,
 ) -> Array:
     """``amax * 2**margin / fp8_max``, keeping ``previous_scale_inv`` where amax is 0, NaN or inf.
+
+    With ``power_2_scale`` the scale is a power of two, rounded as TransformerEngine's kernels
+    round it: the quantization scale ``fp8_max / amax`` (float32 division; float32's maximum
+    where it overflows) loses its mantissa, i.e. is rounded *down* to a power of two, and
+    ``scale_inv`` is its exact reciprocal (``margin`` must then be 0, as in current scaling).
 
     The result is clipped to the normal float32 range, so it is never 0, inf or NaN as long as
     ``previous_scale_inv`` is not.
     """
-    scale_inv = amax_value * (2.0**margin / fp8_max(dtype))
+    if power_2_scale:
+        assert margin == 0, "power-of-two scales take no margin"
+        scale = jnp.float32(fp8_max(dtype)) / amax_value.astype(jnp.float32)
+        scale = jnp.where(jnp.isinf(scale), _F32.max, scale)
+        # Dropping the mantissa bits rounds a positive float32 down to a power of two.
+        bits = lax.bitcast_convert_type(scale, jnp.uint32) & jnp.uint32(0xFF800000)
+        scale_inv = 1.0 / lax.bitcast_convert_type(bits, jnp.float32)
+    else:
+        scale_inv = amax_value * (2.0**margin / fp8_max(dtype))
     valid = jnp.isfinite(amax_value) & (amax_value > 0)
     scale_inv = jnp.where(valid, scale_inv, previous_scale_inv)
     # A denormal amax would underflow to 0 and a huge one overflow to inf; both break the next
     # quantization, so keep the scale inside float32's normal range.
+    return jnp.clip(scale_inv, _F32.tiny, _F32.max).astype(jnp.float32)
+
+
+def scale_inv_from_scaling_factor(
+    scaling_factor_compute_algo: Callable[..., Any],
+    amax_value: Array,
+    dtype: DTypeLike,
+    previous_scale_inv: Array,
+    recipe: object,
+) -> Array:
+    """``1 / scaling_factor_compute_algo(amax, 1 / previous_scale_inv, fp8_max, recipe)``.
+
+    TransformerEngine's custom scaling-factor function works on the *quantization* scale, the
+    reciprocal of te_flax's ``scale_inv``; its arguments are float32 scalars. Where the new
+    scale is not a positive finite number the previous ``scale_inv`` is kept, and the result
+    is clipped to float32's normal range, as ``compute_scale_inv`` does.
+    """
+    previous = previous_scale_inv.astype(jnp.float32).reshape(())
+    new_scale = scaling_factor_compute_algo(
+        amax_value.astype(jnp.float32).reshape(()),
+        1.0 / previous,
+        jnp.float32(fp8_max(dtype)),
+        recipe,
+    )
+    new_scale = jnp.asarray(new_scale, jnp.float32).reshape(())
+    valid = jnp.isfinite(new_scale) & (new_scale > 0)
+    scale_inv = jnp.where(valid, 1.0 / jnp.where(valid, new_scale, 1.0), previous)
     return jnp.clip(scale_inv, _F32.tiny, _F32.max).astype(jnp.float32)
 
 
@@ -68,8 +116,11 @@ def push_amax(history: Array, amax_value: Array) -> Array:
     return jnp.concatenate([recorded.reshape(1), history[:-1]])
 
 
-def reduce_history(history: Array, amax_compute_algo: str) -> Array:
-    """The amax a scale is computed from: the history's maximum, or its newest entry."""
+def reduce_history(history: Array, amax_compute_algo: str | Callable[[Array], Array]) -> Array:
+    """The amax a scale is computed from: the history's maximum, its newest entry, or
+    ``amax_compute_algo(history)`` (a float32 scalar) for a function."""
+    if callable(amax_compute_algo):
+        return jnp.asarray(amax_compute_algo(history), jnp.float32).reshape(())
     if amax_compute_algo == "max":
         return jnp.max(history)
     return history[0]
