@@ -14,6 +14,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import Array, lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 
 from te_flax._activations import ClampedSwigluParams, activation_backward
@@ -53,6 +54,7 @@ __all__ = [
     "norm_operand",
     "normalize",
     "normalize_backward",
+    "saved_operand",
     "sum_to_bias",
 ]
 
@@ -229,6 +231,15 @@ def kernel_uses(for_backward: bool) -> tuple[str, ...]:
     """The block-scaled layouts of a kernel ``[inputs..., outputs...]``: contracted along its
     inputs by the forward GEMM and, when differentiated, along its outputs by dgrad."""
     return (LEADING, TRAILING) if for_backward else (LEADING,)
+
+
+def saved_operand(operand: GemmOperand, use: str, name: str | None) -> GemmOperand:
+    """A quantized GEMM operand as the backward keeps it: ``operand.keep(use)``, named ``name``
+    with ``jax.ad_checkpoint.checkpoint_name`` when one is given (TransformerEngine's
+    quantization checkpoint name), so that a ``jax.checkpoint`` policy can save the float8
+    copy instead of recomputing the quantization in the backward."""
+    kept = operand.keep(use)
+    return kept if name is None else checkpoint_name(kept, name)
 
 
 def kernel_operand(

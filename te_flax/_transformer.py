@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, NamedTuple, Protocol
 
 import einops
@@ -214,6 +214,9 @@ class DotProductAttentionSpec:
     context_parallel_axis: str = ""
     context_parallel_strategy: str = "DEFAULT"
     context_checkpoint_name: str = "context"
+    score_mod: attn.ScoreMod | None = None
+    score_mod_bprop: attn.ScoreMod | None = None
+    return_max_logit: bool = False
     implementation: str | None = None
 
     def check(self) -> None:
@@ -268,7 +271,9 @@ class DotProductAttentionSpec:
         *,
         deterministic: bool = False,
         q_offset: Array | int = 0,
-    ) -> Array:
+        score_mod_tensors: Mapping[str, Any] | None = None,
+        score_mod_bprop_tensors: Mapping[str, Any] | None = None,
+    ) -> Array | tuple[Array, Array]:
         self.check()
         layout = self.qkv_layout.lower()
         if layout == "bs3hd":  # query is [b, s, 3, h, d]
@@ -309,11 +314,21 @@ class DotProductAttentionSpec:
             dropout_rng=dropout_rng,
             q_offset=q_offset,
             implementation=self.implementation,
+            score_mod=self.score_mod,
+            score_mod_bprop=self.score_mod_bprop,
+            score_mod_tensors=score_mod_tensors,
+            score_mod_bprop_tensors=score_mod_bprop_tensors,
+            return_max_logit=self.return_max_logit,
         )
+        max_logit = None
+        if isinstance(out, tuple):
+            out, max_logit = out
         out = checkpoint_name(out, self.context_checkpoint_name)
         if self.transpose_batch_sequence:
             out = jnp.swapaxes(out, 0, 1)
-        return out.astype(input_dtype)
+        if max_logit is None:
+            return out.astype(input_dtype)
+        return out.astype(input_dtype), max_logit.astype(input_dtype)
 
 
 # ---------------------------------------------------------------------------- MultiHeadAttention
@@ -353,6 +368,8 @@ class MultiHeadAttentionSpec:
     scaled_query_init: bool = True
     float32_logits: bool = False
     window_size: tuple[int, int] | None = None
+    score_mod: attn.ScoreMod | None = None
+    score_mod_bprop: attn.ScoreMod | None = None
     recipe: Recipe | None = None
     implementation: str | None = None
     # TE's deprecated spellings, refused with the name to use.
@@ -396,6 +413,8 @@ class MultiHeadAttentionSpec:
             scale_factor=1.0 / math.sqrt(self.head_dim) if self.scale_attn_logits else 1.0,
             transpose_batch_sequence=False,  # the projections are laid out here
             window_size=self.window_size,
+            score_mod=self.score_mod,
+            score_mod_bprop=self.score_mod_bprop,
             implementation=self.implementation,
         )
 
@@ -489,6 +508,8 @@ class MultiHeadAttentionSpec:
         self_attention: bool,
         deterministic: bool,
         decode: bool,
+        score_mod_tensors: Mapping[str, Any] | None = None,
+        score_mod_bprop_tensors: Mapping[str, Any] | None = None,
     ) -> tuple[Array, Array | None]:
         self.check()
         for name, x in (("inputs_q", inputs_q), ("inputs_kv", inputs_kv)):
@@ -544,8 +565,18 @@ class MultiHeadAttentionSpec:
             with_logical_constraint(t, _Axes(False).heads) for t in (query, key, value)
         )
         context = self._attention().forward(
-            host, query, key, value, mask, bias, deterministic=deterministic, q_offset=offset
+            host,
+            query,
+            key,
+            value,
+            mask,
+            bias,
+            deterministic=deterministic,
+            q_offset=offset,
+            score_mod_tensors=score_mod_tensors,
+            score_mod_bprop_tensors=score_mod_bprop_tensors,
         )  # [b, s, heads, head_dim]
+        assert not isinstance(context, tuple), "the projections' attention returns no max logit"
         if self.transpose_batch_sequence:
             context = jnp.swapaxes(context, 0, 1)
         context = einops.rearrange(context, "x y h d -> x y (h d)")
@@ -670,6 +701,8 @@ class TransformerLayerSpec:
     scale_attn_logits: bool = False
     scaled_query_init: bool = True
     window_size: tuple[int, int] | None = None
+    score_mod: attn.ScoreMod | None = None
+    score_mod_bprop: attn.ScoreMod | None = None
     recipe: Recipe | None = None
     implementation: str | None = None
 
@@ -748,6 +781,9 @@ class TransformerLayerSpec:
             input_layernorm=not self.output_layernorm,
             attn_mask_type=self.self_attn_mask_type,
             attn_bias_type=self.self_attn_bias_type,
+            # As in TE, the score modification is the self-attention's only.
+            score_mod=self.score_mod,
+            score_mod_bprop=self.score_mod_bprop,
         ), hidden)  # fmt: skip
         dropout = dict(rng_collection=self.dropout_rng_name)
         children["dropout"] = Child("Dropout", dict(
@@ -820,6 +856,8 @@ class TransformerLayerSpec:
         deterministic: bool = False,
         decode: bool = False,
         max_decode_length: int | None = None,
+        score_mod_tensors: Mapping[str, Any] | None = None,
+        score_mod_bprop_tensors: Mapping[str, Any] | None = None,
     ) -> Array:
         self.check()
         if inputs.ndim != 3 or inputs.shape[-1] != self.hidden_size:
@@ -863,7 +901,14 @@ class TransformerLayerSpec:
         inputs = with_logical_constraint(inputs, axes.residual)
         self_name = "self_attention" if self.decoder else "attention"
         x, ln_out = host.layer(self_name)(
-            inputs, inputs, attention_mask, bias, deterministic=deterministic, decode=decode
+            inputs,
+            inputs,
+            attention_mask,
+            bias,
+            deterministic=deterministic,
+            decode=decode,
+            score_mod_tensors=score_mod_tensors,
+            score_mod_bprop_tensors=score_mod_bprop_tensors,
         )
         x = residual_add(x, inputs, ln_out, drop_path=True)
         if self.decoder:

@@ -23,18 +23,32 @@ On GPUs the attention is cuDNN's fused flash attention (``jax.nn.dot_product_att
 ``implementation="cudnn"``) where it supports the case (bf16/f16, no attention dropout);
 elsewhere it is the same maths as XLA ops written here (float32 logits and softmax), which also
 do attention dropout and work under strict dtype promotion.
+
+Two TransformerEngine options run on the XLA maths only, on every platform:
+
+* ``score_mod(score, tensors)``: modifies the float32 scores ``[batch, heads, q_len, kv_len]``
+  after the scale and before the bias and the masks (where cuDNN's graph applies TE's
+  callback); ``score_mod_bprop(grad, tensors)``, if given, is its backward (the gradient of
+  the modified scores to that of the scores), else autodiff differentiates ``score_mod``.
+  TE's callbacks build a cuDNN graph (``score_mod(graph, score, tensors)``); te_flax's are the
+  same functions on ``jax.Array`` s, without the graph.
+* ``return_max_logit``: also returns the maximum of the scores ``[heads]`` (over batch,
+  queries and the keys each query attends), as the softmax sees them, without a gradient.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from typing import Any, cast
 
 import einops
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import Array
+from jax import Array, lax
 
 from te_flax import _validation as check
 
@@ -47,6 +61,9 @@ __all__ = [
     "relative_position_buckets",
     "rotary_pos_emb",
 ]
+
+# score_mod(score, tensors) -> modified score; score_mod_bprop(grad, tensors) -> grad of score.
+ScoreMod = Callable[[Array, dict[str, Any]], Array]
 
 MASK_TYPES = (
     "no_mask",
@@ -177,7 +194,12 @@ def dot_product_attention(
     dropout_rng: Array | None = None,
     q_offset: Array | int = 0,
     implementation: str | None = None,
-) -> Array:
+    score_mod: ScoreMod | None = None,
+    score_mod_bprop: ScoreMod | None = None,
+    score_mod_tensors: Mapping[str, Any] | None = None,
+    score_mod_bprop_tensors: Mapping[str, Any] | None = None,
+    return_max_logit: bool = False,
+) -> Array | tuple[Array, Array]:
     """``softmax(q.k * scale + bias, masked) . v`` per head, with GQA.
 
     Args:
@@ -194,10 +216,19 @@ def dot_product_attention(
       q_offset: the position of the first query among the keys (an autoregressive cache
         index); keys past a query's position are then never attended.
       implementation: None (cuDNN on a GPU where it applies, else XLA), ``"xla"`` or
-        ``"cudnn"``.
+        ``"cudnn"``. ``score_mod`` and ``return_max_logit`` need ``"xla"`` (None picks it).
+      score_mod: ``score_mod(score, tensors)`` returns the modified float32 scores ``[batch,
+        heads, q_len, kv_len]`` (scaled, before bias and masks); None: no modification.
+      score_mod_bprop: ``score_mod_bprop(grad, tensors)``, the backward of ``score_mod``; None:
+        autodiff of ``score_mod``. ``score_mod`` runs again just before it in the backward
+        (as in cuDNN), so that a callable object can keep what its backward needs.
+      score_mod_tensors, score_mod_bprop_tensors: dicts of arrays or numbers handed to the two
+        callbacks as ``tensors`` (default empty); no gradient flows into them (as in TE).
+      return_max_logit: also return the per-head maximum score (default False).
 
     Returns:
-      ``[batch, q_len, heads, head_dim]`` in the dtype of ``query``.
+      ``[batch, q_len, heads, head_dim]`` in the dtype of ``query``; with
+      ``return_max_logit``, ``(output, max_logit)`` with ``max_logit`` ``[heads]`` in that dtype.
     """
     _check_qkv(query, key, value)
     mask_type = canonical_mask_type(attn_mask_type)
@@ -213,6 +244,13 @@ def dot_product_attention(
         )
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    modify = _score_modifier(score_mod, score_mod_bprop, score_mod_tensors, score_mod_bprop_tensors)
+    check.check_bool(return_max_logit, "return_max_logit")
+    if (modify is not None or return_max_logit) and implementation == "cudnn":
+        raise ValueError(
+            "score_mod and return_max_logit run on the XLA attention only; use "
+            "implementation='xla' or None"
+        )
     if "padding" in mask_type and mask is None:
         raise ValueError(
             f"attn_mask_type={mask_type!r} needs a mask ([batch, 1, q_len, kv_len], True = "
@@ -252,6 +290,8 @@ def dot_product_attention(
         (dropout_rate, dropout_rng) if dropout_rate > 0.0 and dropout_rng is not None else None
     )
     chosen = implementation or _fused_implementation(query)
+    if modify is not None or return_max_logit:
+        chosen = "xla"
     if chosen == "cudnn" and dropout is None:
         try:
             return jax.nn.dot_product_attention(
@@ -272,7 +312,134 @@ def dot_product_attention(
         raise ValueError("implementation='cudnn' has no attention dropout; use 'xla' or None")
     if top_left_causal:
         keep = _and(keep, _keep_mask(None, True, q_len, kv_len, window, 0))
-    return _xla_attention(query, key, value, keep, bias, scale, dropout)
+    out, max_logit = _xla_attention(
+        query, key, value, keep, bias, scale, dropout, modify, return_max_logit
+    )
+    if max_logit is None:
+        return out
+    return out, max_logit.astype(query.dtype)
+
+
+def _check_callback(callback: object, name: str, arguments: str) -> None:
+    """Raises a clear error unless ``callback`` can be called as ``name(<arguments>)``."""
+    if not callable(callback):
+        raise TypeError(f"{name} must be a function {name}({arguments}) or None, got {callback!r}")
+    try:
+        signature = inspect.signature(callback)
+    except (TypeError, ValueError):  # a builtin without a signature: trust it
+        return
+    try:
+        signature.bind(*arguments.split(", "))
+    except TypeError:
+        raise TypeError(
+            f"{name} must take two arguments, {name}({arguments}), and return the float32 "
+            f"scores' {'gradient' if 'grad' in arguments else 'modification'}, but its "
+            f"signature is {name}{signature}. TransformerEngine's callbacks build a cuDNN graph "
+            f"({name}(graph, ...)); in te_flax write the same function on jax.Arrays, without "
+            "the graph (e.g. graph.mul(score, t['s']) becomes score * t['s'])"
+        ) from None
+
+
+def _tensors(tensors: Mapping[str, Any] | None, name: str) -> dict[str, Any]:
+    if tensors is None:
+        return {}
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"{name} must be a dict of arrays or numbers, or None, got {tensors!r}")
+    # As in TE, the tensors are auxiliary inputs: no gradient flows into them.
+    return {k: lax.stop_gradient(jnp.asarray(v)) for k, v in tensors.items()}
+
+
+def _score_modifier(
+    score_mod: object,
+    score_mod_bprop: object,
+    score_mod_tensors: Mapping[str, Any] | None,
+    score_mod_bprop_tensors: Mapping[str, Any] | None,
+) -> Callable[[Array], Array] | None:
+    """The float32 scores -> modified scores, with ``score_mod_bprop`` as its backward."""
+    if score_mod is None:
+        given = [
+            name
+            for name, value in (
+                ("score_mod_bprop", score_mod_bprop),
+                ("score_mod_tensors", score_mod_tensors),
+                ("score_mod_bprop_tensors", score_mod_bprop_tensors),
+            )
+            if value is not None
+        ]
+        if given:
+            raise ValueError(f"{', '.join(given)} given without score_mod; pass score_mod too")
+        return None
+    _check_callback(score_mod, "score_mod", "score, tensors")
+    tensors = _tensors(score_mod_tensors, "score_mod_tensors")
+    forward = cast(ScoreMod, score_mod)
+    if score_mod_bprop is None:
+        return lambda score: _modified(forward, score, tensors)
+    _check_callback(score_mod_bprop, "score_mod_bprop", "grad, tensors")
+    bprop_tensors = _tensors(score_mod_bprop_tensors, "score_mod_bprop_tensors")
+    backward = cast(ScoreMod, score_mod_bprop)
+    return lambda score: _modified_with_bprop(forward, backward, score, tensors, bprop_tensors)
+
+
+def _modified(score_mod: ScoreMod, score: Array, tensors: dict[str, Any]) -> Array:
+    modified = jnp.asarray(score_mod(score, tensors))
+    if modified.shape != score.shape:
+        raise ValueError(
+            f"score_mod must return scores of the shape it was given, {score.shape} ([batch, "
+            f"heads, q_len, kv_len]), got {modified.shape}"
+        )
+    return modified.astype(jnp.float32)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _modified_with_bprop(
+    score_mod: ScoreMod,
+    score_mod_bprop: ScoreMod,
+    score: Array,
+    tensors: dict[str, Any],
+    bprop_tensors: dict[str, Any],
+) -> Array:
+    return _modified(score_mod, score, tensors)
+
+
+def _modified_forward(
+    score_mod: ScoreMod,
+    score_mod_bprop: ScoreMod,
+    score: Array,
+    tensors: dict[str, Any],
+    bprop_tensors: dict[str, Any],
+) -> tuple[Array, tuple[Array, dict[str, Any], dict[str, Any]]]:
+    return _modified(score_mod, score, tensors), (score, tensors, bprop_tensors)
+
+
+def _modified_backward(
+    score_mod: ScoreMod,
+    score_mod_bprop: ScoreMod,
+    residuals: tuple[Array, dict[str, Any], dict[str, Any]],
+    grad: Array,
+) -> tuple[Array, dict[str, Any], dict[str, Any]]:
+    score, tensors, bprop_tensors = residuals
+    # cuDNN builds the forward modification again before the backward one: a callable object
+    # may keep what its backward needs (XLA drops the recomputation when nothing reads it).
+    _modified(score_mod, score, tensors)
+    d_score = jnp.asarray(score_mod_bprop(grad, bprop_tensors))
+    if d_score.shape != score.shape:
+        raise ValueError(
+            f"score_mod_bprop must return the scores' gradient, of shape {score.shape}, got "
+            f"{d_score.shape}"
+        )
+    return d_score.astype(jnp.float32), _no_gradient(tensors), _no_gradient(bprop_tensors)
+
+
+def _no_gradient(tree: dict[str, Any]) -> dict[str, Any]:
+    def zero(value: Array) -> Array | np.ndarray:
+        if jnp.issubdtype(value.dtype, jnp.inexact):
+            return jnp.zeros_like(value)
+        return np.zeros(value.shape, jax.dtypes.float0)
+
+    return {name: zero(value) for name, value in tree.items()}
+
+
+_modified_with_bprop.defvjp(_modified_forward, _modified_backward)
 
 
 def _fused_implementation(query: Array) -> str:
@@ -301,8 +468,11 @@ def _xla_attention(
     bias: Array | None,
     scale: float,
     dropout: tuple[float, Array] | None,
-) -> Array:
-    """Attention as plain XLA ops: float32 logits and softmax, optional probability dropout.
+    score_mod: Callable[[Array], Array] | None = None,
+    return_max_logit: bool = False,
+) -> tuple[Array, Array | None]:
+    """Attention as plain XLA ops: float32 logits and softmax, optional probability dropout;
+    returns the output and, with ``return_max_logit``, the per-head maximum logit ``[heads]``.
 
     The maths of ``jax.nn.dot_product_attention``'s XLA path, written with explicit dtypes:
     jax's own promotes the 16-bit inputs implicitly and pins a dot algorithm whose lowering
@@ -313,8 +483,16 @@ def _xla_attention(
     grouped = einops.rearrange(query, "b q (k g) d -> b q k g d", k=kv_heads)
     logits = _logits(grouped, key)  # [batch, kv_heads, group, q, kv], float32
     logits = einops.rearrange(logits, "b k g q s -> b (k g) q s") * jnp.float32(scale)
+    if score_mod is not None:  # where cuDNN's graph applies TE's: scaled, before bias and masks
+        logits = score_mod(logits)
     if bias is not None:
         logits = logits + bias
+    max_logit = None
+    if return_max_logit:
+        # The largest score the softmax sees per head (masked positions excluded), a statistic
+        # without a gradient (TE's fused attention drops its cotangent).
+        seen = logits if keep is None else jnp.where(keep, logits, -jnp.inf)
+        max_logit = lax.stop_gradient(jnp.max(seen, axis=(0, 2, 3)))  # [heads]
     if keep is not None:
         # A large finite negative, not -inf: a fully masked row (a padded query) stays finite.
         large_negative = jnp.float32(-0.7 * np.finfo(np.float32).max)
@@ -326,7 +504,7 @@ def _xla_attention(
         probs = jnp.where(kept, probs / jnp.float32(1.0 - rate), jnp.float32(0.0))
     probs = einops.rearrange(probs.astype(value.dtype), "b (k g) q s -> b k g q s", k=kv_heads)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, value)  # [batch, q, kv_heads, group, d]
-    return einops.rearrange(out, "b q k g d -> b q (k g) d")
+    return einops.rearrange(out, "b q k g d -> b q (k g) d"), max_logit
 
 
 @jax.custom_vjp

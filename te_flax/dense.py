@@ -18,6 +18,7 @@ from te_flax._stages import (
     dense_forward,
     input_uses,
     kernel_operand,
+    saved_operand,
 )
 from te_flax.quantize import (
     LEADING,
@@ -77,8 +78,8 @@ def _forward(
     out = with_logical_constraint(out, config.output_axes)
     fp8 = not quantizer_set.is_noop
     residuals = _Residuals(
-        lhs=lhs.keep(LEADING) if fp8 else x,
-        rhs=rhs.keep(TRAILING) if fp8 else kernel,
+        lhs=saved_operand(lhs, LEADING, quantizer_set.checkpoint_name) if fp8 else x,
+        rhs=saved_operand(rhs, TRAILING, quantizer_set.checkpoint_name) if fp8 else kernel,
         quantizers=dataclasses.replace(quantizer_set, x=x_quantizer, kernel=kernel_quantizer),
     )
     return out, residuals

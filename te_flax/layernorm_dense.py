@@ -21,6 +21,7 @@ from te_flax._stages import (
     norm_operand,
     normalize,
     normalize_backward,
+    saved_operand,
 )
 from te_flax.quantize import (
     LEADING,
@@ -107,8 +108,10 @@ def _forward(
         stats=stats,
         gamma=gamma,
         beta=beta,
-        ln_operand=lhs.keep(LEADING) if fp8 else None,
-        kernel_operand=rhs.keep(TRAILING) if fp8 else kernel,
+        ln_operand=saved_operand(lhs, LEADING, quantizer_set.checkpoint_name) if fp8 else None,
+        kernel_operand=saved_operand(rhs, TRAILING, quantizer_set.checkpoint_name)
+        if fp8
+        else kernel,
         quantizers=dataclasses.replace(quantizer_set, x=x_quantizer, kernel=kernel_quantizer),
     )
     return output, residuals

@@ -35,6 +35,7 @@ from te_flax._stages import (
     norm_operand,
     normalize,
     normalize_backward,
+    saved_operand,
 )
 from te_flax.quantize import (
     LEADING,
@@ -150,11 +151,13 @@ def _forward(
         stats=stats,
         gamma=gamma,
         beta=beta,
-        ln_operand=ln.keep(LEADING) if fp8 else None,
-        kernel_1_operand=k_1.keep(TRAILING) if fp8 else kernel_1,
+        ln_operand=saved_operand(ln, LEADING, set_1.checkpoint_name) if fp8 else None,
+        kernel_1_operand=saved_operand(k_1, TRAILING, set_1.checkpoint_name) if fp8 else kernel_1,
         pre_activation=pre_activation,
-        activation_operand=activated.keep(LEADING) if fp8 else None,
-        kernel_2_operand=k_2.keep(TRAILING) if fp8 else kernel_2,
+        activation_operand=saved_operand(activated, LEADING, set_2.checkpoint_name)
+        if fp8
+        else None,
+        kernel_2_operand=saved_operand(k_2, TRAILING, set_2.checkpoint_name) if fp8 else kernel_2,
         quantizer_sets=(
             dataclasses.replace(set_1, x=x_1, kernel=kernel_q_1),
             dataclasses.replace(set_2, x=x_2, kernel=kernel_q_2),

@@ -19,6 +19,7 @@ import te_flax.linen as te_nn
 import te_flax.nnx as te_nnx
 from te_flax import _stages
 from te_flax._kernels import pallas_kernels
+from te_flax.attention import dot_product_attention
 from te_flax.dense import dense
 from te_flax.layernorm_mlp import layernorm_mlp
 from te_flax.quantize import DelayedScaling, Float8CurrentScaling, QuantizerFactory
@@ -315,3 +316,181 @@ def test_quantization_checkpoint_name_in_the_functional_api_and_nnx():
         te_nn.DenseGeneral(features=8, quantization_checkpoint_name=3).init(jax.random.key(0), x)
     with pytest.raises(TypeError, match="checkpoint_name must be a str"):
         QuantizerFactory.create_set(fp8_recipe=DelayedScaling(), checkpoint_name=("a",))
+
+
+# ------------------------------------------------------------------ score_mod, return_max_logit
+
+BATCH, SEQ, HEADS, KV_HEADS, HEAD_DIM = 2, 5, 4, 2, 8
+
+
+def qkv():
+    keys = jax.random.split(jax.random.key(7), 3)
+    query = normal(keys[0], (BATCH, SEQ, HEADS, HEAD_DIM), scale=2.0)
+    key, value = (normal(k, (BATCH, SEQ, KV_HEADS, HEAD_DIM), scale=2.0) for k in keys[1:])
+    return query, key, value
+
+
+def manual_logits(query, key, score_mod=lambda s: s, bias=None):
+    """Scaled, modified (then biased) and causally masked logits ``[b, h, q, kv]``, by hand."""
+    key = jnp.repeat(key, HEADS // KV_HEADS, axis=2)  # query head n reads kv head n // group
+    logits = jnp.einsum("bqhd,bkhd->bhqk", query, key, precision=HIGHEST) / np.sqrt(HEAD_DIM)
+    logits = score_mod(logits)
+    if bias is not None:
+        logits = logits + bias
+    causal = jnp.tril(jnp.ones((SEQ, SEQ), bool))[None, None]
+    return jnp.where(causal, logits, -jnp.inf)
+
+
+def manual_attention(query, key, value, score_mod=lambda s: s):
+    probs = jax.nn.softmax(manual_logits(query, key, score_mod), axis=-1)
+    value = jnp.repeat(value, HEADS // KV_HEADS, axis=2)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, value, precision=HIGHEST)
+
+
+def _grads(attention):
+    cotangent = normal(jax.random.key(9), (BATCH, SEQ, HEADS, HEAD_DIM))
+    return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(attention(*a) * cotangent), (0, 1, 2)))
+
+
+def softcap(score, tensors):
+    return tensors["cap"] * jnp.tanh(score / tensors["cap"])
+
+
+def test_score_mod_equals_the_modified_logits_with_gradients():
+    ours = _grads(
+        lambda q, k, v: dot_product_attention(
+            q, k, v, score_mod=softcap, score_mod_tensors={"cap": 1.5}
+        )
+    )(*qkv())
+    manual = _grads(lambda q, k, v: manual_attention(q, k, v, lambda s: softcap(s, {"cap": 1.5})))
+    expected = manual(*qkv())
+    assert_close(ours[0], expected[0], tolerance(F32), "value")
+    for name, got, want in zip("qkv", ours[1], expected[1], strict=True):
+        assert_close(got, want, tolerance(F32), f"d{name}")
+    plain = _grads(dot_product_attention)(*qkv())
+    assert relative_error(plain[1][0], ours[1][0]) > 0.05, "the modification changes the result"
+
+
+class _StatefulSoftcap:
+    """TE's cuDNN pattern: the forward keeps what the backward callback needs."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def forward(self, score, tensors):
+        self.tanh = jnp.tanh(score / tensors["cap"])
+        return tensors["cap"] * self.tanh
+
+    def backward(self, grad, tensors):
+        self.calls += 1
+        return grad * (1 - jnp.square(self.tanh)) * tensors["factor"]
+
+
+def test_score_mod_bprop_is_the_backward_when_given():
+    softcaps = _StatefulSoftcap()
+
+    def with_bprop(factor):
+        return _grads(
+            lambda q, k, v: dot_product_attention(
+                q, k, v, score_mod=softcaps.forward, score_mod_bprop=softcaps.backward,
+                score_mod_tensors={"cap": 1.5}, score_mod_bprop_tensors={"factor": factor},
+            )
+        )(*qkv())  # fmt: skip
+
+    autodiff = _grads(
+        lambda q, k, v: dot_product_attention(
+            q, k, v, score_mod=softcap, score_mod_tensors={"cap": 1.5}
+        )
+    )(*qkv())
+    exact = with_bprop(1.0)
+    assert softcaps.calls == 1
+    for got, want in zip(exact[1], autodiff[1], strict=True):
+        assert_close(got, want, tolerance(F32))
+    # A bprop that scales the scores' gradient by 0 leaves the query and key without gradient.
+    zeroed = with_bprop(0.0)
+    np.testing.assert_array_equal(zeroed[1][0], 0.0)
+    np.testing.assert_array_equal(zeroed[1][1], 0.0)
+    np.testing.assert_array_equal(zeroed[1][2], exact[1][2])
+
+
+def test_return_max_logit_is_the_max_of_the_scaled_masked_logits():
+    query, key, value = qkv()
+    bias = normal(jax.random.key(4), (1, HEADS, SEQ, SEQ))
+    out, max_logit = dot_product_attention(query, key, value, bias=bias, return_max_logit=True)
+    expected = jnp.max(manual_logits(query, key, bias=bias), axis=(0, 2, 3))
+    assert max_logit.shape == (HEADS,) and max_logit.dtype == query.dtype
+    assert_close(max_logit, expected, tolerance(F32))
+    np.testing.assert_array_equal(out, dot_product_attention(query, key, value, bias=bias))
+    # A statistic without a gradient, as TE's fused attention drops its cotangent.
+    grads = jax.grad(
+        lambda q: jnp.sum(dot_product_attention(q, key, value, return_max_logit=True)[1])
+    )(query)
+    np.testing.assert_array_equal(grads, 0.0)
+
+
+def test_return_max_logit_in_linen_and_nnx_modules():
+    query, key, value = qkv()
+    attributes = dict(
+        num_gqa_groups=KV_HEADS, return_max_logit=True, transpose_batch_sequence=False
+    )
+    linen = te_nn.DotProductAttention(head_dim=HEAD_DIM, num_attention_heads=HEADS, **attributes)
+    out, max_logit = linen.apply({}, query, key, value)
+    module = te_nnx.DotProductAttention(HEAD_DIM, HEADS, **attributes, rngs=nnx.Rngs(0))
+    nnx_out, nnx_max = module(query, key, value)
+    expected = jnp.max(manual_logits(query, key), axis=(0, 2, 3))
+    assert_close(max_logit, expected, tolerance(F32))
+    np.testing.assert_array_equal(nnx_out, out)
+    np.testing.assert_array_equal(nnx_max, max_logit)
+
+
+def _temperature(score, tensors):
+    return score * tensors["temperature"]
+
+
+def test_score_mod_reaches_the_self_attention_of_mha_and_transformer_layer():
+    x = mlp_inputs()[0]
+    common = dict(hidden_size=HIDDEN, mlp_hidden_size=INTERMEDIATE, num_attention_heads=2)
+    plain = te_nn.TransformerLayer(**common)
+    variables = plain.init(jax.random.key(0), x, deterministic=True)
+    modified = te_nn.TransformerLayer(**common, score_mod=_temperature)
+    children = modified.children()
+    assert children["attention"].attributes["score_mod"] is _temperature
+    reference = plain.apply(variables, x, deterministic=True)
+
+    def run(temperature):
+        tensors = {"temperature": temperature}
+        return modified.apply(variables, x, deterministic=True, score_mod_tensors=tensors)
+
+    assert_close(run(1.0), reference, tolerance(F32))
+    assert relative_error(run(0.25), reference) > 1e-3
+    layer = te_nnx.TransformerLayer(**common, score_mod=_temperature, rngs=nnx.Rngs(0))
+    te_nnx.load_linen_variables(layer, variables)
+    tensors = {"temperature": 0.25}
+    np.testing.assert_array_equal(
+        layer(x, deterministic=True, score_mod_tensors=tensors), run(0.25)
+    )
+    mha = te_nn.MultiHeadAttention(head_dim=8, num_attention_heads=2, score_mod=_temperature)
+    mha_variables = mha.init(jax.random.key(0), x, x, score_mod_tensors={"temperature": 1.0})
+    out, _ = mha.apply(mha_variables, x, x, score_mod_tensors={"temperature": 0.0})
+    uniform = mha.clone(score_mod=lambda s, t: s * 0.0).apply(mha_variables, x, x)[0]
+    assert_close(out, uniform, tolerance(F32))
+
+
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        (dict(score_mod=lambda graph, score, tensors: score), TypeError, "cuDNN graph"),
+        (dict(score_mod=softcap, score_mod_bprop=lambda g: g), TypeError, "score_mod_bprop"),
+        (dict(score_mod="softcap"), TypeError, "must be a function"),
+        (dict(score_mod_bprop=lambda g, t: g), ValueError, "without score_mod"),
+        (dict(score_mod_tensors={"cap": 1.0}), ValueError, "without score_mod"),
+        (dict(score_mod=softcap, score_mod_tensors=[1.0]), TypeError, "dict of arrays"),
+        (dict(score_mod=lambda s, t: s[..., 0]), ValueError, "shape it was given"),
+        (dict(return_max_logit=True, implementation="cudnn"), ValueError, "XLA attention"),
+    ],
+)
+def test_bad_score_mod_is_refused(options, error, message):
+    query, key, value = qkv()
+    options = {"score_mod_tensors": {"cap": 1.0}, **options} if "score_mod" in options else options
+    with pytest.raises(error, match=message):
+        dot_product_attention(query, key, value, **options)

@@ -17,6 +17,7 @@ full-length input to size it, then apply one token at a time with ``mutable=["ca
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -93,6 +94,13 @@ class DotProductAttention(nn.Module, DotProductAttentionSpec):
       window_size: sliding window ``(left, right)``; -1 is unbounded.
       float32_logits: accepted for TE compatibility; logits are always float32.
       implementation: None (automatic), ``"xla"`` or ``"cudnn"``.
+      score_mod, score_mod_bprop: TE's score modification, as JAX functions
+        ``score_mod(score, tensors)`` of the float32 scores ``[batch, heads, q, kv]`` (scaled,
+        before bias and masks) and its optional backward ``score_mod_bprop(grad, tensors)``;
+        ``tensors`` are the call's ``score_mod_tensors`` / ``score_mod_bprop_tensors``. They run
+        on the XLA attention (see ``te_flax.attention``).
+      return_max_logit: return ``(output, max_logit)``, the per-head maximum score ``[heads]``
+        (over batch, queries and attended keys; no gradient), as read by QK-clip.
       dtype: the compute dtype (None: the inputs').
 
     Context parallelism and sequence packing (``thd`` layouts, ``max_segments_per_seq``) are
@@ -120,10 +128,21 @@ class DotProductAttention(nn.Module, DotProductAttentionSpec):
         bias: Array | None = None,
         *,
         deterministic: bool = False,
-    ) -> Array:
-        """``[batch, seq, heads, head_dim]`` (per ``qkv_layout``) -> the query's shape."""
+        score_mod_tensors: Mapping[str, Any] | None = None,
+        score_mod_bprop_tensors: Mapping[str, Any] | None = None,
+    ) -> Array | tuple[Array, Array]:
+        """``[batch, seq, heads, head_dim]`` (per ``qkv_layout``) -> the query's shape, and
+        the per-head max logit ``[heads]`` with ``return_max_logit``."""
         return self.forward(
-            _LinenHost(self, {}), query, key, value, mask, bias, deterministic=deterministic
+            _LinenHost(self, {}),
+            query,
+            key,
+            value,
+            mask,
+            bias,
+            deterministic=deterministic,
+            score_mod_tensors=score_mod_tensors,
+            score_mod_bprop_tensors=score_mod_bprop_tensors,
         )
 
 
@@ -139,7 +158,8 @@ class MultiHeadAttention(nn.Module, MultiHeadAttentionSpec):
     Attributes:
       head_dim, num_attention_heads, num_gqa_groups: head size, query heads, key/value heads.
       attention_dropout, dropout_rng_name, attn_mask_type, attn_bias_type, window_size,
-        float32_logits, implementation: the attention, as in ``DotProductAttention``.
+        float32_logits, implementation, score_mod, score_mod_bprop: the attention, as in
+        ``DotProductAttention``.
       input_layernorm, layernorm_type, layernorm_epsilon, zero_centered_gamma: the norm before
         the projections (default on, layernorm, 1e-6).
       return_layernorm_output: also return the norm output.
@@ -183,6 +203,8 @@ class MultiHeadAttention(nn.Module, MultiHeadAttentionSpec):
         *,
         decode: bool = False,
         deterministic: bool = False,
+        score_mod_tensors: Mapping[str, Any] | None = None,
+        score_mod_bprop_tensors: Mapping[str, Any] | None = None,
     ) -> tuple[Array, Array | None]:
         """``[batch, seq, hidden]`` (``[seq, batch, hidden]`` transposed) -> ``(out, ln)``."""
         self_attention = inputs_q is inputs_kv
@@ -196,6 +218,8 @@ class MultiHeadAttention(nn.Module, MultiHeadAttentionSpec):
             self_attention=self_attention,
             deterministic=deterministic,
             decode=decode,
+            score_mod_tensors=score_mod_tensors,
+            score_mod_bprop_tensors=score_mod_bprop_tensors,
         )
 
 
@@ -259,6 +283,8 @@ class TransformerLayer(nn.Module, TransformerLayerSpec):
       drop_path: stochastic depth of the residual branches (default 0).
       fuse_qkv_params, scale_attn_logits, scaled_query_init, window_size,
         enable_sequence_parallel, implementation: as in ``MultiHeadAttention``.
+      score_mod, score_mod_bprop: the self-attention's score modification (as in TE, not the
+        cross-attention's), with the call's ``score_mod_tensors`` / ``score_mod_bprop_tensors``.
       transpose_batch_sequence: inputs are ``[seq, batch, hidden]`` (default False).
       dtype, param_dtype, recipe: as in the other te_flax modules.
 
@@ -286,6 +312,8 @@ class TransformerLayer(nn.Module, TransformerLayerSpec):
         deterministic: bool = False,
         decode: bool = False,
         max_decode_length: int | None = None,
+        score_mod_tensors: Mapping[str, Any] | None = None,
+        score_mod_bprop_tensors: Mapping[str, Any] | None = None,
     ) -> Array:
         """``[batch, seq, hidden_size]`` (``[seq, batch, ..]`` transposed) -> the same."""
         host = _LinenHost(self, self.children())
@@ -300,6 +328,8 @@ class TransformerLayer(nn.Module, TransformerLayerSpec):
             deterministic,
             decode,
             max_decode_length,
+            score_mod_tensors,
+            score_mod_bprop_tensors,
         )
 
 

@@ -14,6 +14,7 @@ max_length)`` first; the cache is ``nnx.Cache`` variables (``cached_key``, ``cac
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
@@ -136,10 +137,21 @@ class DotProductAttention(nnx.Module, DotProductAttentionSpec):
         bias: Array | None = None,
         *,
         deterministic: bool = False,
-    ) -> Array:
-        """``[batch, seq, heads, head_dim]`` (per ``qkv_layout``) -> the query's shape."""
+        score_mod_tensors: Mapping[str, Any] | None = None,
+        score_mod_bprop_tensors: Mapping[str, Any] | None = None,
+    ) -> Array | tuple[Array, Array]:
+        """``[batch, seq, heads, head_dim]`` (per ``qkv_layout``) -> the query's shape, and
+        the per-head max logit ``[heads]`` with ``return_max_logit``."""
         return self.forward(
-            _NnxHost(self), query, key, value, mask, bias, deterministic=deterministic
+            _NnxHost(self),
+            query,
+            key,
+            value,
+            mask,
+            bias,
+            deterministic=deterministic,
+            score_mod_tensors=score_mod_tensors,
+            score_mod_bprop_tensors=score_mod_bprop_tensors,
         )
 
 
@@ -203,6 +215,8 @@ class MultiHeadAttention(nnx.Module, MultiHeadAttentionSpec):
         *,
         decode: bool = False,
         deterministic: bool = False,
+        score_mod_tensors: Mapping[str, Any] | None = None,
+        score_mod_bprop_tensors: Mapping[str, Any] | None = None,
     ) -> tuple[Array, Array | None]:
         """``[batch, seq, hidden]`` (``[seq, batch, hidden]`` transposed) -> ``(out, ln)``."""
         self_attention = self.in_kv_features is None
@@ -221,6 +235,8 @@ class MultiHeadAttention(nnx.Module, MultiHeadAttentionSpec):
             self_attention=self_attention,
             deterministic=deterministic,
             decode=decode,
+            score_mod_tensors=score_mod_tensors,
+            score_mod_bprop_tensors=score_mod_bprop_tensors,
         )
 
 
@@ -303,6 +319,8 @@ class TransformerLayer(nnx.Module, TransformerLayerSpec):
         deterministic: bool = False,
         decode: bool = False,
         max_decode_length: int | None = None,
+        score_mod_tensors: Mapping[str, Any] | None = None,
+        score_mod_bprop_tensors: Mapping[str, Any] | None = None,
     ) -> Array:
         """``[batch, seq, hidden_size]`` (``[seq, batch, ..]`` transposed) -> the same."""
         host = _NnxHost(self)
@@ -317,6 +335,8 @@ class TransformerLayer(nnx.Module, TransformerLayerSpec):
             deterministic,
             decode,
             max_decode_length,
+            score_mod_tensors,
+            score_mod_bprop_tensors,
         )
 
 

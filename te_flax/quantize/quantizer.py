@@ -392,12 +392,15 @@ class QuantizerSet:
     ``dgrad`` quantizes the gradient of this GEMM's own output, which both backward GEMMs
     (dgrad and wgrad) consume. All three are None for no quantization. ``precision`` (static)
     is the precision of the forward, dgrad and wgrad GEMMs under per-tensor FP8.
+    ``checkpoint_name`` (static, None by default) names the quantized operands the GEMM saves
+    for its backward, for ``jax.checkpoint`` policies (TE's quantization checkpoint name).
     """
 
     x: Quantizer | None = None
     kernel: Quantizer | None = None
     dgrad: Quantizer | None = None
     precision: GemmPrecision = _static(GemmPrecision())  # noqa: RUF009
+    checkpoint_name: str | None = _static(None)
 
     @property
     def is_noop(self) -> bool:
@@ -416,6 +419,11 @@ class QuantizerSet:
         for name, quantizer in members.items():
             if quantizer is not None:
                 check_quantizer(quantizer, f"{argument}.{name}")
+        if self.checkpoint_name is not None and not isinstance(self.checkpoint_name, str):
+            raise TypeError(
+                f"{argument}.checkpoint_name must be a str (a jax.checkpoint name) or None, got "
+                f"{self.checkpoint_name!r}"
+            )
         quantizers = {n: quantizer for n, quantizer in members.items() if quantizer is not None}
         if not quantizers:
             return
@@ -465,6 +473,7 @@ class QuantizerFactory:
         *,
         fp8_recipe: Recipe | None = None,
         sr_key: Array | None = None,
+        checkpoint_name: str | None = None,
     ) -> QuantizerSet: ...
 
     @overload
@@ -474,6 +483,7 @@ class QuantizerFactory:
         *,
         fp8_recipe: Recipe | None = None,
         sr_key: Array | None = None,
+        checkpoint_name: str | None = None,
     ) -> tuple[QuantizerSet, QuantizerSet]: ...
 
     @overload
@@ -483,6 +493,7 @@ class QuantizerFactory:
         *,
         fp8_recipe: Recipe | None = None,
         sr_key: Array | None = None,
+        checkpoint_name: str | None = None,
     ) -> QuantizerSet | tuple[QuantizerSet, ...]: ...
 
     @staticmethod
@@ -491,6 +502,7 @@ class QuantizerFactory:
         *,
         fp8_recipe: Recipe | None = None,
         sr_key: Array | None = None,
+        checkpoint_name: str | None = None,
     ) -> QuantizerSet | tuple[QuantizerSet, ...]:
         """Fresh quantizer sets for ``n_quantizer_sets`` GEMMs.
 
@@ -501,6 +513,10 @@ class QuantizerFactory:
           sr_key: the RNG key of stochastic rounding, required by ``NVFP4BlockScaling()``
             unless ``disable_stochastic_rounding=True`` (each set gets its own key split from
             it) and unused by the other recipes.
+          checkpoint_name: TransformerEngine's quantization checkpoint name (default None): the
+            quantized operands each GEMM saves for its backward are named so with
+            ``jax.ad_checkpoint.checkpoint_name``, so that a ``jax.checkpoint`` policy such as
+            ``save_only_these_names(checkpoint_name)`` keeps them rather than quantizing again.
 
         Returns:
           One ``QuantizerSet`` when ``n_quantizer_sets == 1``, else a tuple of them.
@@ -530,7 +546,17 @@ class QuantizerFactory:
                     "nearest with NVFP4BlockScaling(disable_stochastic_rounding=True)"
                 )
             keys = list(jax.random.split(sr_key, n_quantizer_sets))
+        if checkpoint_name is not None and not isinstance(checkpoint_name, str):
+            raise TypeError(
+                f"checkpoint_name must be a str (a jax.checkpoint name) or None, got "
+                f"{checkpoint_name!r}"
+            )
         sets = tuple(_set_from_recipe(recipe, key) for key in keys)
+        if checkpoint_name is not None:
+            sets = tuple(
+                qs if qs.is_noop else dataclasses.replace(qs, checkpoint_name=checkpoint_name)
+                for qs in sets
+            )
         return sets[0] if n_quantizer_sets == 1 else sets
 
 
