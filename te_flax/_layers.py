@@ -93,12 +93,19 @@ def _flat_fan_in(init: Initializer, n_in: int) -> Initializer:
 
 
 def _per_activation(init: Initializer) -> Initializer:
-    """For ``[hidden, n_act, intermediate]``: each act slice initialised on its own, as in TE."""
+    """For ``[hidden, n_act, intermediate]``: each act slice initialised on its own, as in TE.
+
+    The keys are drawn as TransformerEngine draws them (each slice's key split off the rest of
+    the chain: ``key, slice_key = split(key)``), so the same init key gives TE's values.
+    """
 
     def stacked_init(key: Array, shape: Sequence[int], dtype: DTypeLike = jnp.float32) -> Array:
         hidden, n_act, intermediate = shape
-        keys = jax.random.split(key, n_act)
-        return jnp.stack([init(k, (hidden, intermediate), dtype) for k in keys], axis=-2)
+        slices = []
+        for _ in range(n_act):
+            key, slice_key = jax.random.split(key)
+            slices.append(init(slice_key, (hidden, intermediate), dtype))
+        return jnp.stack(slices, axis=-2)
 
     return stacked_init
 
@@ -413,6 +420,22 @@ class LayerNormDenseGeneralSpec(_Norm, _LowRank):
 # ----------------------------------------------------------------------------- LayerNormMLP
 
 
+def _fused_gradient_quantizers(
+    set_1: QuantizerSet, set_2: QuantizerSet
+) -> tuple[QuantizerSet, QuantizerSet]:
+    """The two GEMMs' sets for the composed path, quantizing gradients as the fused op does.
+
+    The fused ``layernorm_mlp`` (like TransformerEngine's) quantizes the layer's output gradient
+    with the first set's gradient quantizer and the activation gradient with the second's; each
+    ``dense`` op quantizes its own output gradient with its own set. Exchanging the gradient
+    quantizers keeps ``grad_0_*`` / ``grad_1_*`` one meaning on every path.
+    """
+    return (
+        dataclasses.replace(set_1, dgrad=set_2.dgrad),
+        dataclasses.replace(set_2, dgrad=set_1.dgrad),
+    )
+
+
 @dataclasses.dataclass
 class LayerNormMLPSpec(_Norm, _LowRank):
     """Norm, GEMM 1, (gated) activation, dropout, GEMM 2; returns ``(out, norm output or None)``."""
@@ -547,12 +570,13 @@ class LayerNormMLPSpec(_Norm, _LowRank):
         activation_params: ClampedSwigluParams | None,
     ) -> tuple[Array, Array | None]:
         """The same layer from the ops, where dropout or LoRA must sit between the GEMMs."""
+        set_1, set_2 = _fused_gradient_quantizers(quantizer_sets[0], quantizer_sets[1])
         gemm_1: dict[str, Any] = dict(
             kernel=params["wi_kernel"],
             bias=params.get("wi_bias"),
             transpose_batch_sequence=self.transpose_batch_sequence,
             kernel_axes=self.kernel_axes_1 or None,
-            quantizer_set=quantizer_sets[0],
+            quantizer_set=set_1,
         )
         if self.enable_layernorm:
             pre_activation, ln = layernorm_dense_with_norm_output(
@@ -578,7 +602,7 @@ class LayerNormMLPSpec(_Norm, _LowRank):
             transpose_batch_sequence=self.transpose_batch_sequence,
             input_axes=self.dot_2_input_axes,
             kernel_axes=self.kernel_axes_2 or None,
-            quantizer_set=quantizer_sets[1],
+            quantizer_set=set_2,
         )
         out = self._with_lora(out, activated, params, "wo_", 1)
         out = checkpoint_name(out, self.ffn2_ckpt_name)

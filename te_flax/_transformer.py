@@ -207,7 +207,8 @@ class DotProductAttentionSpec:
     float32_logits: bool = False
     qkv_layout: str = "bshd_bshd_bshd"
     scale_factor: float | None = None
-    transpose_batch_sequence: bool = True
+    # TE's default: None, taken as False ([batch, seq, ...] inputs).
+    transpose_batch_sequence: bool | None = None
     window_size: tuple[int, int] | None = None
     max_segments_per_seq: int | None = 1
     context_parallel_causal_load_balanced: bool = False
@@ -362,7 +363,8 @@ class MultiHeadAttentionSpec:
     dtype: Any = None
     param_dtype: Any = jnp.float32
     fuse_qkv_params: bool = True
-    transpose_batch_sequence: bool = True
+    # TE's default: None, taken as False ([batch, seq, hidden] inputs).
+    transpose_batch_sequence: bool | None = None
     enable_sequence_parallel: bool = False
     scale_attn_logits: bool = False
     scaled_query_init: bool = True
@@ -426,7 +428,7 @@ class MultiHeadAttentionSpec:
         """The projections of an input of ``in_features``; fused QKV only for self-attention."""
         self.check()
         heads, groups, head_dim = self.num_attention_heads, self.groups, self.head_dim
-        axes = _Axes(self.transpose_batch_sequence, self.enable_sequence_parallel)
+        axes = _Axes(bool(self.transpose_batch_sequence), self.enable_sequence_parallel)
         lora_qkv, lora_out, _ = _lora_scope(self.low_rank_adaptation_scope)
         kernel_init = self.kernel_init or _normal_fan_in()
         query_scale = math.sqrt(head_dim) if self.scaled_query_init else 1.0
@@ -437,7 +439,7 @@ class MultiHeadAttentionSpec:
             low_rank_adaptation_alpha=self.low_rank_adaptation_alpha,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
-            transpose_batch_sequence=self.transpose_batch_sequence,
+            transpose_batch_sequence=bool(self.transpose_batch_sequence),
             recipe=self.recipe,
         )
         norm = dict(
@@ -522,7 +524,7 @@ class MultiHeadAttentionSpec:
             raise TypeError(
                 f"inputs_q ({inputs_q.dtype}) and inputs_kv ({inputs_kv.dtype}) must share a dtype"
             )
-        axes = _Axes(self.transpose_batch_sequence, self.enable_sequence_parallel)
+        axes = _Axes(bool(self.transpose_batch_sequence), self.enable_sequence_parallel)
         heads, groups = self.num_attention_heads, self.groups
         inputs_q = with_logical_constraint(inputs_q, axes.residual)
         split = (
@@ -669,12 +671,12 @@ class TransformerLayerSpec:
     hidden_dropout: float = 0.1
     hidden_dropout_dims: Sequence[int] = ()
     attention_dropout: float = 0.1
-    intermediate_dropout: float = 0.1
+    intermediate_dropout: float = 0.0
     intermediate_dropout_dims: Sequence[int] = ()
     dropout_rng_name: str = "dropout"
     mha_kernel_init: Initializer | None = None
     mlp_kernel_init: Initializer | None = None
-    mlp_activations: Sequence[str] = ("relu",)
+    mlp_activations: Sequence[str] = ("gelu",)
     mlp_activation_params: dict[str, Any] | None = None
     use_bias: bool = False
     bias_init: Initializer = jax.nn.initializers.zeros
@@ -764,7 +766,7 @@ class TransformerLayerSpec:
     def children(self) -> dict[str, Child]:
         self.check()
         hidden = self.hidden_size
-        axes = _Axes(self.transpose_batch_sequence, self.enable_sequence_parallel)
+        axes = _Axes(bool(self.transpose_batch_sequence), self.enable_sequence_parallel)
         _, _, lora_mlp = _lora_scope(self.low_rank_adaptation_scope)
         children = {}
         if self.enable_relative_embedding and self.relative_embedding is None:
@@ -876,7 +878,7 @@ class TransformerLayerSpec:
                 "a DECODER TransformerLayer needs `encoded` (the encoder output) for its "
                 "cross-attention; use layer_type=ENCODER for a decoder-only (GPT) stack"
             )
-        axes = _Axes(self.transpose_batch_sequence, self.enable_sequence_parallel)
+        axes = _Axes(bool(self.transpose_batch_sequence), self.enable_sequence_parallel)
         seq = inputs.shape[0 if self.transpose_batch_sequence else 1]
         bias = None
         if self.enable_relative_embedding:

@@ -222,6 +222,10 @@ def _backward(
 ]:
     x = residuals.x
     set_1, set_2 = residuals.quantizer_sets
+    # TransformerEngine's assignment of the two gradient quantizers, so that TE's state names
+    # mean the same tensors here: the first set's quantizes the layer's output gradient (GEMM
+    # 2's), the second set's the activation gradient (GEMM 1's output gradient).
+    output_grad_quantizer, activation_grad_quantizer = set_1.dgrad, set_2.dgrad
     ln, kernel_1, activated, kernel_2 = _gemm_operands(config, residuals, x.dtype)
     kernel_1_dtype, kernel_2_dtype = config.kernel_dtypes
     bias_1_dtype, bias_2_dtype = config.bias_dtypes
@@ -232,7 +236,7 @@ def _backward(
         grad,
         activated,
         kernel_2,
-        set_2.dgrad,
+        output_grad_quantizer,
         1,
         x.dtype,
         kernel_2_dtype,
@@ -247,7 +251,7 @@ def _backward(
         d_activated,
         residuals.pre_activation,
         config.activation_type,
-        set_1.dgrad,
+        activation_grad_quantizer,
         bias_1_dtype,
         config.activation_params,
     )
@@ -256,7 +260,7 @@ def _backward(
         d_pre_activation,
         ln,
         kernel_1,
-        set_1.dgrad,
+        activation_grad_quantizer,
         1,
         x.dtype,
         kernel_1_dtype,
@@ -274,8 +278,8 @@ def _backward(
         with_logical_constraint(grads_2.rhs, config.kernel_2_axes),
     )
     new_sets = (
-        dataclasses.replace(set_1, dgrad=grads_1.dgrad_quantizer),
-        dataclasses.replace(set_2, dgrad=grads_2.dgrad_quantizer),
+        dataclasses.replace(set_1, dgrad=grads_2.dgrad_quantizer),
+        dataclasses.replace(set_2, dgrad=grads_1.dgrad_quantizer),
     )
     return d_x, d_gamma, d_beta, d_kernels, (grads_1.bias, grads_2.bias), as_cotangent(new_sets)
 
@@ -357,9 +361,12 @@ def layernorm_mlp(
     ``a = act(h[..., 0, :])`` (times ``h[..., 1, :]`` for a gated pair);
     ``out = a . kernels[1] + biases[1]``. The norm runs in float32, the activation in x's dtype.
     With FP8 quantizer sets, the norm output, kernel 1, the activation output and kernel 2 are
-    quantized directly to float8 for the forward GEMMs, and each GEMM's output gradient with its
-    own set for the backward GEMMs: all six GEMMs of a training step are FP8. The new state of
-    both sets comes back as the gradient of ``quantizer_sets``.
+    quantized directly to float8 for the forward GEMMs, and the two output gradients for the
+    backward GEMMs: all six GEMMs of a training step are FP8. As in TransformerEngine's fused
+    op, ``quantizer_sets[0]``'s gradient quantizer takes the layer's output gradient (GEMM 2's)
+    and ``quantizer_sets[1]``'s the activation gradient (GEMM 1's output gradient), so the
+    state named ``grad_0_*`` / ``grad_1_*`` holds the same tensors' history as in TE. The new
+    state of both sets comes back as the gradient of ``quantizer_sets``.
 
     Args:
       x: ``[batch..., hidden]`` input.

@@ -90,7 +90,8 @@ class DotProductAttention(nn.Module, DotProductAttentionSpec):
       qkv_layout: ``"bshd_bshd_bshd"`` (default), ``"bshd_bs2hd"`` (key is ``[.., 2, h, d]``)
         or ``"bs3hd"`` (query is ``[.., 3, h, d]``).
       scale_factor: logits scale (None: ``1 / sqrt(head_dim)``).
-      transpose_batch_sequence: inputs are ``[seq, batch, ...]`` (TE's default here: True).
+      transpose_batch_sequence: inputs are ``[seq, batch, ...]`` (default None, as in TE: taken
+        as False, ``[batch, seq, ...]``).
       window_size: sliding window ``(left, right)``; -1 is unbounded.
       float32_logits: accepted for TE compatibility; logits are always float32.
       implementation: None (automatic), ``"xla"`` or ``"cudnn"``.
@@ -172,7 +173,8 @@ class MultiHeadAttention(nn.Module, MultiHeadAttentionSpec):
         ``"exclude_qkv_proj"``, ``"exclude_output_proj"``), low_rank_adaptation_dim,
         low_rank_adaptation_alpha: LoRA on the projections.
       fuse_qkv_params: fused projection kernels (default True).
-      transpose_batch_sequence: inputs are ``[seq, batch, hidden]`` (TE's default here: True).
+      transpose_batch_sequence: inputs are ``[seq, batch, hidden]`` (default None, as in TE:
+        taken as False, ``[batch, seq, hidden]``).
       enable_sequence_parallel: the norm input's sequence axis has the logical name
         ``"length"`` (split under the ``tp_sp`` rules).
       scale_attn_logits: scale the logits by ``1 / sqrt(head_dim)`` (default False: TE scales
@@ -266,9 +268,9 @@ class TransformerLayer(nn.Module, TransformerLayerSpec):
       hidden_size (512), mlp_hidden_size (2048), num_attention_heads (8), num_gqa_groups.
       layernorm_type, layernorm_epsilon, zero_centered_gamma: every norm of the layer.
       hidden_dropout (0.1), hidden_dropout_dims: dropout of each block's output.
-      attention_dropout (0.1), intermediate_dropout (0.1), intermediate_dropout_dims,
+      attention_dropout (0.1), intermediate_dropout (0.0), intermediate_dropout_dims,
         dropout_rng_name: the other dropouts and their RNG stream.
-      mha_kernel_init, mlp_kernel_init, mlp_activations (default ``("relu",)``), use_bias,
+      mha_kernel_init, mlp_kernel_init, mlp_activations (default ``("gelu",)``), use_bias,
         bias_init: the projections and the MLP.
       apply_residual_connection_post_layernorm: residuals from the norm outputs.
       output_layernorm: normalize the layer's output rather than the attention's input.
