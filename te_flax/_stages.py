@@ -300,7 +300,18 @@ def _accumulation_dtype(out_dtype: DTypeLike) -> DTypeLike:
 
 
 def _block_gemm(lhs: BlockScaledTensor, rhs: BlockScaledTensor, out_dtype: DTypeLike) -> Array:
-    """``lhs [M, K] . rhs [N, K]`` with block scales -> ``[*lhs.row_shape, *rhs.row_shape]``."""
+    """``lhs [M, K] . rhs [N, K]`` with block scales -> ``[*lhs.row_shape, *rhs.row_shape]``.
+
+    A Hadamard transform along K (NVFP4's weight-gradient operands) cancels in the product only
+    when both operands have it.
+    """
+    if lhs.has_rht_applied != rhs.has_rht_applied:
+        raise ValueError(
+            "an NVFP4 GEMM multiplies an operand quantized after the random Hadamard transform "
+            "with one quantized without it, and the transform only cancels when both have it: "
+            "give the x and dgrad quantizers of a set the same use_rht (build sets with "
+            "QuantizerFactory.create_set(fp8_recipe=NVFP4BlockScaling(...)))"
+        )
     operands = (lhs.data[None], rhs.data[None], lhs.scale_inv[None], rhs.scale_inv[None])
     # The output dtype is also the dequantization dtype of an emulated GEMM: block-scaled values
     # are exact in bfloat16, so a bfloat16 step runs bfloat16 GEMMs there.

@@ -7,12 +7,16 @@ cut into blocks of ``block`` consecutive elements, each with its own scale:
 * MXFP8: float8 data, ``float8_e8m0fnu`` scales (powers of two), 32 elements per block.
 * NVFP4: ``float4_e2m1fn`` data, ``float8_e4m3fn`` scales, 16 elements per block, and one
   float32 scale for the whole tensor that brings the block scales into e4m3's range.
+  TransformerEngine's NVFP4 recipe adds two variants: one scale per 16x16 tile of a kernel
+  (``quantize_nvfp4_2d``), and a random Hadamard transform of the weight-gradient GEMM's
+  operands before they are quantized (``random_hadamard_transform``).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array, lax
 from jax.typing import DTypeLike
 
@@ -22,11 +26,15 @@ __all__ = [
     "E2M1_MAX",
     "MXFP8_BLOCK",
     "NVFP4_BLOCK",
+    "NVFP4_RHT_SIGNS",
     "dequantize_blocks",
     "e8m0_round_up",
     "nvfp4_tensor_scale_inv",
     "quantize_mxfp8",
     "quantize_nvfp4",
+    "quantize_nvfp4_2d",
+    "random_hadamard_transform",
+    "rht_matrix",
     "stochastic_round_e2m1",
 ]
 
@@ -35,6 +43,9 @@ NVFP4_BLOCK = 16
 E2M1_MAX = 6.0
 _E4M3_MAX = 448.0
 _F32 = jnp.finfo(jnp.float32)
+# TransformerEngine's fixed random signs of the weight-gradient Hadamard transform (the same
+# for every tensor and call), one per row of the 16x16 Hadamard matrix.
+NVFP4_RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 
 
 def _blocks(x: Array, block: int) -> Array:
@@ -117,6 +128,16 @@ def stochastic_round_e2m1(y: Array, key: Array) -> Array:
     return jnp.copysign(rounded, y)
 
 
+def _nvfp4_scaled(values: Array, block_amax: Array, tensor_scale_inv: Array) -> tuple[Array, Array]:
+    """The e4m3 block scales of ``block_amax`` (shaped to broadcast against ``values``) and the
+    float32 ``values`` divided by them and the tensor scale, clipped to e2m1's range."""
+    block_scale = block_amax / E2M1_MAX / tensor_scale_inv
+    scale = jnp.clip(block_scale, 0.0, _E4M3_MAX).astype(jnp.float8_e4m3fn)
+    divisor = scale.astype(jnp.float32) * tensor_scale_inv
+    scaled = jnp.where(divisor > 0, values / jnp.where(divisor > 0, divisor, 1.0), 0.0)
+    return scale, jnp.clip(scaled, -E2M1_MAX, E2M1_MAX)
+
+
 def quantize_nvfp4(
     x: Array, tensor_scale_inv: Array, key: Array | None = None, block: int = NVFP4_BLOCK
 ) -> tuple[Array, Array]:
@@ -127,15 +148,66 @@ def quantize_nvfp4(
     ``x / (block scale * tensor_scale_inv)`` rounded to e2m1, to nearest or, with ``key``,
     stochastically. A block whose scale is 0 (all zeros, or far below the tensor's amax) is 0.
     """
-    blocks = _blocks(x, block)
-    block_scale = _block_amax(blocks) / E2M1_MAX / tensor_scale_inv
-    scale = jnp.clip(block_scale, 0.0, _E4M3_MAX).astype(jnp.float8_e4m3fn)
-    divisor = (scale.astype(jnp.float32) * tensor_scale_inv)[..., None]
-    scaled = jnp.where(divisor > 0, blocks / jnp.where(divisor > 0, divisor, 1.0), 0.0)
-    scaled = jnp.clip(scaled, -E2M1_MAX, E2M1_MAX)
+    blocks = _blocks(x, block)  # [rows, K / block, block]
+    amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
+    scale, scaled = _nvfp4_scaled(blocks, amax, tensor_scale_inv)
     if key is not None:
         scaled = stochastic_round_e2m1(scaled, key)
-    return scaled.astype(jnp.float4_e2m1fn).reshape(x.shape), scale
+    return scaled.astype(jnp.float4_e2m1fn).reshape(x.shape), scale[..., 0]
+
+
+def quantize_nvfp4_2d(
+    x: Array, tensor_scale_inv: Array, block: int = NVFP4_BLOCK
+) -> tuple[Array, Array]:
+    """``x [rows, K]`` -> (e2m1 data ``[rows, K]``, e4m3 scales ``[rows // block, K // block]``).
+
+    NVFP4 with one scale per ``block x block`` tile (TransformerEngine's 2D quantization of
+    kernels): the rules of ``quantize_nvfp4`` with the tile's amax, rounded to nearest. A tile
+    is a tile of the transpose too, so quantizing ``x.T`` gives exactly the transposed data and
+    scales: the two GEMMs that contract a kernel along either axis use the same values.
+    """
+    rows, k = x.shape
+    tiles = x.astype(jnp.float32).reshape(rows // block, block, k // block, block)
+    amax = jnp.max(jnp.abs(tiles), axis=(1, 3), keepdims=True)  # [rows/b, 1, K/b, 1]
+    scale, scaled = _nvfp4_scaled(tiles, amax, tensor_scale_inv)
+    return scaled.astype(jnp.float4_e2m1fn).reshape(x.shape), scale[:, 0, :, 0]
+
+
+def rht_matrix() -> np.ndarray:
+    """TransformerEngine's 16x16 random Hadamard matrix, ``diag(signs) @ H16 / 4`` (float32).
+
+    ``H16`` is Sylvester's Hadamard matrix (entries +-1, ``H16 @ H16.T = 16 I``) and ``signs``
+    are ``NVFP4_RHT_SIGNS``; the ``1/4 = 1/sqrt(16)`` makes the matrix orthogonal
+    (``M @ M.T = I``), and its entries (+-0.25) are exact in every float format.
+    """
+    hadamard = np.ones((1, 1), np.float32)
+    while hadamard.shape[0] < NVFP4_BLOCK:
+        hadamard = np.block([[hadamard, hadamard], [hadamard, -hadamard]])
+    signs = np.asarray(NVFP4_RHT_SIGNS, np.float32)
+    return (signs[:, None] * hadamard / np.sqrt(NVFP4_BLOCK)).astype(np.float32)
+
+
+def random_hadamard_transform(x: Array, inverse: bool = False) -> Array:
+    """``x [rows, K]`` with every 16 consecutive elements along K multiplied by ``rht_matrix()``
+    (by its transpose, the inverse, with ``inverse``), in ``x``'s dtype.
+
+    Applied to both operands of a GEMM along its contraction it cancels in the product
+    (``(a M)(b M)^T = a b^T``), while each 16 elements' outliers are spread over all 16 before
+    they are quantized. Computed in float32 and rounded to ``x``'s dtype, as TransformerEngine
+    does (its reference multiplies in the input's dtype).
+    """
+    rows, k = x.shape
+    matrix = rht_matrix()
+    blocks = x.astype(jnp.float32).reshape(rows, k // NVFP4_BLOCK, NVFP4_BLOCK)
+    # HIGHEST: a float32 product, not TF32 or bfloat16 passes, so that the transform itself
+    # adds no error beyond the final rounding to x's dtype.
+    transformed = jnp.einsum(
+        "rbi,ij->rbj",
+        blocks,
+        jnp.asarray(matrix.T if inverse else matrix),
+        precision=lax.Precision.HIGHEST,
+    )
+    return transformed.reshape(rows, k).astype(x.dtype)
 
 
 def dequantize_blocks(

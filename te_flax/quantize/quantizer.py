@@ -95,18 +95,24 @@ class BlockScaledTensor:
       scale_inv: ``[rows, K // block]`` block scales (e8m0 or e4m3).
       tensor_scale_inv: float32 scalar applied to the whole tensor (NVFP4), or None.
       row_shape: the shape the ``rows`` axis unflattens to in a GEMM's output (static).
+      has_rht_applied: the data is of the values after ``block_scaling.random_hadamard_transform``
+        along K (static): a GEMM must multiply it with an operand transformed the same way.
     """
 
     data: Array
     scale_inv: Array
     tensor_scale_inv: Array | None
     row_shape: tuple[int, ...] = _static()
+    has_rht_applied: bool = _static(False)
 
     def dequantize(self, dtype: DTypeLike = jnp.float32) -> Array:
-        """The ``[rows, K]`` values the operand stands for."""
-        return block_scaling.dequantize_blocks(
-            self.data, self.scale_inv, self.tensor_scale_inv, dtype
+        """The ``[rows, K]`` values the operand stands for (the Hadamard transform undone)."""
+        values = block_scaling.dequantize_blocks(
+            self.data, self.scale_inv, self.tensor_scale_inv, jnp.float32
         )
+        if self.has_rht_applied:
+            values = block_scaling.random_hadamard_transform(values, inverse=True)
+        return values.astype(dtype)
 
 
 @jax.tree_util.register_dataclass
@@ -265,9 +271,14 @@ def _block_operand(
     split: int,
     uses: Sequence[str],
     quantize_matrix: Callable[[Array, str], tuple[Array, Array, Array | None]],
+    transformed_uses: Sequence[str] = (),
+    blocked_uses: Sequence[str] = (),
 ) -> BlockOperand:
     """``x`` quantized for each of ``uses`` by ``quantize_matrix(matrix, use)``, in blocks of
-    ``block`` along each use's contraction (refused where that is not a multiple of it)."""
+    ``block`` along each use's contraction (refused where that is not a multiple of it, and
+    along the contraction of each of ``blocked_uses`` too: square tiles).
+
+    The quantizations of ``transformed_uses`` are of Hadamard-transformed values."""
     prepared: dict[str, BlockScaledTensor] = {}
     for use in uses:
         contracted = x.shape[split:] if use == TRAILING else x.shape[:split]
@@ -282,10 +293,22 @@ def _block_operand(
                 f"pad them to a multiple of {block} or use a per-tensor recipe such as "
                 "DelayedScaling()"
             )
+    for use in blocked_uses:
+        axes = x.shape[split:] if use == TRAILING else x.shape[:split]
+        if math.prod(axes) % block:
+            raise ValueError(
+                f"{recipe} quantizes kernels in {block}x{block} tiles (TransformerEngine's 2D "
+                f"quantization), but the {use} axes {axes} of the kernel of shape "
+                f"{tuple(x.shape)} hold {math.prod(axes)} elements, not a multiple of {block}; "
+                f"pad the features to a multiple of {block} or use 1x{block} blocks with "
+                f"{recipe}(disable_2d_quantization=True)"
+            )
     for use in uses:
         matrix, row_shape = _as_matrix(x, split, use)
         data, scale_inv, tensor_scale_inv = quantize_matrix(matrix, use)
-        prepared[use] = BlockScaledTensor(data, scale_inv, tensor_scale_inv, row_shape)
+        prepared[use] = BlockScaledTensor(
+            data, scale_inv, tensor_scale_inv, row_shape, use in transformed_uses
+        )
     return BlockOperand(
         prepared.get(TRAILING), prepared.get(LEADING), shape=tuple(x.shape), split=split
     )
@@ -324,6 +347,22 @@ class NVFP4Quantizer:
 
     Attributes:
       key: the RNG key of stochastic rounding (a leaf), or None to round to nearest.
+      q_dtype: ``float4_e2m1fn`` (static).
+      block_size: 16 (static).
+      use_rht: apply TransformerEngine's random Hadamard transform to the ``LEADING`` use, the
+        column-wise usage that the weight-gradient GEMM contracts along the tokens: each 16
+        consecutive tokens are multiplied by ``block_scaling.rht_matrix()`` before quantizing,
+        with a tensor scale of their own from the transformed amax (static, default False).
+        Both wgrad operands (the GEMM input and the output gradient) must use it, so that it
+        cancels in their product.
+      use_2d: one scale per 16x16 tile of the ``[leading, trailing]`` matrix, rounded to nearest
+        (TransformerEngine's 2D quantization of kernels): both uses are the same quantized
+        values, one the transpose of the other (static, default False). Both sizes must then
+        be multiples of 16.
+
+    ``NVFP4BlockScaling()`` sets ``use_rht`` on the ``x`` and ``dgrad`` quantizers and
+    ``use_2d`` on the ``kernel`` one, as TransformerEngine does; a quantizer built directly
+    has neither.
     """
 
     block_scaled = True  # quantizes per block along a contraction
@@ -331,22 +370,57 @@ class NVFP4Quantizer:
     key: Array | None = None
     q_dtype: Any = _static(jnp.float4_e2m1fn)  # noqa: RUF009
     block_size: int = _static(block_scaling.NVFP4_BLOCK)
+    use_rht: bool = _static(False)
+    use_2d: bool = _static(False)
 
     def quantize(
         self, x: Array, split: int, uses: Sequence[str]
     ) -> tuple[BlockOperand, NVFP4Quantizer]:
-        """``x`` quantized for each of ``uses`` with one tensor scale, and this quantizer."""
+        """``x`` quantized for each of ``uses`` with one tensor scale, and this quantizer.
+
+        The Hadamard-transformed ``LEADING`` use (``use_rht``) has a tensor scale of its own.
+        """
         tensor_scale_inv = block_scaling.nvfp4_tensor_scale_inv(scaling.amax(x))
+        tiled: list[tuple[Array, Array]] = []
+
+        def quantize_tiles(matrix: Array, use: str) -> tuple[Array, Array]:
+            # Quantized once as [leading, trailing]; the LEADING use is its exact transpose.
+            if not tiled:
+                leading_first = matrix if use == TRAILING else matrix.T
+                tiled.append(
+                    block_scaling.quantize_nvfp4_2d(
+                        leading_first, tensor_scale_inv, self.block_size
+                    )
+                )
+            data, tile_scales = tiled[0]
+            if use == LEADING:
+                data, tile_scales = data.T, tile_scales.T
+            # The GEMM takes a scale per row and block of K: each tile's scale for its 16 rows.
+            return data, jnp.repeat(tile_scales, self.block_size, axis=0)
 
         def quantize_matrix(matrix: Array, use: str) -> tuple[Array, Array, Array | None]:
+            if self.use_2d:
+                return (*quantize_tiles(matrix, use), tensor_scale_inv)
             key = None if self.key is None else jax.random.fold_in(self.key, int(use == LEADING))
+            matrix_scale_inv = tensor_scale_inv
+            if use in transformed:
+                matrix = block_scaling.random_hadamard_transform(matrix)
+                matrix_scale_inv = block_scaling.nvfp4_tensor_scale_inv(scaling.amax(matrix))
             data, scale_inv = block_scaling.quantize_nvfp4(
-                matrix, tensor_scale_inv, key, self.block_size
+                matrix, matrix_scale_inv, key, self.block_size
             )
-            return data, scale_inv, tensor_scale_inv
+            return data, scale_inv, matrix_scale_inv
 
+        transformed = (LEADING,) if self.use_rht and not self.use_2d else ()
         operand = _block_operand(
-            "NVFP4BlockScaling", self.block_size, x, split, uses, quantize_matrix
+            "NVFP4BlockScaling",
+            self.block_size,
+            x,
+            split,
+            uses,
+            quantize_matrix,
+            transformed_uses=transformed,
+            blocked_uses=(TRAILING, LEADING) if self.use_2d else (),
         )
         return operand, self
 
@@ -565,7 +639,14 @@ def _set_from_recipe(recipe: Recipe | None, sr_key: Array | None) -> QuantizerSe
         return noop_quantizer_set
     check_recipe(recipe)
     if isinstance(recipe, NVFP4BlockScaling):
-        return QuantizerSet(NVFP4Quantizer(), NVFP4Quantizer(), NVFP4Quantizer(key=sr_key))
+        # As TransformerEngine: the Hadamard transform for the inputs' and gradients' wgrad
+        # layouts, 16x16 tiles for the kernel, stochastic rounding for the gradient only.
+        rht = not recipe.disable_rht
+        return QuantizerSet(
+            NVFP4Quantizer(use_rht=rht),
+            NVFP4Quantizer(use_2d=not recipe.disable_2d_quantization),
+            NVFP4Quantizer(key=sr_key, use_rht=rht),
+        )
     forward, backward = recipe.fp8_format.forward_dtype, recipe.fp8_format.backward_dtype
     if isinstance(recipe, MXFP8BlockScaling):
         return QuantizerSet(

@@ -446,19 +446,29 @@ class NVFP4BlockScaling(_RecipeKind):
     ``rngs=nnx.Rngs(0, sr_rng=1)`` at construction), ``QuantizerFactory.create_set`` takes
     ``sr_key=``. ``disable_stochastic_rounding=True`` rounds to nearest and needs no key.
 
-    Two of TransformerEngine's defaults are not implemented, and te_flax behaves as with
-    them disabled: the random Hadamard transform of the weight-gradient GEMM's operands
-    (``disable_rht=False`` is quantized as ``disable_rht=True``) and one scale per 16x16 block
-    of each kernel (``disable_2d_quantization=False`` is quantized as ``True``: kernels get
-    1x16 blocks along each GEMM's contraction, each layout from high precision).
+    As in TransformerEngine, two more techniques are on by default. The operands of the
+    weight-gradient GEMM (the GEMM input and the output gradient, in the layout that contracts
+    the tokens) go through a random Hadamard transform before they are quantized: every 16
+    consecutive tokens are multiplied by TransformerEngine's fixed 16x16 matrix
+    ``diag(signs) @ H16 / 4`` (``block_scaling.rht_matrix()``), which spreads outliers over
+    the block and cancels in the product because the matrix is orthogonal; that layout gets a
+    tensor scale of its own from the transformed amax. And each kernel gets one scale per 16x16
+    tile, rounded to nearest, so that the forward GEMM and dgrad use the same quantized
+    weight, one the transpose of the other. ``disable_rht=True`` and
+    ``disable_2d_quantization=True`` quantize without them (1x16 kernel blocks along each
+    GEMM's contraction, each layout from high precision). The kernel's features must be
+    multiples of 16 for its tiles. Where TransformerEngine 2.20's JAX code with
+    ``disable_2d_quantization=True`` would also transform the kernel's forward layout (and then
+    refuse the GEMM), te_flax transforms only the two weight-gradient operands, as the
+    recipe's ``fp4_quant_fwd_weight`` says.
 
     Args:
-      disable_rht: TransformerEngine: skip the random Hadamard transform (default False; te_flax
-        never applies it, see above).
+      disable_rht: skip the random Hadamard transform of the weight-gradient operands (default
+        False: transform them).
       disable_stochastic_rounding: round the gradients to nearest instead of stochastically
         (default False: stochastic).
-      disable_2d_quantization: TransformerEngine: 1x16 kernel blocks instead of 16x16 (default
-        False; te_flax always uses 1x16 blocks, see above).
+      disable_2d_quantization: 1x16 kernel blocks along each GEMM's contraction instead of
+        16x16 tiles (default False: tiles).
       row_scaled_activation: False (default); True (one tensor scale per row of the forward
         activations) is refused, not implemented.
       nvfp4_4over6: ``"none"`` (default); TransformerEngine's adaptive 4-over-6 block scaling
@@ -537,19 +547,23 @@ class NVFP4BlockScaling(_RecipeKind):
 
     @property
     def fp4_quant_fwd_inp(self) -> QParams:
-        """How GEMM inputs are quantized, as te_flax does it (no Hadamard transform)."""
-        return QParams()
+        """How GEMM inputs are quantized: the Hadamard transform of their weight-gradient
+        layout unless ``disable_rht``."""
+        return QParams(random_hadamard_transform=not self.disable_rht)
 
     @property
     def fp4_quant_fwd_weight(self) -> QParams:
-        """How kernels are quantized, as te_flax does it (1x16 blocks)."""
-        return QParams()
+        """How kernels are quantized: 16x16 tiles unless ``disable_2d_quantization``."""
+        return QParams(fp4_2d_quantization=not self.disable_2d_quantization)
 
     @property
     def fp4_quant_bwd_grad(self) -> QParams:
-        """How gradients are quantized, as te_flax does it (stochastic rounding unless
-        disabled, no Hadamard transform)."""
-        return QParams(stochastic_rounding=self.stochastic_rounding)
+        """How gradients are quantized: stochastic rounding unless disabled, and the Hadamard
+        transform of their weight-gradient layout unless ``disable_rht``."""
+        return QParams(
+            random_hadamard_transform=not self.disable_rht,
+            stochastic_rounding=self.stochastic_rounding,
+        )
 
 
 Recipe = DelayedScaling | Float8CurrentScaling | MXFP8BlockScaling | NVFP4BlockScaling
