@@ -187,6 +187,20 @@ def rht_matrix() -> np.ndarray:
     return (signs[:, None] * hadamard / np.sqrt(NVFP4_BLOCK)).astype(np.float32)
 
 
+def _walsh_hadamard(blocks: Array) -> Array:
+    """``blocks [..., 16] @ H16`` (Sylvester's matrix, symmetric) as four butterfly stages of
+    additions and subtractions: elementwise work that XLA fuses with the quantization around
+    it, where a 16x16 matrix product would be a GEMM of its own."""
+    shape = blocks.shape
+    half = 1
+    while half < NVFP4_BLOCK:
+        pairs = blocks.reshape(*shape[:-1], NVFP4_BLOCK // (2 * half), 2, half)
+        low, high = pairs[..., 0, :], pairs[..., 1, :]
+        blocks = jnp.stack([low + high, low - high], axis=-2).reshape(shape)
+        half *= 2
+    return blocks
+
+
 def random_hadamard_transform(x: Array, inverse: bool = False) -> Array:
     """``x [rows, K]`` with every 16 consecutive elements along K multiplied by ``rht_matrix()``
     (by its transpose, the inverse, with ``inverse``), in ``x``'s dtype.
@@ -197,16 +211,14 @@ def random_hadamard_transform(x: Array, inverse: bool = False) -> Array:
     does (its reference multiplies in the input's dtype).
     """
     rows, k = x.shape
-    matrix = rht_matrix()
+    signs = jnp.asarray(NVFP4_RHT_SIGNS, jnp.float32).reshape(1, 1, NVFP4_BLOCK)
     blocks = x.astype(jnp.float32).reshape(rows, k // NVFP4_BLOCK, NVFP4_BLOCK)
-    # HIGHEST: a float32 product, not TF32 or bfloat16 passes, so that the transform itself
-    # adds no error beyond the final rounding to x's dtype.
-    transformed = jnp.einsum(
-        "rbi,ij->rbj",
-        blocks,
-        jnp.asarray(matrix.T if inverse else matrix),
-        precision=lax.Precision.HIGHEST,
-    )
+    # M = diag(signs) H16 / 4, so x M = H16(x * signs) / 4 and x M^T = H16(x) / 4 * signs; the
+    # signs and the 1/4 are exact.
+    if inverse:
+        transformed = _walsh_hadamard(blocks) * 0.25 * signs
+    else:
+        transformed = _walsh_hadamard(blocks * signs) * 0.25
     return transformed.reshape(rows, k).astype(x.dtype)
 
 
