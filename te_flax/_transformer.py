@@ -25,6 +25,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from te_flax import _validation as check
 from te_flax import attention as attn
+from te_flax._layers import ParamSpec
 from te_flax.quantize import Recipe
 from te_flax.sharding import with_logical_constraint
 
@@ -82,6 +83,16 @@ class Host(Protocol):
     def cache(self, shape: tuple[int, ...], dtype: Any) -> tuple[CacheSlots, bool]:
         """The cache slots, and whether they were created by this call (nothing cached yet)."""
         ...
+
+    def param(self, spec: ParamSpec) -> Array:
+        """The module's own parameter ``spec.name`` (created from ``spec`` where needed)."""
+        ...
+
+
+def _float32_zeros(key: Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> Array:
+    """Zeros in float32 whatever ``dtype`` (TE keeps the attention sink in float32)."""
+    del key, dtype
+    return jnp.zeros(shape, jnp.float32)
 
 
 def _normal_fan_in() -> Initializer:
@@ -215,6 +226,7 @@ class DotProductAttentionSpec:
     context_parallel_axis: str = ""
     context_parallel_strategy: str = "DEFAULT"
     context_checkpoint_name: str = "context"
+    softmax_type: str = "vanilla"
     score_mod: attn.ScoreMod | None = None
     score_mod_bprop: attn.ScoreMod | None = None
     return_max_logit: bool = False
@@ -233,6 +245,7 @@ class DotProductAttentionSpec:
             )
         _rate(self.attention_dropout, "attention_dropout")
         attn.canonical_mask_type(self.attn_mask_type)
+        attn.canonical_softmax_type(self.softmax_type)
         if self.qkv_layout.lower() not in _PACKED_LAYOUTS:
             raise NotImplementedError(
                 f"{owner}.qkv_layout={self.qkv_layout!r} is not supported by te_flax; use one of "
@@ -260,6 +273,14 @@ class DotProductAttentionSpec:
 
     def children(self) -> dict[str, Child]:
         return {}
+
+    def param_specs(self) -> list[ParamSpec]:
+        """The learned attention sink of ``softmax_type="learnable"``: one logit per head,
+        float32 whatever the parameter dtype, zero at first (TE's ``softmax_offset``)."""
+        if attn.canonical_softmax_type(self.softmax_type) != "learnable":
+            return []
+        shape = (1, self.num_attention_heads, 1, 1)
+        return [ParamSpec("softmax_offset", shape, _float32_zeros, (None, "heads", None, None))]
 
     def forward(
         self,
@@ -301,6 +322,7 @@ class DotProductAttentionSpec:
         dropout_rng = None
         if not deterministic and self.attention_dropout > 0:
             dropout_rng = host.rng(self.dropout_rng_name)
+        offsets = {spec.name: host.param(spec) for spec in self.param_specs()}
         out = attn.dot_product_attention(
             query,
             key,
@@ -320,6 +342,8 @@ class DotProductAttentionSpec:
             score_mod_tensors=score_mod_tensors,
             score_mod_bprop_tensors=score_mod_bprop_tensors,
             return_max_logit=self.return_max_logit,
+            softmax_type=self.softmax_type,
+            softmax_offset=offsets.get("softmax_offset"),
         )
         max_logit = None
         if isinstance(out, tuple):
@@ -370,6 +394,7 @@ class MultiHeadAttentionSpec:
     scaled_query_init: bool = True
     float32_logits: bool = False
     window_size: tuple[int, int] | None = None
+    softmax_type: str = "vanilla"
     score_mod: attn.ScoreMod | None = None
     score_mod_bprop: attn.ScoreMod | None = None
     recipe: Recipe | None = None
@@ -415,10 +440,15 @@ class MultiHeadAttentionSpec:
             scale_factor=1.0 / math.sqrt(self.head_dim) if self.scale_attn_logits else 1.0,
             transpose_batch_sequence=False,  # the projections are laid out here
             window_size=self.window_size,
+            softmax_type=self.softmax_type,
             score_mod=self.score_mod,
             score_mod_bprop=self.score_mod_bprop,
             implementation=self.implementation,
         )
+
+    def param_specs(self) -> list[ParamSpec]:
+        """The attention's own parameters (the learned sink), besides the projections'."""
+        return self._attention().param_specs()
 
     def fused_qkv(self, self_attention: bool) -> bool:
         """One ``qkv`` kernel (self-attention, no GQA), else ``query`` + ``kv`` (or key, value)."""
@@ -703,6 +733,7 @@ class TransformerLayerSpec:
     scale_attn_logits: bool = False
     scaled_query_init: bool = True
     window_size: tuple[int, int] | None = None
+    softmax_type: str = "vanilla"
     score_mod: attn.ScoreMod | None = None
     score_mod_bprop: attn.ScoreMod | None = None
     recipe: Recipe | None = None
@@ -758,6 +789,7 @@ class TransformerLayerSpec:
             scaled_query_init=self.scaled_query_init,
             float32_logits=self.float32_attention_logits,
             window_size=self.window_size,
+            softmax_type=self.softmax_type,
             recipe=self.recipe,
             implementation=self.implementation,
         )

@@ -55,8 +55,10 @@ from te_flax import _validation as check
 __all__ = [
     "BIAS_TYPES",
     "MASK_TYPES",
+    "SOFTMAX_TYPES",
     "canonical_bias_type",
     "canonical_mask_type",
+    "canonical_softmax_type",
     "dot_product_attention",
     "relative_position_buckets",
     "rotary_pos_emb",
@@ -79,6 +81,10 @@ _MASK_ALIASES = {
 }
 BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias")
 IMPLEMENTATIONS = (None, "xla", "cudnn")
+# TE's softmax types: the plain softmax, and softmax with an attention sink, one more logit
+# every query sees whose probability is dropped: 0 ("off_by_one": the denominator gets + 1) or
+# a learned logit per head ("learnable", gpt-oss's sinks).
+SOFTMAX_TYPES = ("vanilla", "off_by_one", "learnable")
 
 
 def canonical_mask_type(attn_mask_type: object) -> str:
@@ -91,6 +97,15 @@ def canonical_mask_type(attn_mask_type: object) -> str:
     raise ValueError(
         f"attn_mask_type must be one of {MASK_TYPES} (or 'causal_padding'), got {attn_mask_type!r}"
     )
+
+
+def canonical_softmax_type(softmax_type: object) -> str:
+    """One of ``SOFTMAX_TYPES``; TE's docstring spelling ``"off-by-one"`` is accepted."""
+    if isinstance(softmax_type, str):
+        name = softmax_type.strip().lower().replace("-", "_")
+        if name in SOFTMAX_TYPES:
+            return name
+    raise ValueError(f"softmax_type must be one of {SOFTMAX_TYPES}, got {softmax_type!r}")
 
 
 def canonical_bias_type(attn_bias_type: object, bias: Array | None) -> str:
@@ -199,6 +214,8 @@ def dot_product_attention(
     score_mod_tensors: Mapping[str, Any] | None = None,
     score_mod_bprop_tensors: Mapping[str, Any] | None = None,
     return_max_logit: bool = False,
+    softmax_type: str = "vanilla",
+    softmax_offset: Array | None = None,
 ) -> Array | tuple[Array, Array]:
     """``softmax(q.k * scale + bias, masked) . v`` per head, with GQA.
 
@@ -225,6 +242,12 @@ def dot_product_attention(
       score_mod_tensors, score_mod_bprop_tensors: dicts of arrays or numbers handed to the two
         callbacks as ``tensors`` (default empty); no gradient flows into them (as in TE).
       return_max_logit: also return the per-head maximum score (default False).
+      softmax_type: ``"vanilla"`` (default), ``"off_by_one"`` or ``"learnable"``: the softmax
+        of each query row gets one more logit, the attention sink, whose probability is
+        dropped (0 for ``off_by_one``, ``softmax_offset`` for ``learnable``), so that a query
+        can attend to nothing; a fully masked row then gives zeros. Runs on the XLA attention.
+      softmax_offset: the learned sink logit of each head, broadcastable to ``[1, heads, 1,
+        1]`` (TE's ``softmax_offset`` parameter), for ``softmax_type="learnable"`` only.
 
     Returns:
       ``[batch, q_len, heads, head_dim]`` in the dtype of ``query``; with
@@ -246,10 +269,12 @@ def dot_product_attention(
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     modify = _score_modifier(score_mod, score_mod_bprop, score_mod_tensors, score_mod_bprop_tensors)
     check.check_bool(return_max_logit, "return_max_logit")
-    if (modify is not None or return_max_logit) and implementation == "cudnn":
+    sink = _sink_logit(canonical_softmax_type(softmax_type), softmax_offset, heads)
+    xla_only = modify is not None or return_max_logit or sink is not None
+    if xla_only and implementation == "cudnn":
         raise ValueError(
-            "score_mod and return_max_logit run on the XLA attention only; use "
-            "implementation='xla' or None"
+            "score_mod, return_max_logit and the softmax types with a sink run on the XLA "
+            "attention only; use implementation='xla' or None"
         )
     if "padding" in mask_type and mask is None:
         raise ValueError(
@@ -290,7 +315,7 @@ def dot_product_attention(
         (dropout_rate, dropout_rng) if dropout_rate > 0.0 and dropout_rng is not None else None
     )
     chosen = implementation or _fused_implementation(query)
-    if modify is not None or return_max_logit:
+    if xla_only:
         chosen = "xla"
     if chosen == "cudnn" and dropout is None:
         try:
@@ -313,11 +338,35 @@ def dot_product_attention(
     if top_left_causal:
         keep = _and(keep, _keep_mask(None, True, q_len, kv_len, window, 0))
     out, max_logit = _xla_attention(
-        query, key, value, keep, bias, scale, dropout, modify, return_max_logit
+        query, key, value, keep, bias, scale, dropout, modify, return_max_logit, sink
     )
     if max_logit is None:
         return out
     return out, max_logit.astype(query.dtype)
+
+
+def _sink_logit(softmax_type: str, softmax_offset: Array | None, heads: int) -> Array | None:
+    """The attention sink's logit ``[1, heads, 1, 1]`` in float32, or None (vanilla)."""
+    if softmax_type != "learnable":
+        if softmax_offset is not None:
+            raise ValueError(
+                f"softmax_offset is the learned sink of softmax_type='learnable'; with "
+                f"softmax_type={softmax_type!r} pass softmax_offset=None"
+            )
+        return None if softmax_type == "vanilla" else jnp.zeros((1, 1, 1, 1), jnp.float32)
+    if softmax_offset is None:
+        raise ValueError(
+            "softmax_type='learnable' needs softmax_offset, the sink logit of each head "
+            f"([1, {heads}, 1, 1]; the attention modules create it as a parameter)"
+        )
+    softmax_offset = jnp.asarray(softmax_offset)
+    check.check_floating(softmax_offset, "softmax_offset")
+    if softmax_offset.size not in (1, heads):
+        raise ValueError(
+            f"softmax_offset must hold one logit per head ({heads}) or one for all, got shape "
+            f"{softmax_offset.shape}"
+        )
+    return jnp.reshape(softmax_offset.astype(jnp.float32), (1, -1, 1, 1))
 
 
 def _check_callback(callback: object, name: str, arguments: str) -> None:
@@ -470,6 +519,7 @@ def _xla_attention(
     dropout: tuple[float, Array] | None,
     score_mod: Callable[[Array], Array] | None = None,
     return_max_logit: bool = False,
+    sink: Array | None = None,
 ) -> tuple[Array, Array | None]:
     """Attention as plain XLA ops: float32 logits and softmax, optional probability dropout;
     returns the output and, with ``return_max_logit``, the per-head maximum logit ``[heads]``.
@@ -497,7 +547,18 @@ def _xla_attention(
         # A large finite negative, not -inf: a fully masked row (a padded query) stays finite.
         large_negative = jnp.float32(-0.7 * np.finfo(np.float32).max)
         logits = jnp.where(keep, logits, large_negative)
-    probs = jax.nn.softmax(logits, axis=-1)  # [batch, heads, q, kv]
+    if sink is None:
+        probs = jax.nn.softmax(logits, axis=-1)  # [batch, heads, q, kv]
+    else:
+        # The sink is one more logit in every row; its probability is dropped, so a row's
+        # probabilities sum to less than one. [batch, heads, q, kv + 1] -> [.., kv]
+        sink_column = jnp.broadcast_to(sink, (*logits.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([logits, sink_column], axis=-1), axis=-1)
+        probs = probs[..., :-1]
+    if keep is not None:
+        # Masked positions get exactly zero, and so does every position of a fully masked row
+        # (a padding query), as in TE: its output is zero and no gradient flows from it.
+        probs = jnp.where(keep, probs, jnp.float32(0.0))
     if dropout is not None:
         rate, rng = dropout
         kept = jax.random.bernoulli(rng, 1.0 - rate, probs.shape)

@@ -132,6 +132,36 @@ def _convert(variables: _Tree, source: str, target: str, convert: _LeafConverter
     out = {name: tree for name, tree in variables.items() if name != source}
     if source in variables:
         out[target] = _convert_leaves(variables[source], convert)
+    if "params" in out:
+        out["params"] = _move_attention_sinks(out["params"], to_te=source != TE_FP8_COLLECTION)
+    return out
+
+
+# TE keeps the learned attention sink (``softmax_type="learnable"``) in its attention backend's
+# submodule, whose name depends on the backend it picked (fused on GPUs, unfused elsewhere),
+# and under a ``DotProductAttention_0`` inside ``MultiHeadAttention``; te_flax keeps it on the
+# attention module itself. Towards TE the unfused backend's name is used (a GPU run of TE
+# names it ``_FusedDotProductAttention_0``).
+_SINK = "softmax_offset"
+_TE_BACKENDS = ("_UnfusedDotProductAttention_0", "_FusedDotProductAttention_0")
+_TE_ATTENTION = "DotProductAttention_0"
+
+
+def _move_attention_sinks(params: Any, to_te: bool) -> Any:
+    if not isinstance(params, Mapping):
+        return params
+    out = {key: _move_attention_sinks(value, to_te) for key, value in params.items()}
+    if to_te and _SINK in out:
+        sink = {_TE_BACKENDS[0]: {_SINK: out.pop(_SINK)}}
+        projections = {"qkv", "query", "out"} & set(out)  # a MultiHeadAttention
+        out.update({_TE_ATTENTION: sink} if projections else sink)
+    elif not to_te:
+        # Bottom-up: the backend's submodule is lifted into DotProductAttention_0 first, then
+        # that into the MultiHeadAttention.
+        for wrapper in (*_TE_BACKENDS, _TE_ATTENTION):
+            inner = out.get(wrapper)
+            if isinstance(inner, Mapping) and set(inner) == {_SINK}:
+                out[_SINK] = out.pop(wrapper)[_SINK]
     return out
 
 

@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 
 import te_flax.linen as te_nn
-from te_flax._layers import LayerNormMLPSpec
 import te_flax.nnx as te_nnx
+from te_flax._layers import LayerNormMLPSpec
 from te_flax.quantize import DelayedScaling
 from tests.helpers import normal
 
@@ -102,9 +102,7 @@ def test_attention_transpose_batch_sequence_defaults_to_none_taken_as_false(laye
         explicit = te_nn.DotProductAttention(
             head_dim=head_dim, num_attention_heads=heads, transpose_batch_sequence=False
         )
-        args = tuple(
-            normal(jax.random.key(i), (batch, seq, heads, head_dim)) for i in range(3)
-        )
+        args = tuple(normal(jax.random.key(i), (batch, seq, heads, head_dim)) for i in range(3))
     else:
         module = te_nn.MultiHeadAttention(head_dim=head_dim, num_attention_heads=heads)
         explicit = te_nn.MultiHeadAttention(

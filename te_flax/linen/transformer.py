@@ -18,12 +18,13 @@ full-length input to size it, then apply one token at a time with ``mutable=["ca
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import flax.linen as nn
 import jax.numpy as jnp
 from jax import Array
 
+from te_flax._layers import ParamSpec
 from te_flax._transformer import (
     CacheSlots,
     Child,
@@ -34,6 +35,7 @@ from te_flax._transformer import (
     TransformerLayerType,
 )
 from te_flax.linen import modules
+from te_flax.linen._shell import LogicallyPartitioned
 
 __all__ = [
     "DotProductAttention",
@@ -63,6 +65,13 @@ class _LinenHost:
 
     def rng(self, stream: str) -> Array:
         return self.module.make_rng(stream)
+
+    def param(self, spec: ParamSpec) -> Array:
+        def init(*args: Any) -> LogicallyPartitioned:
+            return LogicallyPartitioned(spec.init(*args), names=spec.axes)
+
+        # Linen unboxes the LogicallyPartitioned value when the module reads it.
+        return cast(Array, self.module.param(spec.name, init, spec.shape, jnp.float32))
 
     def cache(self, shape: tuple[int, ...], dtype: Any) -> tuple[CacheSlots, bool]:
         module = self.module
@@ -102,6 +111,11 @@ class DotProductAttention(nn.Module, DotProductAttentionSpec):
         on the XLA attention (see ``te_flax.attention``).
       return_max_logit: return ``(output, max_logit)``, the per-head maximum score ``[heads]``
         (over batch, queries and attended keys; no gradient), as read by QK-clip.
+      softmax_type: ``"vanilla"`` (default), ``"off_by_one"`` (an attention sink of logit 0:
+        the softmax denominator gets + 1) or ``"learnable"`` (a learned sink logit per head,
+        the float32 parameter ``softmax_offset`` ``[1, heads, 1, 1]``, zero at first); see
+        ``te_flax.attention``. A masked position, and every position of a fully masked row
+        (a padding query), gets probability 0, as in TE.
       dtype: the compute dtype (None: the inputs').
 
     Context parallelism and sequence packing (``thd`` layouts, ``max_segments_per_seq``) are
@@ -159,8 +173,8 @@ class MultiHeadAttention(nn.Module, MultiHeadAttentionSpec):
     Attributes:
       head_dim, num_attention_heads, num_gqa_groups: head size, query heads, key/value heads.
       attention_dropout, dropout_rng_name, attn_mask_type, attn_bias_type, window_size,
-        float32_logits, implementation, score_mod, score_mod_bprop: the attention, as in
-        ``DotProductAttention``.
+        float32_logits, implementation, score_mod, score_mod_bprop, softmax_type: the
+        attention, as in ``DotProductAttention`` (the learned sink is ``softmax_offset`` here).
       input_layernorm, layernorm_type, layernorm_epsilon, zero_centered_gamma: the norm before
         the projections (default on, layernorm, 1e-6).
       return_layernorm_output: also return the norm output.
@@ -287,6 +301,8 @@ class TransformerLayer(nn.Module, TransformerLayerSpec):
         enable_sequence_parallel, implementation: as in ``MultiHeadAttention``.
       score_mod, score_mod_bprop: the self-attention's score modification (as in TE, not the
         cross-attention's), with the call's ``score_mod_tensors`` / ``score_mod_bprop_tensors``.
+      softmax_type: both attentions' softmax (``"vanilla"``, ``"off_by_one"``, ``"learnable"``),
+        as in ``DotProductAttention``.
       transpose_batch_sequence: inputs are ``[seq, batch, hidden]`` (default False).
       dtype, param_dtype, recipe: as in the other te_flax modules.
 

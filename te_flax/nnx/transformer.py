@@ -15,12 +15,13 @@ max_length)`` first; the cache is ``nnx.Cache`` variables (``cached_key``, ``cac
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import jax.numpy as jnp
 from flax import nnx
 from jax import Array
 
+from te_flax._layers import ParamSpec
 from te_flax._transformer import (
     CacheSlots,
     Child,
@@ -69,6 +70,9 @@ class _NnxHost:
     def rng(self, stream: str) -> Array:
         return self.module.dropout_rngs()
 
+    def param(self, spec: ParamSpec) -> Array:
+        return cast(Array, getattr(self.module, spec.name)[...])
+
     def cache(self, shape: tuple[int, ...], dtype: Any) -> tuple[CacheSlots, bool]:
         module = self.module
         if getattr(module, "cached_key", None) is None:
@@ -100,6 +104,13 @@ def _build(child: Child, rngs: nnx.Rngs) -> nnx.Module:
     return _KINDS[kind](in_features, **attributes, rngs=rngs)
 
 
+def _own_params(module: nnx.Module, specs: list[ParamSpec], rngs: nnx.Rngs) -> None:
+    """The attention's own parameters (the learned sink), created as the Linen host does."""
+    for spec in specs:
+        value = spec.init(rngs.params(), spec.shape, jnp.float32)
+        setattr(module, spec.name, nnx.Param(value, out_sharding=spec.axes, eager_sharding=False))
+
+
 def _dropout_rngs(rate: float, stream: str, rngs: nnx.Rngs) -> nnx.RngStream | None:
     """A fork of the dropout stream when attention dropout is on (else None)."""
     return rngs[stream].fork() if rate > 0 else None
@@ -126,6 +137,7 @@ class DotProductAttention(nnx.Module, DotProductAttentionSpec):
         attributes = dict(attributes, head_dim=head_dim, num_attention_heads=num_attention_heads)
         set_attributes(self, DotProductAttentionSpec, attributes, rngs)
         self.check()
+        _own_params(self, self.param_specs(), rngs)
         self.dropout_rngs = _dropout_rngs(self.attention_dropout, self.dropout_rng_name, rngs)
 
     def __call__(
@@ -194,6 +206,7 @@ class MultiHeadAttention(nnx.Module, MultiHeadAttentionSpec):
             if name == "kv" or name in ("key", "value"):
                 child = child._replace(in_features=in_kv_features or in_features)
             setattr(self, name, _build(child, rngs))
+        _own_params(self, self.param_specs(), rngs)
         self.dropout_rngs = _dropout_rngs(self.attention_dropout, self.dropout_rng_name, rngs)
 
     def init_cache(self, batch_size: int, max_length: int, dtype: Any = jnp.float32) -> None:

@@ -74,7 +74,9 @@ def relative_error(actual: Any, expected: Any) -> float:
 
 
 def flat(tree: Any) -> dict[str, Any]:
-    return {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+    return {
+        jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+    }
 
 
 @dataclasses.dataclass
@@ -130,7 +132,9 @@ class Runner:
 
 def te_step_in_our_layout(result: tuple[Any, Any, Any]) -> Step:
     out, grads, fp8 = result
-    converted = from_transformer_engine({"params": grads, TE_FP8_COLLECTION: fp8} if fp8 else {"params": grads})
+    converted = from_transformer_engine(
+        {"params": grads, TE_FP8_COLLECTION: fp8} if fp8 else {"params": grads}
+    )
     return Step(out, flat(converted["params"]), flat(converted.get(OURS_FP8_COLLECTION, {})))
 
 

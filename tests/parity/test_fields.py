@@ -10,11 +10,13 @@ import jax
 import numpy as np
 import pytest
 
-pytest.importorskip("transformer_engine.jax.flax", reason="needs TransformerEngine (scripts/parity)")
+pytest.importorskip(
+    "transformer_engine.jax.flax", reason="needs TransformerEngine (scripts/parity)"
+)
 
-import te_flax.linen as te_nn  # noqa: E402
-from te_flax import quantize  # noqa: E402
-from tests.parity import te_reference as ref  # noqa: E402
+import te_flax.linen as te_nn
+from te_flax import quantize
+from tests.parity import te_reference as ref
 
 MODULES = [
     "LayerNorm",
@@ -64,7 +66,7 @@ def _same_default(ours, theirs):
         )
     if isinstance(theirs, tuple | list) and isinstance(ours, tuple | list):
         return tuple(ours) == tuple(theirs)
-    return type(ours) is type(theirs) and ours == theirs or (ours is theirs)
+    return (type(ours) is type(theirs) and ours == theirs) or (ours is theirs)
 
 
 @pytest.mark.parametrize("name", MODULES)
