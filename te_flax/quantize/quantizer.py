@@ -453,9 +453,9 @@ class GemmPrecision:
     GEMMs, which sum gradients over many tokens. Block-scaled GEMMs take no precision.
     """
 
-    fprop: lax.Precision = lax.Precision.DEFAULT
-    dgrad: lax.Precision = lax.Precision.HIGHEST
-    wgrad: lax.Precision = lax.Precision.HIGHEST
+    fprop: jax.lax.Precision = lax.Precision.DEFAULT
+    dgrad: jax.lax.Precision = lax.Precision.HIGHEST
+    wgrad: jax.lax.Precision = lax.Precision.HIGHEST
 
 
 @jax.tree_util.register_dataclass

@@ -18,6 +18,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.typing import DTypeLike
@@ -78,7 +79,7 @@ class MMParams:
         _check_bool("MMParams", "use_split_accumulator", self.use_split_accumulator)
 
     @property
-    def precision(self) -> lax.Precision:
+    def precision(self) -> jax.lax.Precision:
         """The ``lax.dot_general`` precision of a GEMM with these options."""
         return lax.Precision.HIGHEST if self.use_split_accumulator else lax.Precision.DEFAULT
 
@@ -542,24 +543,26 @@ class NVFP4BlockScaling(_RecipeKind):
 
     @property
     def stochastic_rounding(self) -> bool:
-        """Whether gradients are rounded stochastically: ``not disable_stochastic_rounding``."""
+        """Whether gradients are rounded stochastically, ``not disable_stochastic_rounding``."""
         return not self.disable_stochastic_rounding
 
     @property
     def fp4_quant_fwd_inp(self) -> QParams:
-        """How GEMM inputs are quantized: the Hadamard transform of their weight-gradient
-        layout unless ``disable_rht``."""
+        """How GEMM inputs are quantized (TE's ``QParams``), with the Hadamard transform of
+        their weight-gradient layout unless ``disable_rht``."""
         return QParams(random_hadamard_transform=not self.disable_rht)
 
     @property
     def fp4_quant_fwd_weight(self) -> QParams:
-        """How kernels are quantized: 16x16 tiles unless ``disable_2d_quantization``."""
+        """How kernels are quantized (TE's ``QParams``), in 16x16 tiles unless
+        ``disable_2d_quantization``."""
         return QParams(fp4_2d_quantization=not self.disable_2d_quantization)
 
     @property
     def fp4_quant_bwd_grad(self) -> QParams:
-        """How gradients are quantized: stochastic rounding unless disabled, and the Hadamard
-        transform of their weight-gradient layout unless ``disable_rht``."""
+        """How gradients are quantized (TE's ``QParams``), rounded stochastically unless
+        ``disable_stochastic_rounding`` and with the Hadamard transform of their weight-gradient
+        layout unless ``disable_rht``."""
         return QParams(
             random_hadamard_transform=not self.disable_rht,
             stochastic_rounding=self.stochastic_rounding,
