@@ -90,8 +90,10 @@ def test_the_matrix_is_tes_signed_hadamard_and_orthogonal():
 def test_the_transform_cancels_in_a_high_precision_product():
     keys = jax.random.split(jax.random.key(1), 2)
     a, b = normal(keys[0], (48, 64)), normal(keys[1], (32, 64))  # contraction of 64
-    transformed = block_scaling.random_hadamard_transform(a) @ (
-        block_scaling.random_hadamard_transform(b).T
+    transformed = jnp.matmul(
+        block_scaling.random_hadamard_transform(a),
+        block_scaling.random_hadamard_transform(b).T,
+        precision=jax.lax.Precision.HIGHEST,  # float32, not TF32 on a GPU
     )
     assert relative_error(transformed, np.asarray(a, np.float64) @ np.asarray(b).T) < 1e-6
     np.testing.assert_allclose(
