@@ -64,6 +64,8 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(enum|dataclasses|contextlib|abc|builtins)\..*"),
     # Private aliases and type variables in signatures (``Initializer``, ``T``, ``_layers.*``).
     (r"py:.*", r"(Initializer|LogicalAxes|(te_flax\..*\.)?T|te_flax\.(.*\.)?_.*)"),
+    # The attention's callback type, written through the module's import alias.
+    (r"py:.*", r"(attn\.)?ScoreMod"),
 ]
 
 # The public modules whose ``__all__`` the API reference documents, in the reference's order.

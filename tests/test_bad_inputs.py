@@ -93,6 +93,17 @@ def _rules_file(tmp_path: Path, text: str) -> Path:
     return path
 
 
+def _nnx_gradient_of_params_only() -> None:
+    model = te_nnx.DenseGeneral(32, 8, recipe=q.DelayedScaling(), rngs=_rngs())
+    nnx.value_and_grad(lambda m: jnp.sum(m(X)))(model)  # the loop of Flax's guides, eagerly
+
+
+def _linen_gradient_of_params_only() -> None:
+    module = te_nn.DenseGeneral(features=8, recipe=q.DelayedScaling())
+    variables = module.init(KEY, X)
+    jax.grad(lambda p: jnp.sum(module.apply({**variables, "params": p}, X)))(variables["params"])
+
+
 def _apply_gradients_with_optax_state() -> None:
     variables = {"params": {"kernel": KERNEL}}
     training.apply_gradients(TX, variables, variables, TX.init(variables["params"]))
@@ -167,6 +178,10 @@ CASES = [
          r"^quantizer_sets must be a pair", r"QuantizerFactory\.create_set\(2, fp8_recipe"),
     case("layernorm-mlp-activation-string", lambda: _mlp(activation_type="gelu"), TypeError,
          r"^activation_type must be a tuple", r"e\.g\. \('gelu',\)"),
+    case("layernorm-mlp-activation-params",
+         lambda: _mlp(activation_type=("gelu",), activation_params={"limit": 1.0}), ValueError,
+         r"^activation_params=\{'limit': 1\.0\} given, but activation_type=\('gelu',\)",
+         r"only the clamped SwiGLU \('clamped_silu', 'clamped_linear'\) does"),
     case("attention-rank-3", lambda: dot_product_attention(X, X, X), ValueError,
          r"^query must be \[batch, seq, heads, head_dim\]", r"split the hidden axis"),
     case("attention-integer-query",
@@ -200,6 +215,16 @@ CASES = [
     case("attention-implementation",
          lambda: dot_product_attention(QKV, QKV, QKV, implementation="flash"), ValueError,
          r"^implementation must be one of", r"None, 'xla', 'cudnn'"),
+    case("attention-softmax-type",
+         lambda: dot_product_attention(QKV, QKV, QKV, softmax_type="sink"), ValueError,
+         r"^softmax_type must be one of", r"'off_by_one', 'learnable'"),
+    case("attention-learnable-without-offset",
+         lambda: dot_product_attention(QKV, QKV, QKV, softmax_type="learnable"), ValueError,
+         r"softmax_type='learnable' needs softmax_offset", r"the attention modules create it"),
+    case("attention-score-mod-graph",
+         lambda: dot_product_attention(QKV, QKV, QKV, score_mod=lambda graph, score, t: score),
+         TypeError, r"^score_mod must take two arguments",
+         r"graph\.mul\(score, t\['s'\]\) becomes score \* t\['s'\]"),
     # ------------------------------------------------------------------ Linen modules
     case("linen-dense-features-zero", lambda: _linen_init(te_nn.DenseGeneral(features=0), X),
          ValueError, r"^features must be", r"a positive int or a tuple of them"),
@@ -369,6 +394,12 @@ CASES = [
     case("nnx-train-step-wrt",
          lambda: _nnx_train_step(lambda model: nnx.Optimizer(model, TX, wrt=nnx.Variable)),
          ValueError, r"optimizer must be built with wrt=nnx\.Param", r"got wrt="),
+    case("nnx-stale-fp8-state", _nnx_gradient_of_params_only, ValueError,
+         r"^DenseGeneral's parameters are differentiated but its FP8 state",
+         r"te_flax\.nnx\.value_and_grad\(loss_fn, update_fp8_state=True\)"),
+    case("linen-stale-fp8-state", _linen_gradient_of_params_only, ValueError,
+         r"^DenseGeneral's parameters are differentiated but its FP8 state",
+         r"differentiate the whole variable dict"),
     # ------------------------------------------------------------------ sharding
     case("sharding-rule-set-name", lambda: sharding.load_axis_rules("dp_tp_xx"),
          FileNotFoundError, r"no rule set 'dp_tp_xx'", r"the shipped ones are \['dp'"),

@@ -135,7 +135,8 @@ def test_flax_guide_nnx_loop_is_told_once_that_its_fp8_state_stays_stale():
     with pytest.warns(StaleFp8StateWarning, match="update_fp8_state=True") as caught:
         for seed in range(3):
             step(model, optimizer, _x(seed))
-    assert len(caught) == 1
+    # Once, whatever else the platform warns about.
+    assert sum(issubclass(w.category, StaleFp8StateWarning) for w in caught) == 1
     np.testing.assert_array_equal(model.x_amax_history[...], np.zeros(4))
     # Outside jit the same gradient is an error.
     with pytest.raises(ValueError, match=r"te_flax\.nnx\.value_and_grad"):

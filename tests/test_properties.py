@@ -116,9 +116,9 @@ def recipes(draw, name: str):
             amax_compute_algo=draw(st.sampled_from(["max", "most_recent"])),
         )
     if name == "current":
-        return Float8CurrentScaling(draw(fp8_formats))
+        return Float8CurrentScaling(fp8_format=draw(fp8_formats))
     if name == "mxfp8":
-        return MXFP8BlockScaling(draw(fp8_formats))
+        return MXFP8BlockScaling(fp8_format=draw(fp8_formats))
     return NVFP4BlockScaling(disable_stochastic_rounding=draw(st.booleans()))
 
 
