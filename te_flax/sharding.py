@@ -104,21 +104,18 @@ def with_logical_constraint(x: Array, logical_axes: LogicalAxes) -> Array:
         spec = PartitionSpec(*(_drop_manual(entry, manual) for entry in spec))
         if all(entry is None for entry in spec):
             return x
-    if not isinstance(x, jax.core.Tracer) and not _tracing():
-        # Outside jit: place the concrete array as the constraint would have.
-        return jax.device_put(x, NamedSharding(jax.sharding.get_mesh(), spec))
-    # Under jit an input closed over by the traced function is a concrete array, not a tracer;
-    # it is constrained like any traced value.
+    if not isinstance(x, jax.core.Tracer):
+        concrete_mesh: jax.sharding.Mesh | None
+        try:
+            concrete_mesh = jax.sharding.get_mesh()
+        except ValueError:
+            # Under jit (get_mesh refuses to run inside a trace) an input closed over by the
+            # traced function is a concrete array: it is constrained like a traced one.
+            concrete_mesh = None
+        if concrete_mesh is not None:
+            # Outside jit: place the concrete array as the constraint would have.
+            return jax.device_put(x, NamedSharding(concrete_mesh, spec))
     return jax.lax.with_sharding_constraint(x, spec)
-
-
-def _tracing() -> bool:
-    """Whether a JAX trace (``jit``, ``grad``, ...) is active: ``get_mesh`` refuses to run then."""
-    try:
-        jax.sharding.get_mesh()
-    except ValueError:
-        return True
-    return False
 
 
 def _varying_axes(array: Any) -> frozenset[str]:

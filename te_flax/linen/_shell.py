@@ -24,7 +24,7 @@ from te_flax._layers import ParamSpec
 from te_flax._validation import check_dtype
 from te_flax.quantize import Recipe
 
-__all__ = ["LinenShell"]
+__all__ = ["LinenShell", "LogicallyPartitioned", "create_param"]
 
 
 class LogicallyPartitioned(nn.LogicallyPartitioned):
@@ -38,6 +38,16 @@ class LogicallyPartitioned(nn.LogicallyPartitioned):
 
     def to_nnx_metadata(self) -> dict[str, Any]:
         return {**super().to_nnx_metadata(), "eager_sharding": False}
+
+
+def create_param(module: nn.Module, spec: ParamSpec, dtype: Any) -> Array:
+    """The parameter ``spec.name`` of ``module`` (created from ``spec`` with its logical axes
+    on first use), read as a plain array: Linen unboxes ``LogicallyPartitioned`` values."""
+
+    def init(*args: Any) -> LogicallyPartitioned:
+        return LogicallyPartitioned(spec.init(*args), names=spec.axes)
+
+    return cast(Array, module.param(spec.name, init, spec.shape, dtype))
 
 
 class LinenShell(nn.Module):
@@ -71,12 +81,7 @@ class LinenShell(nn.Module):
                     "shape, or reshape the input"
                 )
         check_dtype(self.param_dtype, "param_dtype")
-
-        def init(*args: Any) -> LogicallyPartitioned:
-            return LogicallyPartitioned(spec.init(*args), names=spec.axes)
-
-        # Linen unboxes the LogicallyPartitioned value when the module reads it.
-        return cast(Array, self.param(spec.name, init, spec.shape, self.param_dtype))
+        return create_param(self, spec, self.param_dtype)
 
     def _fp8_state(self, recipe: Recipe | None, postfix: str) -> dict[str, Array]:
         fresh = fresh_state(recipe, postfix)

@@ -18,7 +18,7 @@ full-length input to size it, then apply one token at a time with ``mutable=["ca
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -35,7 +35,7 @@ from te_flax._transformer import (
     TransformerLayerType,
 )
 from te_flax.linen import modules
-from te_flax.linen._shell import LogicallyPartitioned
+from te_flax.linen._shell import create_param
 
 __all__ = [
     "DotProductAttention",
@@ -67,11 +67,7 @@ class _LinenHost:
         return self.module.make_rng(stream)
 
     def param(self, spec: ParamSpec) -> Array:
-        def init(*args: Any) -> LogicallyPartitioned:
-            return LogicallyPartitioned(spec.init(*args), names=spec.axes)
-
-        # Linen unboxes the LogicallyPartitioned value when the module reads it.
-        return cast(Array, self.module.param(spec.name, init, spec.shape, jnp.float32))
+        return create_param(self.module, spec, jnp.float32)
 
     def cache(self, shape: tuple[int, ...], dtype: Any) -> tuple[CacheSlots, bool]:
         module = self.module

@@ -28,7 +28,17 @@ from te_flax.quantize import QuantizerSet, Recipe
 if TYPE_CHECKING:
     from te_flax._layers import ParamSpec
 
-__all__ = ["NnxShell", "set_attributes"]
+__all__ = ["NnxShell", "create_param", "set_attributes"]
+
+
+def create_param(spec: ParamSpec, rngs: nnx.Rngs, dtype: Any) -> nnx.Param[Array]:
+    """The parameter ``spec`` describes, drawn from ``rngs.params()``.
+
+    Its logical axes are sharding metadata only: arrays are placed by jit with the partition
+    specs, under the logical axis rules, as for Linen (no mesh is needed to build a module).
+    """
+    value = spec.init(rngs.params(), spec.shape, dtype)
+    return nnx.Param(value, out_sharding=spec.axes, eager_sharding=False)
 
 
 def set_attributes(
@@ -81,11 +91,7 @@ class NnxShell(nnx.Module):
         self.in_features_ = check_sizes(in_features, "in_features")
         check_dtype(self.param_dtype, "param_dtype")
         for spec in self.param_specs(self.in_features_):
-            value = spec.init(rngs.params(), spec.shape, self.param_dtype)
-            # Sharding metadata only: arrays are placed by jit with the partition specs, under
-            # the logical axis rules, as for Linen (no mesh is needed to build a module).
-            param = nnx.Param(value, out_sharding=spec.axes, eager_sharding=False)
-            setattr(self, spec.name, param)
+            setattr(self, spec.name, create_param(spec, rngs, self.param_dtype))
         recipe = resolve_recipe(self.recipe) if hasattr(self, "recipe") else None
         for postfix in self.fp8_postfixes:
             for name, value in fresh_state(recipe, postfix).items():

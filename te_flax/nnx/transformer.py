@@ -32,7 +32,7 @@ from te_flax._transformer import (
     TransformerLayerType,
 )
 from te_flax.nnx import modules
-from te_flax.nnx._shell import set_attributes
+from te_flax.nnx._shell import create_param, set_attributes
 
 __all__ = [
     "DotProductAttention",
@@ -105,10 +105,9 @@ def _build(child: Child, rngs: nnx.Rngs) -> nnx.Module:
 
 
 def _own_params(module: nnx.Module, specs: list[ParamSpec], rngs: nnx.Rngs) -> None:
-    """The attention's own parameters (the learned sink), created as the Linen host does."""
+    """The attention's own parameters (the learned sink, float32), as the Linen host's."""
     for spec in specs:
-        value = spec.init(rngs.params(), spec.shape, jnp.float32)
-        setattr(module, spec.name, nnx.Param(value, out_sharding=spec.axes, eager_sharding=False))
+        setattr(module, spec.name, create_param(spec, rngs, jnp.float32))
 
 
 def _dropout_rngs(rate: float, stream: str, rngs: nnx.Rngs) -> nnx.RngStream | None:
