@@ -8,9 +8,11 @@ from functools import partial
 from typing import Any, NamedTuple, cast
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax import Array
+from jax import Array, lax
 
+from te_flax import _grouped
 from te_flax import _validation as check
 from te_flax._stages import (
     constrained,
@@ -33,7 +35,9 @@ from te_flax.quantize import (
 )
 from te_flax.sharding import LogicalAxes, vary_like, with_logical_constraint
 
-__all__ = ["dense"]
+__all__ = ["dense", "grouped_dense", "grouped_quantizer_set"]
+
+grouped_quantizer_set = _grouped.grouped_quantizer_set
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,3 +250,198 @@ def dense(
     )
     kernel, bias = vary_like(x, (kernel, bias))
     return _dense(config, x, kernel, bias, float32_state(quantizer_set))
+
+
+# ----------------------------------------------------------------------------- grouped_dense
+
+LOWERINGS = ("auto", "ragged", "capacity")
+
+
+def _check_group_sizes(group_sizes: object, n_groups: int, rows: int) -> Array:
+    dtype = getattr(group_sizes, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(
+            "group_sizes must be an integer array (int32) holding the number of rows of x in "
+            f"each group, got {dtype if dtype is not None else type(group_sizes).__name__}; "
+            "e.g. jnp.bincount(expert_ids, length=n_groups).astype(jnp.int32)"
+        )
+    group_sizes = cast(Array, group_sizes)
+    if group_sizes.shape != (n_groups,):
+        raise ValueError(
+            f"group_sizes has shape {tuple(group_sizes.shape)} but the kernel holds {n_groups} "
+            f"groups (kernel.shape[0]); pass one size per group, shape ({n_groups},)"
+        )
+    try:
+        sizes = np.asarray(group_sizes)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        # Traced: the values are not known here. Negative sizes count as 0 and the groups are
+        # cut at x's last row, so that no GEMM reads past x.
+        ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), rows)
+        return jnp.diff(ends, prepend=0)
+    if (sizes < 0).any():
+        raise ValueError(
+            f"group_sizes must be >= 0, got {sizes.tolist()}; each entry counts the rows of x "
+            "in one group"
+        )
+    if int(sizes.sum()) > rows:
+        raise ValueError(
+            f"group_sizes sum to {int(sizes.sum())} but x has only {rows} rows (x.shape[0]); "
+            "the groups' rows must fit in x (rows past the sum are allowed and give zeros)"
+        )
+    return group_sizes.astype(jnp.int32)
+
+
+def _check_grouped_shapes(
+    x: Array, kernel: Array, contracting_dims: object, bias: Array | None
+) -> None:
+    check.check_floating(x, "x")
+    check.check_floating(kernel, "kernel")
+    if x.ndim != 2 or kernel.ndim != 3:
+        raise ValueError(
+            f"grouped_dense takes x as [M, K] and kernel as [G, K, N], got x of shape "
+            f"{x.shape} and kernel of shape {kernel.shape}; flatten the tokens of x to rows "
+            "sorted by group"
+        )
+    try:
+        dims = tuple(tuple(int(d) for d in side) for side in contracting_dims)  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        dims = ()
+    if dims not in (((1,), (1,)), ((-1,), (1,)), ((1,), (-2,)), ((-1,), (-2,))):
+        raise ValueError(
+            f"grouped_dense supports only contracting_dims=((1,), (1,)) (x [M, K] with kernel "
+            f"[G, K, N]), as TransformerEngine does; got {contracting_dims!r}"
+        )
+    if x.shape[1] != kernel.shape[1]:
+        raise ValueError(
+            f"kernel has {kernel.shape[1]} input features (kernel.shape[1]) but x has "
+            f"{x.shape[1]} (x.shape[1]); the kernel must be [G, K, N] with K = x.shape[1]"
+        )
+    if bias is not None:
+        check.check_floating(bias, "bias")
+        n_groups, features = kernel.shape[0], kernel.shape[2]
+        check.check_shape(
+            bias, (n_groups, features), "bias", "one bias per group: [G, N] like the kernel's"
+        )
+
+
+def _lowering(lowering: object, capacity: object) -> str:
+    if lowering not in LOWERINGS:
+        raise ValueError(f"lowering must be one of {LOWERINGS}, got {lowering!r}")
+    if capacity is not None and (
+        not isinstance(capacity, int | np.integer) or isinstance(capacity, bool) or capacity < 1
+    ):
+        raise ValueError(
+            f"capacity must be a positive int (rows per group) or None, got {capacity!r}"
+        )
+    if lowering == "auto":
+        return "capacity" if capacity is not None else "ragged"
+    return cast(str, lowering)
+
+
+def grouped_dense(
+    x: Array,
+    kernel: Array,
+    group_sizes: Array,
+    contracting_dims: tuple[Sequence[int], Sequence[int]] = ((1,), (1,)),
+    bias: Array | None = None,
+    precision: lax.Precision | None = None,
+    preferred_element_type: Any = None,
+    group_offset: Array | None = None,
+    quantizer_set: QuantizerSet = noop_quantizer_set,
+    kernel_fsdp_info: tuple[str | None, int] | None = None,
+    *,
+    lowering: str = "auto",
+    capacity: int | None = None,
+) -> Array:
+    """A grouped GEMM: the rows of each group of ``x`` times that group's kernel, plus its bias.
+
+    ``out[m] = x[m] . kernel[g] + bias[g]`` for the rows ``m`` of group ``g``: x's rows are
+    sorted by group, the first ``group_sizes[0]`` rows in group 0, and so on (the experts of a
+    mixture of experts after the tokens were permuted). With an FP8 ``quantizer_set`` each group
+    is quantized with its own scale (x, kernel and the output gradient), so one expert's
+    outlier does not cost the others precision; delayed-scaling state then holds one scale per
+    group (``grouped_quantizer_set``, or ``QuantizerFactory.create_set(n_groups=G)``), and its
+    new value comes back as the gradient of ``quantizer_set`` as for ``dense``.
+
+    Args:
+      x: ``[M, K]``, rows sorted by group.
+      kernel: ``[G, K, N]``.
+      group_sizes: int32 ``[G]``, the rows of each group; they sum to at most ``M`` (the rows
+        past the sum belong to no group: their output is zero).
+      contracting_dims: ``((1,), (1,))`` (default, the only one supported, as in TE).
+      bias: ``[G, N]`` or None (default).
+      precision: ``lax.Precision`` of the GEMMs without FP8 (default None); FP8 GEMMs take the
+        quantizer set's ``precision``.
+      preferred_element_type: the output dtype (default None: x's dtype).
+      group_offset: not supported (None), as in TransformerEngine.
+      quantizer_set: the GEMMs' quantizers (default ``noop_quantizer_set``: no FP8).
+      kernel_fsdp_info: None or ``(None, -1)`` (TE's default); shard the kernel with sharding
+        constraints instead.
+      lowering: ``"ragged"``: ``lax.ragged_dot_general`` on x as it is (exact, no padding);
+        ``"capacity"``: each group's rows padded to ``capacity`` and one batched GEMM over
+        groups; ``"auto"`` (default): ``"capacity"`` when a capacity is given, else
+        ``"ragged"``. See docs/moe.md for which is faster where.
+      capacity: rows per group of the capacity lowering (default None: ``M``, which never drops
+        a row). A group with more rows keeps its first ``capacity``; the others get zero output
+        and no gradient (token dropping).
+
+    Returns:
+      ``[M, N]`` in ``preferred_element_type`` (x's dtype by default).
+
+    Example usage::
+
+      >>> import jax.numpy as jnp
+      >>> from te_flax.dense import grouped_dense
+      >>> x, kernel = jnp.ones((5, 4)), jnp.stack([jnp.ones((4, 2)), 2 * jnp.ones((4, 2))])
+      >>> grouped_dense(x, kernel, jnp.array([2, 3], jnp.int32))[:, 0]
+      Array([4., 4., 8., 8., 8.], dtype=float32)
+    """
+    _check_grouped_shapes(x, kernel, contracting_dims, bias)
+    n_groups = kernel.shape[0]
+    group_sizes = _check_group_sizes(group_sizes, n_groups, x.shape[0])
+    if group_offset is not None:
+        raise NotImplementedError(
+            "group_offset is not supported by grouped_dense (TransformerEngine does not "
+            "implement it either); pass None and give x only the rows of the local groups"
+        )
+    if kernel_fsdp_info is not None and kernel_fsdp_info != (None, -1):
+        raise NotImplementedError(
+            f"kernel_fsdp_info={kernel_fsdp_info!r}: grouped_dense does not gather an "
+            "FSDP-sharded kernel itself (TransformerEngine does not either); pass None and "
+            "shard the kernel with logical axes, which XLA gathers"
+        )
+    if precision is not None and not isinstance(precision, lax.Precision):
+        raise TypeError(f"precision must be a jax.lax.Precision or None, got {precision!r}")
+    out_dtype = x.dtype if preferred_element_type is None else preferred_element_type
+    out_dtype = check.check_dtype(out_dtype, "preferred_element_type")
+    quantizer_set = check.check_quantizer_set(quantizer_set)
+    _grouped.check_grouped_set(quantizer_set, n_groups)
+    path = _lowering(lowering, capacity)
+    kernel, bias = vary_like(x, (kernel, bias))
+    quantizer_set = float32_state(quantizer_set)
+    if path == "ragged":
+        config = _grouped.GroupedConfig(
+            n_groups=n_groups,
+            x_dtype=x.dtype,
+            out_dtype=out_dtype,
+            kernel_dtype=kernel.dtype,
+            bias_dtype=None if bias is None else bias.dtype,
+            precision=precision,
+        )
+        return _grouped.ragged_grouped_dense(config, x, kernel, group_sizes, bias, quantizer_set)
+    # Capacity: dense's own op under vmap over groups, so each GEMM becomes one batched GEMM
+    # and each per-tensor quantizer one scale per group.
+    rows = x.shape[0]
+    packed = _grouped.pack_rows(x, group_sizes, rows if capacity is None else int(capacity))
+    config = _Config(
+        n_contract=1,
+        input_axes=None,
+        kernel_axes=None,
+        output_axes=None,
+        kernel_dtype=kernel.dtype,
+        bias_dtype=None if bias is None else bias.dtype,
+    )
+    state_axes = jax.tree.map(lambda _: 0, quantizer_set)
+    per_group = jax.vmap(partial(_dense, config), in_axes=(0, 0, 0, state_axes))
+    out = per_group(packed, kernel, bias, quantizer_set)  # [G, C, N]
+    return _grouped.unpack_rows(out, group_sizes, rows).astype(out_dtype)

@@ -1,0 +1,384 @@
+"""Grouped GEMM stages: the quantize and GEMM stages of ``_stages`` with a group axis.
+
+A grouped GEMM multiplies the rows of ``x [M, K]`` that belong to group ``g`` (rows sorted by
+group, ``group_sizes[g]`` of them) with ``kernel[g] [K, N]``. Every per-tensor quantizer of a
+grouped set holds one scale per group: delayed-scaling state is ``scale_inv [G, 1]`` and
+``amax_history [G, L]`` (``grouped_quantizer_set``), current scaling takes each group's own amax.
+
+Two layouts carry the rows through the GEMMs:
+- ragged: ``x`` stays ``[M, K]`` and the GEMMs are ``lax.ragged_dot_general`` (exact, no padding);
+- capacity: each group's rows are gathered into a ``[G, capacity, K]`` buffer padded with zeros
+  (``pack_rows``), and the ops run ``dense``'s stages under ``jax.vmap`` over groups, which makes
+  every GEMM one batched ``dot_general`` (``unpack_rows`` scatters the output back).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array, lax
+from jax.typing import DTypeLike
+
+from te_flax.quantize import (
+    LEADING,
+    TRAILING,
+    CurrentScaleQuantizer,
+    DelayedScaleQuantizer,
+    Quantizer,
+    QuantizerSet,
+    ScaledTensor,
+    as_cotangent,
+    quantize_operand,
+    scaling,
+)
+
+__all__ = [
+    "GroupedConfig",
+    "check_grouped_set",
+    "group_ids",
+    "grouped_quantizer_set",
+    "pack_rows",
+    "quantize_groups",
+    "quantize_rows",
+    "ragged_grouped_dense",
+    "unpack_rows",
+]
+
+
+# ----------------------------------------------------------------------------- group layout
+
+
+def group_ids(group_sizes: Array, rows: int) -> Array:
+    """The group of each of ``rows`` rows sorted by group: int32 ``[rows]``, ``G`` for the rows
+    past ``sum(group_sizes)`` (which belong to no group)."""
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))  # [G]
+    return jnp.searchsorted(ends, jnp.arange(rows, dtype=jnp.int32), side="right").astype(jnp.int32)
+
+
+def _slots(group_sizes: Array, capacity: int) -> tuple[Array, Array]:
+    """For each group and slot of a ``[G, capacity]`` buffer: the row of x it holds, and whether
+    it holds one (slots past the group's size, or past the capacity, are padding)."""
+    sizes = group_sizes.astype(jnp.int32)
+    starts = jnp.cumsum(sizes) - sizes  # [G]
+    slot = jnp.arange(capacity, dtype=jnp.int32)  # [C]
+    rows = starts[:, None] + slot[None, :]  # [G, C]
+    return rows, slot[None, :] < sizes[:, None]
+
+
+def pack_rows(x: Array, group_sizes: Array, capacity: int) -> Array:
+    """``x [M, K]`` (rows sorted by group) as ``[G, capacity, K]``, zero-padded.
+
+    A group with more rows than ``capacity`` keeps its first ``capacity`` rows; the others are
+    dropped (their output is zero and they get no gradient), as capacity-based MoE layers drop
+    tokens. Zero padding leaves each group's amax unchanged.
+    """
+    rows, valid = _slots(group_sizes, capacity)
+    gathered = jnp.take(x, jnp.clip(rows, 0, x.shape[0] - 1), axis=0)  # [G, C, K]
+    return jnp.where(valid[..., None], gathered, jnp.zeros((), x.dtype))
+
+
+def unpack_rows(packed: Array, group_sizes: Array, rows: int) -> Array:
+    """The inverse of ``pack_rows``: ``[G, capacity, N]`` back to ``[rows, N]``, zero for the
+    rows that no slot holds (dropped rows and the rows past ``sum(group_sizes)``)."""
+    n_groups, capacity = packed.shape[:2]
+    ids = group_ids(group_sizes, rows)  # [M]
+    sizes = group_sizes.astype(jnp.int32)
+    starts = jnp.cumsum(sizes) - sizes
+    slot = jnp.arange(rows, dtype=jnp.int32) - jnp.take(starts, ids, mode="fill", fill_value=0)
+    held = (ids < n_groups) & (slot < capacity)
+    flat = jnp.where(held, ids * capacity + slot, 0)  # [M]
+    out = jnp.take(packed.reshape(n_groups * capacity, -1), flat, axis=0)  # [M, N]
+    return jnp.where(held[:, None], out, jnp.zeros((), packed.dtype))
+
+
+# ----------------------------------------------------------------------------- quantizers
+
+
+def _is_grouped(quantizer: Quantizer) -> bool:
+    return not isinstance(quantizer, DelayedScaleQuantizer) or quantizer.scale_inv.ndim == 2
+
+
+def grouped_quantizer_set(quantizer_set: QuantizerSet, n_groups: int) -> QuantizerSet:
+    """``quantizer_set`` with one scale per group, for ``grouped_dense`` with ``n_groups`` groups.
+
+    Delayed-scaling state is repeated along a new leading group axis (``scale_inv [G, 1]``,
+    ``amax_history [G, L]``); stateless quantizers (current scaling, block scaling) already
+    scale each group on its own inside ``grouped_dense`` and are returned as they are.
+
+    Example usage::
+
+      >>> from te_flax.quantize import DelayedScaling, QuantizerFactory
+      >>> qs = QuantizerFactory.create_set(fp8_recipe=DelayedScaling(amax_history_len=16))
+      >>> grouped = grouped_quantizer_set(qs, 8)
+      >>> grouped.x.scale_inv.shape, grouped.x.amax_history.shape
+      ((8, 1), (8, 16))
+    """
+    if not isinstance(n_groups, int | np.integer) or isinstance(n_groups, bool) or n_groups < 1:
+        raise ValueError(f"n_groups must be a positive int, got {n_groups!r}")
+
+    def grouped(quantizer: Quantizer | None) -> Quantizer | None:
+        if not isinstance(quantizer, DelayedScaleQuantizer) or _is_grouped(quantizer):
+            return quantizer
+        return jax.tree.map(lambda leaf: jnp.broadcast_to(leaf, (n_groups, *leaf.shape)), quantizer)
+
+    return dataclasses.replace(
+        quantizer_set,
+        x=grouped(quantizer_set.x),
+        kernel=grouped(quantizer_set.kernel),
+        dgrad=grouped(quantizer_set.dgrad),
+    )
+
+
+def check_grouped_set(quantizer_set: QuantizerSet, n_groups: int) -> None:
+    """Delayed-scaling state must hold one scale per group: ``scale_inv [G, 1]``."""
+    for name in ("x", "kernel", "dgrad"):
+        quantizer = getattr(quantizer_set, name)
+        if not isinstance(quantizer, DelayedScaleQuantizer):
+            continue
+        if quantizer.scale_inv.shape != (n_groups, 1) or quantizer.amax_history.ndim != 2:
+            raise ValueError(
+                f"quantizer_set.{name} holds delayed-scaling state of shape "
+                f"{tuple(quantizer.scale_inv.shape)} (scale_inv) and "
+                f"{tuple(quantizer.amax_history.shape)} (amax_history), but grouped_dense with "
+                f"{n_groups} groups needs one scale per group: ({n_groups}, 1) and "
+                f"({n_groups}, amax_history_len); build the set with "
+                f"QuantizerFactory.create_set(n_groups={n_groups}, fp8_recipe=...) or "
+                f"te_flax.dense.grouped_quantizer_set(quantizer_set, {n_groups})"
+            )
+
+
+def _group_amax(x: Array, ids: Array, n_groups: int) -> Array:
+    """``max |x|`` over each group's rows: float32 ``[G]``, 0 for an empty group."""
+    row_amax = jnp.max(jnp.abs(x), axis=tuple(range(1, x.ndim))).astype(jnp.float32)  # [M]
+    amax = jax.ops.segment_max(row_amax, ids, num_segments=n_groups)  # [G]; -inf when empty
+    amax = jnp.maximum(amax, 0.0)
+    # As scaling.amax: inside shard_map each device holds a block of the rows.
+    manual = tuple(sorted(jax.sharding.get_abstract_mesh().manual_axes))
+    return lax.pmax(amax, manual) if manual else amax
+
+
+def _group_scales(quantizer: Quantizer, amax: Array) -> tuple[Array, Quantizer]:
+    """Each group's ``scale_inv`` (float32 ``[G]``) for this step, and the updated quantizer."""
+    if isinstance(quantizer, DelayedScaleQuantizer):
+        updated = jax.vmap(DelayedScaleQuantizer.update)(quantizer, amax)
+        return quantizer.scale_inv[:, 0], updated
+    assert isinstance(quantizer, CurrentScaleQuantizer), type(quantizer)
+    return quantizer.scale_inv_for(amax), quantizer
+
+
+def quantize_rows(
+    x: Array, quantizer: Quantizer | None, ids: Array, n_groups: int, dtype: DTypeLike
+) -> tuple[ScaledTensor, Quantizer | None]:
+    """Rows ``x [M, K]`` sorted by group, each group quantized with its own scale.
+
+    The operand's ``scale_inv`` is float32 ``[G]``; without a quantizer x is cast to ``dtype``.
+    """
+    if quantizer is None:
+        return ScaledTensor(x.astype(dtype)), None
+    scale_inv, quantizer = _group_scales(quantizer, _group_amax(x, ids, n_groups))
+    row_scale_inv = jnp.take(scale_inv, ids, mode="fill", fill_value=1.0)  # [M]
+    data = scaling.quantize(x, quantizer.q_dtype, row_scale_inv[:, None])
+    return ScaledTensor(data, scale_inv), quantizer
+
+
+def quantize_groups(
+    x: Array, quantizer: Quantizer | None, dtype: DTypeLike, split: int, uses: tuple[str, ...]
+) -> tuple[Any, Quantizer | None]:
+    """``x [G, ...]`` quantized group by group with ``quantize_operand`` (one scale or one set
+    of blocks per group): the operand's leaves get a leading group axis."""
+    if quantizer is None:
+        return quantize_operand(x, None, dtype)
+    stateful = isinstance(quantizer, DelayedScaleQuantizer)
+    in_axes = (0, 0 if stateful else None)
+    return jax.vmap(
+        lambda group, q: quantize_operand(group, q, dtype, split, uses),
+        in_axes=in_axes,
+        out_axes=(0, 0 if stateful else None),
+    )(x, quantizer)
+
+
+# ----------------------------------------------------------------------------- ragged GEMMs
+
+
+def _ragged_gemm(
+    lhs: Array,
+    rhs: Array,
+    group_sizes: Array,
+    contract: tuple[int, int],
+    rhs_group_dims: tuple[int, ...],
+    out_dtype: DTypeLike,
+    precision: lax.Precision | None,
+) -> Array:
+    """``lax.ragged_dot_general`` with the lhs ragged along its rows (axis 0).
+
+    With ``rhs_group_dims=(0,)`` each group of rows multiplies its own rhs matrix (the forward
+    GEMM and dgrad, ``[M, N]``); with ``()`` the rows are contracted group by group (wgrad,
+    ``[G, K, N]``).
+    """
+    numbers = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((contract[0],), (contract[1],)), ((), ())),
+        lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=list(rhs_group_dims),
+    )
+    return lax.ragged_dot_general(
+        lhs,
+        rhs,
+        group_sizes,
+        numbers,
+        precision=precision,
+        preferred_element_type=out_dtype,
+    )
+
+
+def _gemm_dtype(out_dtype: DTypeLike, fp8: bool) -> DTypeLike:
+    # As the dense GEMM stage: float16 cannot hold a product of float8 values before scaling.
+    return jnp.float32 if fp8 and jnp.dtype(out_dtype) == jnp.float16 else out_dtype
+
+
+def _scaled(out: Array, scale: Array | None, out_dtype: DTypeLike) -> Array:
+    """The GEMM output times the product of its operands' group scales (broadcast by the
+    caller to the output's rows or groups)."""
+    if scale is None:
+        return out.astype(out_dtype)
+    return (out * scale.astype(out.dtype)).astype(out_dtype)
+
+
+def _product(a: Array | None, b: Array | None) -> Array | None:
+    return None if a is None or b is None else a * b
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedConfig:
+    """Static description of a grouped GEMM."""
+
+    n_groups: int
+    x_dtype: Any
+    out_dtype: Any
+    kernel_dtype: Any
+    bias_dtype: Any  # None without a bias
+    precision: lax.Precision | None  # of the GEMMs without FP8
+
+
+class _Residuals(NamedTuple):
+    # FP8: x and the kernel as quantized by the forward (one scale per group). Without FP8:
+    # x and the kernel cast to x's dtype.
+    lhs: ScaledTensor
+    rhs: ScaledTensor
+    ids: Array  # int32 [M]
+    group_sizes: Array
+    quantizers: QuantizerSet  # x and kernel already updated by the forward
+
+
+def _forward(
+    config: GroupedConfig,
+    x: Array,
+    kernel: Array,
+    group_sizes: Array,
+    bias: Array | None,
+    quantizer_set: QuantizerSet,
+) -> tuple[Array, _Residuals]:
+    ids = group_ids(group_sizes, x.shape[0])  # [M]
+    lhs, x_quantizer = quantize_rows(x, quantizer_set.x, ids, config.n_groups, x.dtype)
+    # [G, K, N]: one scale per group, as dense's kernel stage under vmap.
+    rhs, kernel_quantizer = quantize_groups(
+        kernel, quantizer_set.kernel, x.dtype, 1, (LEADING, TRAILING)
+    )
+    fp8 = not quantizer_set.is_noop
+    precision = quantizer_set.precision.fprop if fp8 else config.precision
+    # [M, K] x [G, K, N] -> [M, N], rows of group g with kernel[g].
+    out = _ragged_gemm(
+        lhs.data,
+        rhs.data,
+        group_sizes,
+        (1, 1),
+        (0,),
+        _gemm_dtype(config.out_dtype, fp8),
+        precision,
+    )
+    scale = _product(lhs.scale_inv, rhs.scale_inv)  # [G]
+    row_scale = None if scale is None else jnp.take(scale, ids, mode="fill", fill_value=0.0)
+    out = _scaled(out, None if row_scale is None else row_scale[:, None], config.out_dtype)
+    if bias is not None:
+        # [G, N] -> [M, N]; rows past sum(group_sizes) get no bias (their output stays zero).
+        row_bias = jnp.take(bias.astype(config.out_dtype), ids, axis=0, mode="fill", fill_value=0)
+        out = out + row_bias
+    residuals = _Residuals(
+        lhs=lhs,
+        rhs=rhs,
+        ids=ids,
+        group_sizes=group_sizes,
+        quantizers=dataclasses.replace(quantizer_set, x=x_quantizer, kernel=kernel_quantizer),
+    )
+    return out, residuals
+
+
+def _backward(
+    config: GroupedConfig, residuals: _Residuals, grad: Array
+) -> tuple[Array, Array, Any, Array | None, QuantizerSet]:
+    quantizers = residuals.quantizers
+    lhs, rhs, ids = residuals.lhs, residuals.rhs, residuals.ids
+    fp8 = not quantizers.is_noop
+    d_bias = None
+    if config.bias_dtype is not None:
+        # [M, N] -> [G, N], summed in float32 as dense's bias gradient.
+        grad32 = grad.astype(jnp.float32)
+        d_bias = jax.ops.segment_sum(grad32, ids, num_segments=config.n_groups)
+        d_bias = d_bias.astype(config.bias_dtype)
+    # Without FP8 the backward GEMMs run in x's dtype, as dense's.
+    grad_operand, grad_quantizer = quantize_rows(
+        grad, quantizers.dgrad, ids, config.n_groups, config.x_dtype
+    )
+    dgrad_precision = quantizers.precision.dgrad if fp8 else config.precision
+    wgrad_precision = quantizers.precision.wgrad if fp8 else config.precision
+    # [M, N] x [G, K, N] -> [M, K]
+    d_x = _ragged_gemm(
+        grad_operand.data,
+        rhs.data,
+        residuals.group_sizes,
+        (1, 2),
+        (0,),
+        _gemm_dtype(config.x_dtype, fp8),
+        dgrad_precision,
+    )
+    dgrad_scale = _product(grad_operand.scale_inv, rhs.scale_inv)  # [G]
+    if dgrad_scale is not None:
+        dgrad_scale = jnp.take(dgrad_scale, ids, mode="fill", fill_value=0.0)[:, None]
+    d_x = _scaled(d_x, dgrad_scale, config.x_dtype)
+    # [M, K] x [M, N] -> [G, K, N], each group's rows contracted on their own.
+    d_kernel = _ragged_gemm(
+        lhs.data,
+        grad_operand.data,
+        residuals.group_sizes,
+        (0, 0),
+        (),
+        _gemm_dtype(config.kernel_dtype, fp8),
+        wgrad_precision,
+    )
+    wgrad_scale = _product(lhs.scale_inv, grad_operand.scale_inv)
+    if wgrad_scale is not None:
+        wgrad_scale = wgrad_scale[:, None, None]
+    d_kernel = _scaled(d_kernel, wgrad_scale, config.kernel_dtype)
+    d_sizes = np.zeros(residuals.group_sizes.shape, jax.dtypes.float0)
+    new_state = dataclasses.replace(quantizers, dgrad=grad_quantizer)
+    return d_x, d_kernel, d_sizes, d_bias, as_cotangent(new_state)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def ragged_grouped_dense(
+    config: GroupedConfig,
+    x: Array,
+    kernel: Array,
+    group_sizes: Array,
+    bias: Array | None,
+    quantizer_set: QuantizerSet,
+) -> Array:
+    """The ragged lowering of ``grouped_dense`` (inputs already checked)."""
+    return _forward(config, x, kernel, group_sizes, bias, quantizer_set)[0]
+
+
+ragged_grouped_dense.defvjp(_forward, _backward)

@@ -1,0 +1,235 @@
+"""grouped_dense against a per-group loop of dense: values, gradients and FP8 state.
+
+Each group of rows times its own kernel must give what ``dense`` gives on that group's rows with
+that group's slice of the quantizer state, in both lowerings, for every recipe; the new state
+comes back with one entry per group.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from te_flax.dense import dense, grouped_dense, grouped_quantizer_set
+from te_flax.quantize import (
+    DelayedScaling,
+    Float8CurrentScaling,
+    QuantizerFactory,
+    merge_by_max,
+    noop_quantizer_set,
+)
+from tests.helpers import FP8_FORWARD_TOLERANCE, assert_close, normal, relative_error
+
+ROWS, HIDDEN, FEATURES, GROUPS = 16, 32, 16, 3
+# An empty group, and two rows past the groups' total (they belong to no group).
+SIZES = (5, 0, 9)
+LOWERINGS = ("ragged", "capacity")
+RECIPES = {
+    "none": None,
+    "delayed": DelayedScaling(amax_history_len=4),
+    "current": Float8CurrentScaling(),
+}
+
+
+def _inputs(seed: int = 0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    x = normal(keys[0], (ROWS, HIDDEN))
+    kernel = normal(keys[1], (GROUPS, HIDDEN, FEATURES), scale=HIDDEN**-0.5)
+    bias = normal(keys[2], (GROUPS, FEATURES))
+    # One group's gradient is 100x the others': per-group scales keep it from costing the rest.
+    cotangent = normal(keys[3], (ROWS, FEATURES)) * jnp.array([1.0] * 5 + [100.0] * 11)[:, None]
+    return x, kernel, bias, cotangent
+
+
+def _quantizer_set(recipe):
+    if recipe is None:
+        return noop_quantizer_set
+    return grouped_quantizer_set(QuantizerFactory.create_set(fp8_recipe=recipe), GROUPS)
+
+
+def _group(state, g):
+    return jax.tree.map(lambda leaf: leaf[g], state)
+
+
+@functools.partial(jax.jit, static_argnames=("sizes", "lowering", "capacity"))
+def _grouped_step(x, kernel, bias, cotangent, state, sizes, lowering, capacity=None):
+    def loss(x, kernel, bias, state):
+        out = grouped_dense(
+            x,
+            kernel,
+            jnp.array(sizes, jnp.int32),
+            bias=bias,
+            quantizer_set=state,
+            lowering=lowering,
+            capacity=capacity,
+        )
+        return jnp.sum(out * cotangent), out
+
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(x, kernel, bias, state)
+
+
+@functools.partial(jax.jit, static_argnames=("sizes",))
+def _loop_step(x, kernel, bias, cotangent, state, sizes):
+    """The same step as a loop of ``dense`` over groups. An empty group runs on one zero row
+    (amax 0, no gradient), so its state steps as the grouped op's does."""
+
+    def loss(x, kernel, bias, state):
+        outs, start = [], 0
+        for g, size in enumerate(sizes):
+            rows = x[start : start + size] if size else jnp.zeros((1, HIDDEN), x.dtype)
+            group_state = state if state.is_noop else _group(state, g)
+            out = dense(rows, kernel[g], bias[g], quantizer_set=group_state)
+            outs.append(out[:size])
+            start += size
+        outs.append(jnp.zeros((ROWS - start, FEATURES), x.dtype))
+        out = jnp.concatenate(outs)
+        return jnp.sum(out * cotangent), out
+
+    # Each group reads its own slice of the state, so the state's gradient stacks the groups'.
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(x, kernel, bias, state)
+
+
+def _two_steps(step, state, **kwargs):
+    """Two steps, the second with the state the first produced (scales that are not 1)."""
+    x, kernel, bias, cotangent = _inputs()
+    _, grads = step(x, kernel, bias, cotangent, state, **kwargs)
+    state = grads[3] if not state.is_noop else state
+    return step(x, kernel, bias, cotangent, state, **kwargs)
+
+
+@pytest.mark.parametrize("lowering", LOWERINGS)
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_matches_a_loop_of_dense(recipe, lowering):
+    state = _quantizer_set(RECIPES[recipe])
+    (_, out), grads = _two_steps(_grouped_step, state, sizes=SIZES, lowering=lowering)
+    (_, expected_out), expected = _two_steps(_loop_step, state, sizes=SIZES)
+    # Same quantization, same products: equal up to the summation order of the GEMMs.
+    tol = 1e-5 if recipe == "none" else 1e-3
+    assert_close(out, expected_out, tol, "output")
+    for name, actual, want in zip(("x", "kernel", "bias"), grads[:3], expected[:3], strict=True):
+        assert_close(actual, want, tol, f"d_{name}")
+    if recipe == "delayed":
+        # One scale per group: the state's leaves are [G, ...], and each group's entry is what
+        # dense gave that group (histories newest first).
+        for (path, actual), want in zip(
+            jax.tree_util.tree_flatten_with_path(grads[3])[0],
+            jax.tree.leaves(expected[3]),
+            strict=True,
+        ):
+            assert actual.shape[0] == GROUPS, path
+            np.testing.assert_allclose(actual, want, rtol=1e-6, err_msg=jax.tree_util.keystr(path))
+        # The empty group saw no rows: its x and grad amax are 0 (the scale is kept).
+        assert float(grads[3].x.amax_history[1, 0]) == 0.0
+        assert float(grads[3].dgrad.amax_history[1, 0]) == 0.0
+
+
+def test_rows_past_the_groups_and_empty_groups():
+    x, kernel, bias, cotangent = _inputs()
+    state = _quantizer_set(RECIPES["delayed"])
+    (_, out), (d_x, d_kernel, d_bias, _) = _grouped_step(
+        x, kernel, bias, cotangent, state, sizes=SIZES, lowering="ragged"
+    )
+    np.testing.assert_array_equal(out[sum(SIZES) :], 0.0)
+    np.testing.assert_array_equal(d_x[sum(SIZES) :], 0.0)
+    # The empty group gets no kernel or bias gradient.
+    np.testing.assert_array_equal(d_kernel[1], 0.0)
+    np.testing.assert_array_equal(d_bias[1], 0.0)
+    # The bias gradient of a group is its rows' output gradient summed.
+    np.testing.assert_allclose(d_bias[2], cotangent[5:14].sum(0), rtol=1e-5)
+
+
+@pytest.mark.parametrize("lowering", LOWERINGS)
+def test_all_rows_in_one_group(lowering):
+    x, kernel, bias, cotangent = _inputs()
+    sizes = (0, ROWS, 0)
+    state = _quantizer_set(RECIPES["current"])
+    (_, out), (d_x, d_kernel, d_bias, _) = _grouped_step(
+        x, kernel, bias, cotangent, state, sizes=sizes, lowering=lowering
+    )
+    expected = jax.value_and_grad(
+        lambda x, k, b: jnp.sum(dense(x, k, b, quantizer_set=state) * cotangent), (0, 1, 2)
+    )
+    _, (e_x, e_kernel, e_bias) = expected(x, kernel[1], bias[1])
+    assert_close(out, dense(x, kernel[1], bias[1], quantizer_set=state), 1e-3)
+    assert_close(d_x, e_x, 1e-3)
+    assert_close(d_kernel[1], e_kernel, 1e-3)
+    assert_close(d_bias[1], e_bias, 1e-5)
+    np.testing.assert_array_equal(d_kernel[0], 0.0)
+    np.testing.assert_array_equal(d_kernel[2], 0.0)
+
+
+def test_capacity_drops_the_rows_past_it():
+    x, kernel, bias, cotangent = _inputs()
+    (_, out), (d_x, *_) = _grouped_step(
+        x, kernel, bias, cotangent, noop_quantizer_set, sizes=SIZES, lowering="capacity", capacity=4
+    )
+    (_, exact), _ = _grouped_step(
+        x, kernel, bias, cotangent, noop_quantizer_set, sizes=SIZES, lowering="ragged"
+    )
+    kept = np.r_[0:4, 5:9]  # the first 4 rows of groups 0 and 2
+    dropped = np.r_[4:5, 9:ROWS]
+    assert_close(out[kept], exact[kept], 1e-5)
+    np.testing.assert_array_equal(out[dropped], 0.0)
+    np.testing.assert_array_equal(d_x[dropped], 0.0)
+
+
+def test_per_group_scales_keep_small_groups_precise():
+    """Group 0's gradient is 100x smaller than group 2's: with one scale per group its wgrad
+    is as accurate as group 2's (one shared e5m2 scale would flush much of it)."""
+    x, kernel, bias, cotangent = _inputs()
+    state = _quantizer_set(RECIPES["current"])
+    _, (_, d_kernel, _, _) = _grouped_step(
+        x, kernel, bias, cotangent, state, sizes=SIZES, lowering="ragged"
+    )
+    _, (_, exact, _, _) = _grouped_step(
+        x, kernel, bias, cotangent, noop_quantizer_set, sizes=SIZES, lowering="ragged"
+    )
+    for g in (0, 2):
+        assert relative_error(d_kernel[g], exact[g]) < FP8_FORWARD_TOLERANCE
+
+
+def test_reused_state_merges_by_max():
+    """One grouped state read by two calls: its update is the elementwise max of the two."""
+    x, kernel, bias, _ = _inputs()
+    sizes = jnp.array(SIZES, jnp.int32)
+    state = _quantizer_set(RECIPES["delayed"])
+
+    def update(state, scales):
+        def loss(state):
+            state = merge_by_max(state)
+            return sum(
+                jnp.sum(grouped_dense(x * s, kernel, sizes, bias=bias, quantizer_set=state))
+                for s in scales
+            )
+
+        return jax.jit(jax.grad(loss))(state)
+
+    both = update(state, (1.0, 3.0))
+    alone = [update(state, (s,)) for s in (1.0, 3.0)]
+    for merged, first, second in zip(*map(jax.tree.leaves, (both, *alone)), strict=True):
+        np.testing.assert_array_equal(merged, np.maximum(first, second))
+
+
+def test_grouped_quantizer_set_and_ungrouped_state():
+    qs = QuantizerFactory.create_set(fp8_recipe=DelayedScaling(amax_history_len=8))
+    grouped = grouped_quantizer_set(qs, GROUPS)
+    assert grouped.kernel.scale_inv.shape == (GROUPS, 1)
+    assert grouped.dgrad.amax_history.shape == (GROUPS, 8)
+    assert grouped_quantizer_set(grouped, GROUPS) is not None  # already grouped: unchanged
+    x, kernel, _, _ = _inputs()
+    with pytest.raises(ValueError, match=r"n_groups=3"):
+        grouped_dense(x, kernel, jnp.array(SIZES, jnp.int32), quantizer_set=qs)
+
+
+def test_traced_sizes_are_cut_at_the_rows():
+    """Under jit the sizes are not known when the call is checked: a negative size counts as
+    0 and the groups end at x's last row."""
+    x, kernel, _, _ = _inputs()
+    run = jax.jit(lambda sizes: grouped_dense(x, kernel, sizes))
+    out = run(jnp.array([-3, 10, 20], jnp.int32))
+    expected = run(jnp.array([0, 10, 6], jnp.int32))
+    np.testing.assert_array_equal(out, expected)
