@@ -5,8 +5,11 @@ Public API::
   LayerNorm, DenseGeneral, LayerNormDenseGeneral, LayerNormMLP      the FP8 building blocks
   DotProductAttention, MultiHeadAttention, RelativePositionBiases,
   TransformerLayer, TransformerLayerType                            TE's higher layers
+  TransformerEngineBase                                             generate_quantizer_set for
+                                                                    a module's own GEMMs
 """
 
+from te_flax.linen._base import TransformerEngineBase
 from te_flax.linen.modules import DenseGeneral, LayerNorm, LayerNormDenseGeneral, LayerNormMLP
 from te_flax.linen.transformer import (
     DotProductAttention,
@@ -24,6 +27,7 @@ __all__ = [
     "LayerNormMLP",
     "MultiHeadAttention",
     "RelativePositionBiases",
+    "TransformerEngineBase",
     "TransformerLayer",
     "TransformerLayerType",
 ]

@@ -10,18 +10,15 @@ import jax.numpy as jnp
 from jax import Array
 
 from te_flax._fp8_state import (
-    OVERWRITE_WITH_GRADIENT,
     SR_RNG,
-    check_state_matches,
-    fresh_state,
     needs_sr_key,
     quantizer_set,
     resolve_recipe,
-    state_names,
     watch_fp8_state,
 )
 from te_flax._layers import ParamSpec
 from te_flax._validation import check_dtype
+from te_flax.linen._base import TransformerEngineBase, fp8_variables
 from te_flax.quantize import Recipe
 
 __all__ = ["LinenShell", "LogicallyPartitioned", "create_param"]
@@ -50,8 +47,11 @@ def create_param(module: nn.Module, spec: ParamSpec, dtype: Any) -> Array:
     return cast(Array, module.param(spec.name, init, spec.shape, dtype))
 
 
-class LinenShell(nn.Module):
-    """Base of the Linen modules; the layer description supplies attributes and ``forward``."""
+class LinenShell(TransformerEngineBase):
+    """Base of the Linen modules; the layer description supplies attributes and ``forward``.
+
+    Built on ``TransformerEngineBase`` as TransformerEngine's modules are: the layers' FP8 state
+    and a subclass's ``generate_quantizer_set`` are the same variables."""
 
     def _run(self, inputs: Array, dropout: Callable[[Array], Array] | None = None) -> Any:
         specs = self.param_specs(self.in_features(inputs))
@@ -84,20 +84,4 @@ class LinenShell(nn.Module):
         return create_param(self, spec, self.param_dtype)
 
     def _fp8_state(self, recipe: Recipe | None, postfix: str) -> dict[str, Array]:
-        fresh = fresh_state(recipe, postfix)
-        if not self.is_initializing():
-            present = {
-                n for n in state_names(postfix) if self.has_variable(OVERWRITE_WITH_GRADIENT, n)
-            }
-            check_state_matches(type(self).__name__, recipe, set(fresh), present)
-        state = {}
-        for name, value in fresh.items():
-            variable = self.variable(OVERWRITE_WITH_GRADIENT, name, lambda value=value: value)
-            if variable.value.shape != value.shape:
-                raise ValueError(
-                    f"{type(self).__name__} FP8 variable {name!r} has shape "
-                    f"{variable.value.shape} but the recipe {recipe} needs {value.shape}; "
-                    "re-initialise the FP8 state (amax_history_len changed)"
-                )
-            state[name] = variable.value
-        return state
+        return fp8_variables(self, recipe, postfix)
