@@ -27,8 +27,10 @@ from jax.typing import DTypeLike
 from te_flax.quantize import (
     LEADING,
     TRAILING,
+    BlockOperand,
     CurrentScaleQuantizer,
     DelayedScaleQuantizer,
+    GemmOperand,
     Quantizer,
     QuantizerSet,
     ScaledTensor,
@@ -173,13 +175,18 @@ def _group_scales(quantizer: Quantizer, amax: Array) -> tuple[Array, Quantizer]:
 
 def quantize_rows(
     x: Array, quantizer: Quantizer | None, ids: Array, n_groups: int, dtype: DTypeLike
-) -> tuple[ScaledTensor, Quantizer | None]:
+) -> tuple[GemmOperand, Quantizer | None]:
     """Rows ``x [M, K]`` sorted by group, each group quantized with its own scale.
 
     The operand's ``scale_inv`` is float32 ``[G]``; without a quantizer x is cast to ``dtype``.
+    A block-scaled quantizer quantizes x for both of its contractions (a ``BlockOperand``).
     """
     if quantizer is None:
         return ScaledTensor(x.astype(dtype)), None
+    if quantizer.block_scaled:
+        # Blocks along each GEMM's contraction: the features (per row) and, for wgrad, the
+        # rows (blocks of rows that straddle two groups share a scale).
+        return quantize_operand(x, quantizer, dtype, 1, (TRAILING, LEADING))
     scale_inv, quantizer = _group_scales(quantizer, _group_amax(x, ids, n_groups))
     row_scale_inv = jnp.take(scale_inv, ids, mode="fill", fill_value=1.0)  # [M]
     data = scaling.quantize(x, quantizer.q_dtype, row_scale_inv[:, None])
@@ -235,21 +242,63 @@ def _ragged_gemm(
     )
 
 
-def _gemm_dtype(out_dtype: DTypeLike, fp8: bool) -> DTypeLike:
+def _gemm_input(
+    operand: GemmOperand, use: str, dtype: DTypeLike, grouped: bool
+) -> tuple[Array, Array | None]:
+    """An operand as a ragged GEMM takes it: its data in the tensor's own layout and its group
+    scales (float32 ``[G]``, None for high precision). ``grouped``: the operand's leaves have a
+    leading group axis (a kernel quantized group by group)."""
+    if isinstance(operand, ScaledTensor):
+        return operand.data, operand.scale_inv
+    # ragged_dot takes no block scales: a block-scaled operand enters as its values, as XLA
+    # runs block-scaled GEMMs on GPUs without block-scaled tensor cores (exact in bfloat16
+    # for MXFP8: e4m3 values times power-of-two scales).
+    values = partial(_block_values, use=use, dtype=dtype)
+    return (jax.vmap(values)(operand) if grouped else values(operand)), None
+
+
+def _block_values(operand: BlockOperand, use: str, dtype: DTypeLike) -> Array:
+    """The values of one prepared use of a block-scaled operand, in the tensor's shape."""
+    prepared = operand.trailing if use == TRAILING else operand.leading
+    assert prepared is not None, f"the {use} quantization was not prepared"
+    matrix = prepared.dequantize(dtype)  # TRAILING: [leading, trailing]; LEADING: transposed
+    return (matrix if use == TRAILING else matrix.T).reshape(operand.shape)
+
+
+def _grouped_gemm(
+    lhs: tuple[Array, Array | None],
+    rhs: tuple[Array, Array | None],
+    group_sizes: Array,
+    ids: Array,
+    contract: tuple[int, int],
+    rhs_group_dims: tuple[int, ...],
+    out_dtype: DTypeLike,
+    precision: lax.Precision | None,
+) -> Array:
+    """A ragged GEMM of two ``_gemm_input`` operands with their group scales applied: per row
+    for a GEMM whose rhs has a group axis (forward, dgrad), per group otherwise (wgrad)."""
+    (lhs_data, lhs_scale), (rhs_data, rhs_scale) = lhs, rhs
+    fp8 = lhs_scale is not None and rhs_scale is not None
     # As the dense GEMM stage: float16 cannot hold a product of float8 values before scaling.
-    return jnp.float32 if fp8 and jnp.dtype(out_dtype) == jnp.float16 else out_dtype
-
-
-def _scaled(out: Array, scale: Array | None, out_dtype: DTypeLike) -> Array:
-    """The GEMM output times the product of its operands' group scales (broadcast by the
-    caller to the output's rows or groups)."""
-    if scale is None:
+    gemm_dtype = jnp.float32 if fp8 and jnp.dtype(out_dtype) == jnp.float16 else out_dtype
+    out = _ragged_gemm(
+        lhs_data, rhs_data, group_sizes, contract, rhs_group_dims, gemm_dtype, precision
+    )
+    if not fp8:
         return out.astype(out_dtype)
+    scale = lhs_scale * rhs_scale  # [G]
+    if rhs_group_dims:
+        # Rows past sum(group_sizes) are zero whatever their scale.
+        scale = jnp.take(scale, ids, mode="fill", fill_value=0.0)[:, None]  # [M, 1]
+    else:
+        scale = scale[:, None, None]  # [G, 1, 1]
+    # The product of the two scales multiplies the GEMM's output, as in dense's GEMM stage.
     return (out * scale.astype(out.dtype)).astype(out_dtype)
 
 
-def _product(a: Array | None, b: Array | None) -> Array | None:
-    return None if a is None or b is None else a * b
+def _precision(precision: lax.Precision | None, operand: GemmOperand) -> lax.Precision | None:
+    # Block-scaled GEMMs take no precision (as dense's); their values run as given.
+    return None if isinstance(operand, BlockOperand) else precision
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,10 +314,10 @@ class GroupedConfig:
 
 
 class _Residuals(NamedTuple):
-    # FP8: x and the kernel as quantized by the forward (one scale per group). Without FP8:
-    # x and the kernel cast to x's dtype.
-    lhs: ScaledTensor
-    rhs: ScaledTensor
+    # FP8: x and the kernel as quantized by the forward (one scale per group), as wgrad and
+    # dgrad contract them. Without FP8: x and the kernel cast to x's dtype.
+    lhs: GemmOperand
+    rhs: GemmOperand
     ids: Array  # int32 [M]
     group_sizes: Array
     quantizers: QuantizerSet  # x and kernel already updated by the forward
@@ -288,28 +337,25 @@ def _forward(
     rhs, kernel_quantizer = quantize_groups(
         kernel, quantizer_set.kernel, x.dtype, 1, (LEADING, TRAILING)
     )
-    fp8 = not quantizer_set.is_noop
-    precision = quantizer_set.precision.fprop if fp8 else config.precision
+    precision = config.precision if quantizer_set.is_noop else quantizer_set.precision.fprop
     # [M, K] x [G, K, N] -> [M, N], rows of group g with kernel[g].
-    out = _ragged_gemm(
-        lhs.data,
-        rhs.data,
+    out = _grouped_gemm(
+        _gemm_input(lhs, TRAILING, x.dtype, grouped=False),
+        _gemm_input(rhs, LEADING, x.dtype, grouped=True),
         group_sizes,
+        ids,
         (1, 1),
         (0,),
-        _gemm_dtype(config.out_dtype, fp8),
-        precision,
+        config.out_dtype,
+        _precision(precision, lhs),
     )
-    scale = _product(lhs.scale_inv, rhs.scale_inv)  # [G]
-    row_scale = None if scale is None else jnp.take(scale, ids, mode="fill", fill_value=0.0)
-    out = _scaled(out, None if row_scale is None else row_scale[:, None], config.out_dtype)
     if bias is not None:
         # [G, N] -> [M, N]; rows past sum(group_sizes) get no bias (their output stays zero).
         row_bias = jnp.take(bias.astype(config.out_dtype), ids, axis=0, mode="fill", fill_value=0)
         out = out + row_bias
     residuals = _Residuals(
-        lhs=lhs,
-        rhs=rhs,
+        lhs=lhs.keep(LEADING),
+        rhs=rhs.keep(TRAILING),
         ids=ids,
         group_sizes=group_sizes,
         quantizers=dataclasses.replace(quantizer_set, x=x_quantizer, kernel=kernel_quantizer),
@@ -333,36 +379,30 @@ def _backward(
     grad_operand, grad_quantizer = quantize_rows(
         grad, quantizers.dgrad, ids, config.n_groups, config.x_dtype
     )
-    dgrad_precision = quantizers.precision.dgrad if fp8 else config.precision
-    wgrad_precision = quantizers.precision.wgrad if fp8 else config.precision
+    dtype = config.x_dtype
+    grad_input = partial(_gemm_input, grad_operand, dtype=dtype, grouped=False)
     # [M, N] x [G, K, N] -> [M, K]
-    d_x = _ragged_gemm(
-        grad_operand.data,
-        rhs.data,
+    d_x = _grouped_gemm(
+        grad_input(TRAILING),
+        _gemm_input(rhs, TRAILING, dtype, grouped=True),
         residuals.group_sizes,
+        ids,
         (1, 2),
         (0,),
-        _gemm_dtype(config.x_dtype, fp8),
-        dgrad_precision,
+        config.x_dtype,
+        _precision(config.precision if not fp8 else quantizers.precision.dgrad, rhs),
     )
-    dgrad_scale = _product(grad_operand.scale_inv, rhs.scale_inv)  # [G]
-    if dgrad_scale is not None:
-        dgrad_scale = jnp.take(dgrad_scale, ids, mode="fill", fill_value=0.0)[:, None]
-    d_x = _scaled(d_x, dgrad_scale, config.x_dtype)
     # [M, K] x [M, N] -> [G, K, N], each group's rows contracted on their own.
-    d_kernel = _ragged_gemm(
-        lhs.data,
-        grad_operand.data,
+    d_kernel = _grouped_gemm(
+        _gemm_input(lhs, LEADING, dtype, grouped=False),
+        grad_input(LEADING),
         residuals.group_sizes,
+        ids,
         (0, 0),
         (),
-        _gemm_dtype(config.kernel_dtype, fp8),
-        wgrad_precision,
+        config.kernel_dtype,
+        _precision(config.precision if not fp8 else quantizers.precision.wgrad, lhs),
     )
-    wgrad_scale = _product(lhs.scale_inv, grad_operand.scale_inv)
-    if wgrad_scale is not None:
-        wgrad_scale = wgrad_scale[:, None, None]
-    d_kernel = _scaled(d_kernel, wgrad_scale, config.kernel_dtype)
     d_sizes = np.zeros(residuals.group_sizes.shape, jax.dtypes.float0)
     new_state = dataclasses.replace(quantizers, dgrad=grad_quantizer)
     return d_x, d_kernel, d_sizes, d_bias, as_cotangent(new_state)
