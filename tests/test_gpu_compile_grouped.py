@@ -1,0 +1,98 @@
+"""grouped_dense's two lowerings on XLA:GPU, checked with a deviceless compile for an H100.
+
+One training step (``value_and_grad``) of ``grouped_dense`` compiles for the H100 target of
+``tests/gpu_target.py``. The capacity lowering must give three batched FP8 cuBLASLt GEMMs
+(forward, dgrad, wgrad; one batch entry per group) and nothing else. The ragged lowering also
+gives three FP8 GEMMs, but XLA:GPU rewrites ``ragged_dot`` into dense GEMMs over every group
+(each row meets all G kernels, masked): G times the forward's FLOPs, which docs/moe.md reports.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the gpu-compile extra (jax[cuda12])")
+
+from te_flax.dense import grouped_dense, grouped_quantizer_set
+from te_flax.quantize import DelayedScaling, Float8CurrentScaling, QuantizerFactory
+from tests.gpu_target import h100_sharding
+from tests.test_gpu_compile import FP8_GEMM, NON_FP8_GEMMS, parse_gemms
+
+pytestmark = pytest.mark.gpu_compile
+
+ROWS, HIDDEN, FEATURES, GROUPS, CAPACITY = 512, 1024, 2048, 4, 256
+RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling}
+
+
+@functools.cache
+def _compiled(recipe: str, lowering: str) -> str:
+    sharding = h100_sharding()
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    state = grouped_quantizer_set(QuantizerFactory.create_set(fp8_recipe=RECIPES[recipe]()), GROUPS)
+    state = jax.tree.map(lambda leaf: spec(leaf.shape, leaf.dtype), state)
+    capacity = CAPACITY if lowering == "capacity" else None
+
+    def loss(kernel, bias, state, x, sizes):
+        out = grouped_dense(
+            x, kernel, sizes, bias=bias, quantizer_set=state, lowering=lowering, capacity=capacity
+        )
+        return jnp.mean(jnp.square(out.astype(jnp.float32)))
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+    return (
+        step.lower(
+            spec((GROUPS, HIDDEN, FEATURES), jnp.float32),
+            spec((GROUPS, FEATURES), jnp.float32),
+            state,
+            spec((ROWS, HIDDEN), jnp.bfloat16),
+            spec((GROUPS,), jnp.int32),
+        )
+        .compile()
+        .as_text()
+    )
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_capacity_lowering_is_three_batched_fp8_gemms(recipe):
+    hlo = _compiled(recipe, "capacity")
+    gemms = parse_gemms(hlo)
+    assert [gemm.target for gemm in gemms] == [FP8_GEMM] * 3, gemms
+    assert not any(target in hlo for target in (f'"{t}"' for t in NON_FP8_GEMMS))
+    assert not re.search(r"\sdot\(", hlo), "a dot was left to a fusion, not to cuBLAS"
+    # One batch entry per group: [G, capacity, N] forward, [G, capacity, K] dgrad,
+    # [G, K, N] wgrad.
+    assert sorted(gemm.dims for gemm in gemms) == sorted(
+        [
+            (GROUPS, CAPACITY, FEATURES),
+            (GROUPS, CAPACITY, HIDDEN),
+            (GROUPS, HIDDEN, FEATURES),
+        ]
+    )
+    for gemm in gemms:
+        assert all(t.startswith("f8e") for t in gemm.operand_types), gemm
+    forward = next(g for g in gemms if g.dims == (GROUPS, CAPACITY, FEATURES))
+    assert forward.operand_types == ("f8e4m3fn", "f8e4m3fn")
+    assert forward.precision == ("DEFAULT", "DEFAULT")  # fast accumulation
+    backward = [g for g in gemms if g is not forward]
+    assert all(g.precision == ("HIGHEST", "HIGHEST") for g in backward)
+    assert all("f8e5m2" in g.operand_types for g in backward)
+
+
+def test_ragged_lowering_multiplies_every_row_with_every_group():
+    hlo = _compiled("delayed", "ragged")
+    gemms = parse_gemms(hlo)
+    assert [gemm.target for gemm in gemms] == [FP8_GEMM] * 3, gemms
+    # XLA:GPU expands ragged_dot: the forward contracts [rows, G * hidden] (x masked per group)
+    # with the kernel as [G * hidden, features], and wgrad is a [G, hidden, features] batched
+    # GEMM over all rows. The ragged lowering costs G times the FLOPs of the grouped GEMM.
+    assert re.search(rf"f8e4m3fn\[{ROWS},{GROUPS * HIDDEN}\]", hlo)
+    assert (ROWS, FEATURES) in [gemm.dims for gemm in gemms]
+    assert (GROUPS, HIDDEN, FEATURES) in [gemm.dims for gemm in gemms]
