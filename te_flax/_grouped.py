@@ -149,8 +149,7 @@ def check_grouped_set(quantizer_set: QuantizerSet, n_groups: int) -> None:
                 f"{tuple(quantizer.amax_history.shape)} (amax_history), but grouped_dense with "
                 f"{n_groups} groups needs one scale per group: ({n_groups}, 1) and "
                 f"({n_groups}, amax_history_len); build the set with "
-                f"QuantizerFactory.create_set(n_groups={n_groups}, fp8_recipe=...) or "
-                f"te_flax.dense.grouped_quantizer_set(quantizer_set, {n_groups})"
+                f"te_flax.dense.grouped_quantizer_set(quantizer_set, n_groups={n_groups})"
             )
 
 

@@ -360,8 +360,10 @@ def grouped_dense(
     mixture of experts after the tokens were permuted). With an FP8 ``quantizer_set`` each group
     is quantized with its own scale (x, kernel and the output gradient), so one expert's
     outlier does not cost the others precision; delayed-scaling state then holds one scale per
-    group (``grouped_quantizer_set``, or ``QuantizerFactory.create_set(n_groups=G)``), and its
-    new value comes back as the gradient of ``quantizer_set`` as for ``dense``.
+    group (``grouped_quantizer_set(QuantizerFactory.create_set(...), G)``: ``scale_inv [G, 1]``,
+    ``amax_history [G, L]``), and its new value comes back as the gradient of ``quantizer_set``
+    as for ``dense``. Block-scaled recipes (MXFP8, NVFP4) scale blocks along each contraction;
+    on the ragged lowering a block of wgrad's rows may span two groups.
 
     Args:
       x: ``[M, K]``, rows sorted by group.

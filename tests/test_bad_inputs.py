@@ -28,7 +28,7 @@ from examples.lm.config import load_config
 from te_flax import convert, sharding, training
 from te_flax import quantize as q
 from te_flax.attention import dot_product_attention
-from te_flax.dense import dense
+from te_flax.dense import dense, grouped_dense
 from te_flax.layernorm import layernorm
 from te_flax.layernorm_dense import layernorm_dense
 from te_flax.layernorm_mlp import layernorm_mlp
@@ -44,6 +44,14 @@ QKV = jnp.ones((2, 4, 4, 8), F32)  # [batch, seq, heads, head_dim]
 MLP_KERNELS = [jnp.ones((32, 1, 64), F32), jnp.ones((64, 32), F32)]
 TX = optax.sgd(0.1)
 TRANSFORMER = dict(hidden_size=32, mlp_hidden_size=64, num_attention_heads=4)
+
+
+ROWS_X = jnp.ones((8, 32), F32)  # [rows, hidden], rows sorted by group
+GROUPED_KERNEL = jnp.ones((3, 32, 16), F32)  # [groups, hidden, features]
+
+
+def _sizes(*sizes: int) -> jax.Array:
+    return jnp.array(sizes, jnp.int32)
 
 
 def _mlp(**kwargs):
@@ -149,6 +157,39 @@ CASES = [
                            fp8_recipe=q.NVFP4BlockScaling(disable_stochastic_rounding=True))),
          ValueError, r"NVFP4BlockScaling .* blocks of 16 .* axes \(24,\)",
          r"pad them to a multiple of 16"),
+    case("grouped-dense-sizes-exceed-rows",
+         lambda: grouped_dense(ROWS_X, GROUPED_KERNEL, _sizes(4, 4, 4)), ValueError,
+         r"^group_sizes sum to 12 but x has only 8 rows", r"must fit in x"),
+    case("grouped-dense-negative-size",
+         lambda: grouped_dense(ROWS_X, GROUPED_KERNEL, _sizes(-1, 4, 4)), ValueError,
+         r"^group_sizes must be >= 0", r"counts the rows of x"),
+    case("grouped-dense-float-sizes",
+         lambda: grouped_dense(ROWS_X, GROUPED_KERNEL, jnp.array([2.0, 3.0, 3.0])), TypeError,
+         r"^group_sizes must be an integer array", r"jnp\.bincount"),
+    case("grouped-dense-group-count",
+         lambda: grouped_dense(ROWS_X, GROUPED_KERNEL, _sizes(4, 4)), ValueError,
+         r"group_sizes has shape \(2,\) but the kernel holds 3 groups", r"one size per group"),
+    case("grouped-dense-x-rank", lambda: grouped_dense(X, GROUPED_KERNEL, _sizes(2, 2, 2)),
+         ValueError, r"grouped_dense takes x as \[M, K\]", r"flatten the tokens of x"),
+    case("grouped-dense-kernel-features",
+         lambda: grouped_dense(ROWS_X, jnp.ones((3, 64, 16), F32), _sizes(2, 2, 2)), ValueError,
+         r"^kernel has 64 input features", r"K = x\.shape\[1\]"),
+    case("grouped-dense-bias-shape",
+         lambda: grouped_dense(ROWS_X, GROUPED_KERNEL, _sizes(2, 2, 2), bias=jnp.ones(16, F32)),
+         ValueError, r"^bias has shape \(16,\)", r"one bias per group"),
+    case("grouped-dense-contracting-dims",
+         lambda: grouped_dense(ROWS_X, GROUPED_KERNEL, _sizes(2, 2, 2),
+                               contracting_dims=((0,), (1,))),
+         ValueError, r"supports only contracting_dims=\(\(1,\), \(1,\)\)", r"as TransformerEngine"),
+    case("grouped-dense-ungrouped-state",
+         lambda: grouped_dense(ROWS_X, GROUPED_KERNEL, _sizes(2, 2, 2),
+                               quantizer_set=q.QuantizerFactory.create_set(
+                                   fp8_recipe=q.DelayedScaling())),
+         ValueError, r"^quantizer_set\.x holds delayed-scaling state of shape \(1,\)",
+         r"grouped_quantizer_set\(quantizer_set, n_groups=3\)"),
+    case("grouped-dense-lowering",
+         lambda: grouped_dense(ROWS_X, GROUPED_KERNEL, _sizes(2, 2, 2), lowering="padded"),
+         ValueError, r"^lowering must be one of", r"'ragged', 'capacity'"),
     case("layernorm-gamma-shape", lambda: layernorm(X, jnp.ones(16, F32), BETA), ValueError,
          r"^gamma has shape \(16,\)", r"must be \(32,\)"),
     case("layernorm-norm-type", lambda: layernorm(X, GAMMA, BETA, norm_type="batchnorm"),

@@ -269,7 +269,7 @@ def test_grouped_quantizer_set_and_ungrouped_state():
     assert grouped.dgrad.amax_history.shape == (GROUPS, 8)
     assert grouped_quantizer_set(grouped, GROUPS) is not None  # already grouped: unchanged
     x, kernel, _, _ = _inputs()
-    with pytest.raises(ValueError, match=r"n_groups=3"):
+    with pytest.raises(ValueError, match=r"grouped_quantizer_set\(quantizer_set, n_groups=3\)"):
         grouped_dense(x, kernel, jnp.array(SIZES, jnp.int32), quantizer_set=qs)
 
 
