@@ -22,6 +22,7 @@ from te_flax._stages import (
     kernel_operand,
     saved_operand,
 )
+from te_flax.collective import CollectiveOpSet, check_collective_op_set, noop_collective_op_set
 from te_flax.quantize import (
     LEADING,
     TRAILING,
@@ -196,6 +197,7 @@ def dense(
     input_axes: LogicalAxes = None,
     kernel_axes: LogicalAxes = None,
     output_axes: LogicalAxes = None,
+    collective_op_set: CollectiveOpSet = noop_collective_op_set,
     quantizer_set: QuantizerSet = noop_quantizer_set,
 ) -> Array:
     """``x . kernel + bias``, contracting x's trailing axes with the kernel's leading axes.
@@ -217,6 +219,9 @@ def dense(
       input_axes: logical axes of x (and of its gradient).
       kernel_axes: logical axes of the (quantized) kernel and of its gradient.
       output_axes: logical axes of the output (and of the incoming gradient).
+      collective_op_set: TransformerEngine's collective GEMM; only ``noop_collective_op_set``
+        (the default): XLA places the collectives that logical axis rules ask for
+        (``te_flax.collective``).
       quantizer_set: the GEMM's quantizers (default ``noop_quantizer_set``: no FP8).
 
     Returns:
@@ -238,6 +243,7 @@ def dense(
             bias, kernel.shape[n_contract:], "bias", "it matches the kernel's output axes"
         )
     check.check_bool(transpose_batch_sequence, "transpose_batch_sequence")
+    check_collective_op_set(collective_op_set)
     quantizer_set = check.check_quantizer_set(quantizer_set)
     out_ndim = x.ndim - n_contract + kernel.ndim - n_contract
     config = _Config(

@@ -22,6 +22,8 @@ from flax import nnx
 from omegaconf.errors import ConfigKeyError
 
 import te_flax
+import te_flax.activation
+import te_flax.collective
 import te_flax.linen as te_nn
 import te_flax.nnx as te_nnx
 from examples.lm.config import load_config
@@ -190,6 +192,19 @@ CASES = [
     case("grouped-dense-lowering",
          lambda: grouped_dense(ROWS_X, GROUPED_KERNEL, _sizes(2, 2, 2), lowering="padded"),
          ValueError, r"^lowering must be one of", r"'ragged', 'capacity'"),
+    case("dense-collective-gemm",
+         lambda: dense(X, KERNEL, collective_op_set=te_flax.collective.CollectiveOpSet.create(
+             te_flax.collective.CollectiveOp.ALL_GATHER)),
+         ValueError, r"collective_op_set=.*ALL_GATHER.* collective GEMM",
+         r"pass noop_collective_op_set .* logical axis rules"),
+    case("dense-collective-op-type",
+         lambda: dense(X, KERNEL, collective_op_set="all_gather"), TypeError,
+         r"collective_op_set must be a CollectiveOpSet, got 'all_gather'",
+         r"pass te_flax\.collective\.noop_collective_op_set"),
+    case("activation-act-axis",
+         lambda: te_flax.activation.activation(X, ("silu", "linear")), ValueError,
+         r"x has shape \(2, 4, 32\), but activation_type=\('silu', 'linear'\)",
+         r"needs x of shape \[\.\.\., 2, H\]"),
     case("layernorm-gamma-shape", lambda: layernorm(X, jnp.ones(16, F32), BETA), ValueError,
          r"^gamma has shape \(16,\)", r"must be \(32,\)"),
     case("layernorm-norm-type", lambda: layernorm(X, GAMMA, BETA, norm_type="batchnorm"),

@@ -223,3 +223,60 @@ def test_maxtext_shaped_wrapper_trains_through_nnx_bridge():
     got = _values(wrapper)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, variables[FP8])
     np.testing.assert_allclose(model.kernel[...], variables["params"]["kernel"], rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- collective ops
+
+
+def test_dense_takes_the_noop_collective_op_set_in_tes_position():
+    import inspect
+
+    from te_flax.collective import CollectiveOp, CollectiveOpSet, noop_collective_op_set
+
+    names = list(inspect.signature(dense).parameters)
+    assert names.index("collective_op_set") == names.index("quantizer_set") - 1  # TE's order
+    x, kernel = _x(), jax.random.normal(jax.random.key(1), (HIDDEN, FEATURES))
+    np.testing.assert_array_equal(
+        dense(x, kernel, collective_op_set=noop_collective_op_set), dense(x, kernel)
+    )
+    assert CollectiveOpSet.create(CollectiveOp.NONE) == noop_collective_op_set
+    assert CollectiveOpSet.create(CollectiveOp.ALL_GATHER) == CollectiveOpSet(
+        CollectiveOp.ALL_GATHER, CollectiveOp.REDUCE_SCATTER
+    )
+    reduce_scatter = CollectiveOpSet.create(CollectiveOp.REDUCE_SCATTER)
+    assert reduce_scatter.backward.is_all_gather and reduce_scatter.forward.is_reduce_scatter
+    with pytest.raises(ValueError, match="logical axis rules"):
+        dense(x, kernel, collective_op_set=reduce_scatter)
+
+
+# ----------------------------------------------------------------------------- activation
+
+
+def test_activation_is_the_mlps_activation_and_quantizes_its_output():
+    from te_flax._activations import activation_forward
+    from te_flax.activation import activation
+    from te_flax.quantize import QuantizerFactory
+    from tests import helpers
+
+    x = jax.random.normal(jax.random.key(0), (4, 2, 8), jnp.float32) * 3
+    swiglu = activation(x, ("silu", "linear"))
+    np.testing.assert_array_equal(swiglu, jax.nn.silu(x[:, 0]) * x[:, 1])
+    # Read reversed when it starts with "linear"; ("relu", "relu") multiplies two activations.
+    np.testing.assert_array_equal(activation(x, ("linear", "silu")), swiglu)
+    np.testing.assert_array_equal(
+        activation(x, ("relu", "relu")), activation_forward(x, ("relu", "relu"))
+    )
+    qs = QuantizerFactory.create_set(fp8_recipe=Float8CurrentScaling())
+    quantized = activation(x, ("silu", "linear"), quantizer=qs.x)
+    expected = helpers.fake_quant(
+        swiglu, helpers.current_scale(swiglu, jnp.float8_e4m3fn), jnp.float8_e4m3fn
+    )
+    np.testing.assert_allclose(quantized, expected, rtol=1e-6)
+    assert not np.array_equal(quantized, swiglu)
+    # The gradient passes through the quantization.
+    grad = jax.grad(lambda v: jnp.sum(activation(v, ("gelu",), quantizer=qs.x)))(x[:, :1])
+    np.testing.assert_allclose(
+        grad, jax.grad(lambda v: jnp.sum(activation(v, ("gelu",))))(x[:, :1])
+    )
+    with pytest.raises(ValueError, match=r"\[\.\.\., 2, H\]"):
+        activation(x[:, 0], ("silu", "linear"))
