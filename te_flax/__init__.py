@@ -1,13 +1,16 @@
 """te_flax: FP8 training layers for Flax Linen and NNX, with TransformerEngine's JAX API.
 
 The functional ops live in ``te_flax.layernorm``, ``te_flax.dense`` and
-``te_flax.layernorm_dense``; recipes and quantizer state in ``te_flax.quantize``.
+``te_flax.layernorm_dense``; recipes and quantizer state in ``te_flax.quantize``. ``quantize_model`` runs a model written
+with Flax's own layers in FP8.
 """
 
 import importlib.metadata
 
+from te_flax._autocast import autocast, fp8_autocast
 from te_flax._show_config import show_config
-from te_flax.quantize import autocast
+from te_flax.inject import DEFAULT_RULES, QuantizeModelNote, QuantizeRule, quantize_model
+from te_flax.sharding import MeshResource
 
 try:
     # One source for the version: the installed package's metadata (pyproject.toml's version).
@@ -15,4 +18,14 @@ try:
 except importlib.metadata.PackageNotFoundError:  # imported from a source tree, not installed
     __version__ = "0+unknown"
 
-__all__ = ["__version__", "autocast", "show_config"]
+__all__ = [
+    "DEFAULT_RULES",
+    "MeshResource",
+    "QuantizeModelNote",
+    "QuantizeRule",
+    "__version__",
+    "autocast",
+    "fp8_autocast",
+    "quantize_model",
+    "show_config",
+]

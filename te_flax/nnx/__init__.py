@@ -6,12 +6,15 @@ Public API::
   DotProductAttention, MultiHeadAttention, RelativePositionBiases,
   TransformerLayer, TransformerLayerType                         TE's higher layers
   Fp8Meta                                                        the FP8 state variable type
+  DotGeneral, EinsumOp                                           FP8 products for nnx.Linear's
+                                                                 dot_general, nnx.Einsum's einsum_op
   value_and_grad, train_step, update_fp8_state                   the train step
   linen_variables, load_linen_variables                          Linen <-> NNX variables
 """
 
 from te_flax.nnx._fp8_meta import Fp8Meta
 from te_flax.nnx.convert import linen_variables, load_linen_variables
+from te_flax.nnx.inject import DotGeneral, EinsumOp
 from te_flax.nnx.modules import DenseGeneral, LayerNorm, LayerNormDenseGeneral, LayerNormMLP
 from te_flax.nnx.training import train_step, update_fp8_state, value_and_grad
 from te_flax.nnx.transformer import (
@@ -24,7 +27,9 @@ from te_flax.nnx.transformer import (
 
 __all__ = [
     "DenseGeneral",
+    "DotGeneral",
     "DotProductAttention",
+    "EinsumOp",
     "Fp8Meta",
     "LayerNorm",
     "LayerNormDenseGeneral",

@@ -1,0 +1,348 @@
+"""Matrix products of models written with stock Flax layers, run as te_flax FP8 GEMMs.
+
+One mechanism serves ``make_dot_general_cls`` (Linen), ``te_flax.nnx.DotGeneral`` and
+``te_flax.quantize_model``: a product (``lax.dot_general``, ``jnp.einsum``, ``jnp.dot``,
+``jnp.matmul``) is planned as ``dense`` of a transposed pair of operands (x's contracted axes
+last, the kernel's first), run through ``dense``'s custom_vjp with a quantizer set built from
+FP8 state that the caller keeps, and transposed back to the product's own output layout. The
+quantizers, the FP8 state and its max-merge rule are those of te_flax's layers.
+
+``intercepting`` replaces the four public product functions while a model runs, and hands each
+call to a handler that decides (by the calling module) whether and how it is quantized.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+from te_flax.dense import dense
+from te_flax.quantize import (
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+    QuantizerSet,
+    Recipe,
+)
+from te_flax.quantize.block_scaling import MXFP8_BLOCK, NVFP4_BLOCK
+
+__all__ = [
+    "OPS",
+    "Plan",
+    "fp8_reason",
+    "intercepting",
+    "plan_product",
+    "postfix",
+    "run_plan",
+]
+
+# The product functions a model's code may call, by the name rules use.
+OPS = ("dot_general", "einsum", "dot", "matmul")
+
+# cuBLASLt's FP8 GEMMs take sizes in multiples of 16.
+_FP8_ALIGNMENT = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A product as ``dense``: operand permutations, contracted axes, output permutation."""
+
+    lhs_perm: tuple[int, ...]  # lhs's free axes, then its contracted ones in order
+    rhs_perm: tuple[int, ...]  # rhs's contracted axes in order, then its free ones
+    n_contract: int
+    out_perm: tuple[int, ...] | None  # dense's [lhs free..., rhs free...] -> the op's layout
+    rows: int  # M: the product of lhs's free sizes
+    contract: int  # K
+    features: int  # N: the product of rhs's free sizes
+
+
+def postfix(index: int) -> str:
+    """The FP8 variable postfix of a module's ``index``-th product: ``""``, ``"_1"``, ..."""
+    return "" if index == 0 else f"_{index}"
+
+
+def _plan_dot_general(
+    lhs_shape: Sequence[int], rhs_shape: Sequence[int], dimension_numbers: Any
+) -> Plan | str:
+    try:
+        (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+        lhs_contract = tuple(int(d) % len(lhs_shape) for d in lhs_contract)
+        rhs_contract = tuple(int(d) % len(rhs_shape) for d in rhs_contract)
+    except (TypeError, ValueError, ZeroDivisionError):
+        return f"dimension numbers {dimension_numbers!r} are not ((contract), (batch)) pairs"
+    if len(lhs_batch) or len(rhs_batch):
+        return "it has batch dimensions (a batched product, e.g. attention scores)"
+    lhs_free = tuple(d for d in range(len(lhs_shape)) if d not in lhs_contract)
+    rhs_free = tuple(d for d in range(len(rhs_shape)) if d not in rhs_contract)
+    if not lhs_contract:
+        return "it contracts no axis (an outer product)"
+    if not rhs_free:
+        return "the right operand has no free axis (a matrix-vector product)"
+    return Plan(
+        lhs_perm=lhs_free + lhs_contract,
+        rhs_perm=rhs_contract + rhs_free,
+        n_contract=len(lhs_contract),
+        out_perm=None,
+        rows=math.prod(lhs_shape[d] for d in lhs_free),
+        contract=math.prod(lhs_shape[d] for d in lhs_contract),
+        features=math.prod(rhs_shape[d] for d in rhs_free),
+    )
+
+
+def _expand_ellipsis(term: str, ndim: int, letters: str) -> str | None:
+    if "..." not in term:
+        return term
+    n = ndim - (len(term) - 3)
+    return None if n < 0 else term.replace("...", letters[len(letters) - n :])
+
+
+def _plan_einsum(subscripts: Any, lhs_shape: Sequence[int], rhs_shape: Sequence[int]) -> Plan | str:
+    if not isinstance(subscripts, str):
+        return "the einsum is not given as a subscripts string"
+    spec = subscripts.replace(" ", "")
+    inputs, arrow, output = spec.partition("->")
+    terms = inputs.split(",")
+    if len(terms) != 2:
+        return f"the einsum has {len(terms)} operands, not two"
+    # The broadcast axes of "..." get letters no subscript uses.
+    ellipsis = "".join(chr(0x100 + i) for i in range(max(len(lhs_shape), len(rhs_shape))))
+    lhs_term = _expand_ellipsis(terms[0], len(lhs_shape), ellipsis)
+    rhs_term = _expand_ellipsis(terms[1], len(rhs_shape), ellipsis)
+    if lhs_term is None or rhs_term is None:
+        return "its subscripts do not match the operands' ranks"
+    if not arrow:
+        once = [c for c in sorted(set(lhs_term + rhs_term)) if (lhs_term + rhs_term).count(c) == 1]
+        output = "".join(c for c in ellipsis if c in once) + "".join(
+            c for c in once if c not in ellipsis
+        )
+    else:
+        broadcast = "".join(c for c in ellipsis if c in lhs_term + rhs_term)
+        output = output.replace("...", broadcast)
+    if len(lhs_term) != len(lhs_shape) or len(rhs_term) != len(rhs_shape):
+        return "its subscripts do not match the operands' ranks"
+    if len(set(lhs_term)) != len(lhs_term) or len(set(rhs_term)) != len(rhs_term):
+        return "an operand repeats a subscript (a diagonal)"
+    if any(c not in lhs_term + rhs_term for c in output) or len(set(output)) != len(output):
+        return "its output subscripts are not those of the operands"
+    shared = [c for c in lhs_term if c in rhs_term]
+    if any(c not in shared and c not in output for c in lhs_term + rhs_term):
+        return "it sums an axis of one operand only"
+    if any(lhs_shape[lhs_term.index(c)] != rhs_shape[rhs_term.index(c)] for c in shared):
+        return "it broadcasts an axis of size 1"
+    contract = [c for c in shared if c not in output]
+    batch = [c for c in shared if c in output]
+    plan = _plan_dot_general(
+        lhs_shape,
+        rhs_shape,
+        (
+            (
+                tuple(lhs_term.index(c) for c in contract),
+                tuple(rhs_term.index(c) for c in contract),
+            ),
+            (tuple(lhs_term.index(c) for c in batch), tuple(rhs_term.index(c) for c in batch)),
+        ),
+    )
+    if isinstance(plan, str):
+        return plan
+    produced = [c for c in lhs_term if c not in shared] + [c for c in rhs_term if c not in shared]
+    perm = tuple(produced.index(c) for c in output)
+    return dataclasses.replace(plan, out_perm=None if perm == tuple(range(len(perm))) else perm)
+
+
+def plan_product(op: str, lhs: Any, rhs: Any, spec: Any = None) -> Plan | str:
+    """How ``op`` on ``lhs`` and ``rhs`` runs as ``dense``, or why it cannot (a sentence).
+
+    ``spec`` is the dimension numbers of ``dot_general`` and the subscripts of ``einsum``.
+    """
+    lhs_shape, rhs_shape = tuple(np.shape(lhs)), tuple(np.shape(rhs))
+    if op == "einsum":
+        return _plan_einsum(spec, lhs_shape, rhs_shape)
+    if op == "dot_general":
+        return _plan_dot_general(lhs_shape, rhs_shape, spec)
+    if len(lhs_shape) < 1 or len(rhs_shape) < 2:
+        return "an operand is a scalar or a vector"
+    if op == "matmul" and len(rhs_shape) > 2:
+        return "the right operand of the matmul has batch axes"
+    # dot and matmul: lhs's last axis with rhs's second to last.
+    contract = (((len(lhs_shape) - 1,), (len(rhs_shape) - 2,)), ((), ()))
+    return _plan_dot_general(lhs_shape, rhs_shape, contract)
+
+
+def _block(recipe: Recipe) -> int:
+    if isinstance(recipe, MXFP8BlockScaling):
+        return MXFP8_BLOCK
+    if isinstance(recipe, NVFP4BlockScaling):
+        return NVFP4_BLOCK
+    return _FP8_ALIGNMENT
+
+
+def fp8_reason(plan: Plan | str, lhs: Any, rhs: Any, recipe: Recipe) -> str | None:
+    """Why the planned product cannot run in FP8 under ``recipe`` (None: it can)."""
+    if isinstance(plan, str):
+        return plan
+    for name, operand in (("left", lhs), ("right", rhs)):
+        dtype = getattr(operand, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            return f"the {name} operand is not floating point ({dtype})"
+        if jnp.finfo(dtype).bits < 16:
+            return f"the {name} operand is already {jnp.dtype(dtype).name}"
+    block = _block(recipe)
+    sizes = {"contracting size": plan.contract, "output features": plan.features}
+    if block != _FP8_ALIGNMENT:  # block scaling also blocks the tokens (the wgrad's K)
+        sizes["rows"] = plan.rows
+    for what, size in sizes.items():
+        if size % block:
+            return f"its {what} {size} is not a multiple of {block}"
+    return None
+
+
+def run_plan(
+    plan: Plan,
+    lhs: Array,
+    rhs: Array,
+    quantizer_set: QuantizerSet,
+    out_dtype: Any = None,
+) -> Array:
+    """The product through ``dense`` with ``quantizer_set``, in the product's output layout."""
+    x = lhs if plan.lhs_perm == tuple(range(lhs.ndim)) else jnp.transpose(lhs, plan.lhs_perm)
+    kernel = rhs if plan.rhs_perm == tuple(range(rhs.ndim)) else jnp.transpose(rhs, plan.rhs_perm)
+    n = plan.n_contract
+    # [M..., K...] x [K..., N...] -> [M..., N...]
+    with _quiet():
+        out = dense(
+            x,
+            kernel,
+            contracting_dims=(tuple(range(x.ndim - n, x.ndim)), tuple(range(n))),
+            quantizer_set=quantizer_set,
+        )
+    if plan.out_perm is not None:
+        out = jnp.transpose(out, plan.out_perm)
+    return out if out_dtype is None else out.astype(out_dtype)
+
+
+# ----------------------------------------------------------------------------- interception
+
+# (op, lhs, rhs, spec, original_call) -> the result, or None to run the original product.
+Handler = Callable[[str, Any, Any, Any, Callable[[], Any]], Any]
+
+_STATE = threading.local()
+
+
+def _handlers() -> list[Handler]:
+    if not hasattr(_STATE, "handlers"):
+        _STATE.handlers = []
+        _STATE.quiet = 0
+    return _STATE.handlers  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """te_flax's own products (inside ``dense``) are never intercepted."""
+    _handlers()
+    _STATE.quiet += 1
+    try:
+        yield
+    finally:
+        _STATE.quiet -= 1
+
+
+def _dispatch(op: str, lhs: Any, rhs: Any, spec: Any, original: Callable[[], Any]) -> Any:
+    handlers = _handlers()
+    if not handlers or _STATE.quiet:
+        return original()
+    result = handlers[-1](op, lhs, rhs, spec, original)
+    return original() if result is None else result
+
+
+_ORIGINALS = {
+    "dot_general": jax.lax.dot_general,
+    "einsum": jnp.einsum,
+    "dot": jnp.dot,
+    "matmul": jnp.matmul,
+}
+
+
+def _dot_general(lhs: Any, rhs: Any, dimension_numbers: Any, *args: Any, **kwargs: Any) -> Any:
+    original = _ORIGINALS["dot_general"]
+    return _dispatch(
+        "dot_general",
+        lhs,
+        rhs,
+        dimension_numbers,
+        lambda: original(lhs, rhs, dimension_numbers, *args, **kwargs),
+    )
+
+
+def _einsum(subscripts: Any, *operands: Any, **kwargs: Any) -> Any:
+    original = _ORIGINALS["einsum"]
+
+    def call() -> Any:
+        return original(subscripts, *operands, **kwargs)
+
+    # A custom _dot_general (someone else's injection) is left to do its work.
+    if len(operands) != 2 or kwargs.get("_dot_general") not in (None, _ORIGINALS["dot_general"]):
+        return call()
+    return _dispatch("einsum", operands[0], operands[1], subscripts, call)
+
+
+def _binary(op: str) -> Callable[..., Any]:
+    def product(a: Any, b: Any, *args: Any, **kwargs: Any) -> Any:
+        original = _ORIGINALS[op]
+        return _dispatch(op, a, b, None, lambda: original(a, b, *args, **kwargs))
+
+    product.__name__ = op
+    return product
+
+
+_REPLACEMENTS = {
+    "dot_general": (jax.lax, _dot_general),
+    "einsum": (jnp, _einsum),
+    "dot": (jnp, _binary("dot")),
+    "matmul": (jnp, _binary("matmul")),
+}
+_PATCH_LOCK = threading.Lock()
+_PATCH_DEPTH = [0]
+
+
+@contextlib.contextmanager
+def intercepting(handler: Handler) -> Iterator[None]:
+    """Runs the block with ``jax.lax.dot_general``, ``jnp.einsum``, ``jnp.dot`` and
+    ``jnp.matmul`` handed to ``handler`` (the innermost one when nested)."""
+    handlers = _handlers()
+    with _PATCH_LOCK:
+        if _PATCH_DEPTH[0] == 0:
+            for name, (module, replacement) in _REPLACEMENTS.items():
+                setattr(module, name, replacement)
+        _PATCH_DEPTH[0] += 1
+    handlers.append(handler)
+    try:
+        yield
+    finally:
+        handlers.pop()
+        with _PATCH_LOCK:
+            _PATCH_DEPTH[0] -= 1
+            if _PATCH_DEPTH[0] == 0:
+                for name, (module, _) in _REPLACEMENTS.items():
+                    setattr(module, name, _ORIGINALS[name])
+
+
+def original(op: str) -> Callable[..., Any]:
+    """The product function ``op`` as JAX defines it (never intercepted)."""
+    return _ORIGINALS[op]
+
+
+def calling_frames(start: int = 2) -> Iterator[Any]:
+    """The Python frames of the caller and above: where a product was called from."""
+    frame = sys._getframe(start)
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
