@@ -6,6 +6,13 @@ the active ``flax.linen.logical_axis_rules`` context and applied on the mesh set
 not seen). Without rules, without a mesh, or for empty axes the helper does nothing, so the same
 code runs on one device and on many.
 
+TransformerEngine names mesh axes by role instead: ``MeshResource(dp_resource="data",
+tp_resource="tensor", ...)`` under ``global_shard_guard`` (or ``te_flax.autocast(...,
+mesh_resource=...)``). Such a resource stands for logical axis rules (``mesh_resource_rules``):
+for te_flax's names, the rules of the shipped rule sets (``dp_fsdp_tp``, ``tp_sp``, ``ep``), and
+for TE's own names (``BATCH_AXES``, ``W_TP_AXES``, ...) TE's table. Where no Flax rules are
+active, the constraints use the active resource's rules, as TE falls back to its table.
+
 Inside ``jax.shard_map`` (with its default ``check_vma=True``) the ops take the amax over all
 devices (``pmax``) and mark replicated parameters as varying, so FP8 state and gradients are
 those of the single-device program. Take the gradient inside the ``shard_map`` body, or keep
@@ -16,6 +23,7 @@ replicated FP8 state's updates over the devices.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -29,10 +37,26 @@ from jax import Array
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 __all__ = [
+    "BATCH_AXES",
+    "HEAD_AXES",
+    "HIDDEN_AXES",
+    "HIDDEN_TP_AXES",
+    "JOINED_AXES",
     "RULES_DIR",
+    "SEQLEN_AXES",
+    "SEQLEN_CP_AXES",
+    "SEQLEN_TP_AXES",
+    "W_FSDP_AXES",
+    "W_JOINED_AXES",
+    "W_NO_SHARD_AXES",
+    "W_TP_AXES",
     "LogicalAxes",
+    "MeshResource",
+    "global_mesh_resource",
+    "global_shard_guard",
     "load_axis_rules",
     "make_mesh",
+    "mesh_resource_rules",
     "use_sharding",
     "vary_like",
     "with_logical_constraint",
@@ -92,7 +116,11 @@ def with_logical_constraint(x: Array, logical_axes: LogicalAxes) -> Array:
         )
     rules = nn.get_logical_axis_rules()
     mesh = jax.sharding.get_abstract_mesh()
-    if not rules or mesh.empty:
+    if mesh.empty:
+        return x
+    if not rules and _ACTIVE_RESOURCE.value is not None:
+        rules = mesh_resource_rules()
+    if not rules:
         return x
     _check_known_names(logical_axes, rules)
     spec = logical_to_mesh_axes(logical_axes, rules)
@@ -267,3 +295,167 @@ def use_sharding(
     mesh = make_mesh(mesh_shape)
     with jax.set_mesh(mesh), nn.logical_axis_rules(load_axis_rules(rule_set)):
         yield mesh
+
+
+# ----------------------------------------------------------------------------- MeshResource
+
+# TransformerEngine's logical axis names (its layers' default axes), with its values.
+BATCH_AXES = "nvte_batch"
+SEQLEN_AXES = "nvte_seqlen"
+SEQLEN_TP_AXES = "nvte_seqlen_tp"
+SEQLEN_CP_AXES = "nvte_seqlen_cp"
+HEAD_AXES = "nvte_head"
+HIDDEN_AXES = "nvte_hidden"
+HIDDEN_TP_AXES = "nvte_hidden_tp"
+JOINED_AXES = "nvte_joined"
+W_NO_SHARD_AXES = "nvte_w_no_shard"
+W_FSDP_AXES = "nvte_w_fsdp"
+W_TP_AXES = "nvte_w_tp"
+W_JOINED_AXES = "nvte_w_joined"
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshResource:
+    """TransformerEngine's names of the mesh axes of each kind of parallelism.
+
+    Each field is a mesh axis name or None (that parallelism is off). Under
+    ``global_shard_guard(resource)`` it stands for the logical axis rules of
+    ``mesh_resource_rules``.
+
+    Attributes:
+      dp_resource: data parallelism: the batch.
+      tp_resource: tensor parallelism: the MLP and attention-head axes.
+      tpsp_resource: tensor and sequence parallelism: as ``tp_resource``, and the sequence of
+        the norm inputs (te_flax's ``tp_sp`` rule set).
+      fsdp_resource: fully sharded data parallelism: the batch, and each kernel's embed axis.
+      pp_resource: pipeline parallelism: accepted; te_flax has no pipeline schedule, so it
+        maps no axis.
+      cp_resource: context parallelism: TE's ``SEQLEN_CP_AXES`` only (te_flax's attention
+        has no context parallelism).
+      ep_resource: expert parallelism: the experts axis (te_flax's ``exp``).
+    """
+
+    dp_resource: str | None = None
+    tp_resource: str | None = None
+    tpsp_resource: str | None = None
+    fsdp_resource: str | None = None
+    pp_resource: str | None = None
+    cp_resource: str | None = None
+    ep_resource: str | None = None
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(
+                    f"MeshResource({field.name}={value!r}): each resource is one mesh axis name "
+                    "(a str) or None"
+                )
+
+
+# Jit-cache sensitive, as the autocast recipe: the rules a trace sees are part of its key.
+_ACTIVE_RESOURCE = jax.make_user_context(default_value=None)
+
+
+@contextlib.contextmanager
+def global_shard_guard(resource: MeshResource) -> Iterator[None]:
+    """Makes ``resource`` the active ``MeshResource`` inside the context (contexts nest).
+
+    Example usage::
+
+      >>> from te_flax.sharding import MeshResource, global_mesh_resource, global_shard_guard
+      >>> with global_shard_guard(MeshResource(dp_resource="data")):
+      ...     print(global_mesh_resource().dp_resource)
+      data
+    """
+    if not isinstance(resource, MeshResource):
+        raise TypeError(
+            f"global_shard_guard takes a MeshResource, got {resource!r}; e.g. "
+            "global_shard_guard(MeshResource(dp_resource='data', tp_resource='tensor'))"
+        )
+    with _ACTIVE_RESOURCE(resource):
+        yield
+
+
+def global_mesh_resource() -> MeshResource:
+    """The active ``MeshResource``; outside ``global_shard_guard`` an error says how to set one."""
+    resource: MeshResource | None = _ACTIVE_RESOURCE.value
+    if resource is None:
+        raise ValueError(
+            "no MeshResource is active: wrap the code in "
+            "te_flax.sharding.global_shard_guard(MeshResource(...)) or "
+            "te_flax.autocast(..., mesh_resource=MeshResource(...)); on one device "
+            "MeshResource() (no parallelism) will do"
+        )
+    return resource
+
+
+def _axis_size(mesh: Any, axis: str | None) -> int:
+    if axis is None or mesh.empty:
+        return 1
+    if axis not in mesh.axis_names:
+        raise ValueError(
+            f"the MeshResource names mesh axis {axis!r}, but the mesh has axes "
+            f"{tuple(mesh.axis_names)}; name one of those, or build the mesh with that axis"
+        )
+    return int(mesh.shape[axis])
+
+
+def mesh_resource_rules(
+    resource: MeshResource | None = None,
+) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
+    """The logical axis rules ``resource`` (default: the active one) stands for on the mesh.
+
+    te_flax's names follow the shipped rule sets: ``batch`` over the data-parallel axes
+    (``dp_resource`` then ``fsdp_resource``), ``embed`` over ``fsdp_resource``, ``mlp``,
+    ``heads``, ``act_mlp`` and ``act_heads`` over the tensor axis (``tpsp_resource`` when it
+    has more than one device, else ``tp_resource``), ``length`` over ``tpsp_resource``, ``exp``
+    over ``ep_resource``. TransformerEngine's names (``BATCH_AXES``, ...) follow TE's table.
+    Every other te_flax name is replicated.
+
+    Example usage::
+
+      >>> from te_flax.sharding import MeshResource, mesh_resource_rules
+      >>> dict(mesh_resource_rules(MeshResource("data", "tensor", fsdp_resource="fsdp")))["batch"]
+      ('data', 'fsdp')
+    """
+    resource = global_mesh_resource() if resource is None else resource
+    mesh = jax.sharding.get_abstract_mesh()
+    tp_on = _axis_size(mesh, resource.tp_resource) > 1
+    tpsp_on = _axis_size(mesh, resource.tpsp_resource) > 1
+    if tp_on and tpsp_on:
+        raise ValueError(
+            f"MeshResource(tp_resource={resource.tp_resource!r}, "
+            f"tpsp_resource={resource.tpsp_resource!r}): tensor parallelism and tensor sequence "
+            "parallelism cannot both be on (as in TransformerEngine); set one of them"
+        )
+    fsdp_on = _axis_size(mesh, resource.fsdp_resource) > 1
+    tensor = resource.tpsp_resource if tpsp_on else resource.tp_resource
+    data = tuple(a for a in (resource.dp_resource, resource.fsdp_resource) if a is not None)
+    ours: dict[str, str | tuple[str, ...] | None] = {
+        "batch": data[0] if len(data) == 1 else (data or None),
+        "embed": resource.fsdp_resource,
+        "mlp": tensor,
+        "heads": tensor,
+        "act_mlp": tensor,
+        "act_heads": tensor,
+        "length": resource.tpsp_resource if tpsp_on else None,
+        "exp": resource.ep_resource,
+    }
+    # TransformerEngine's table (transformer_engine.jax.sharding), value for value.
+    theirs = {
+        BATCH_AXES: resource.fsdp_resource if fsdp_on else resource.dp_resource,
+        SEQLEN_AXES: None,
+        SEQLEN_TP_AXES: resource.tpsp_resource,
+        SEQLEN_CP_AXES: resource.cp_resource,
+        HEAD_AXES: tensor,
+        HIDDEN_AXES: None,
+        HIDDEN_TP_AXES: tensor,
+        JOINED_AXES: None,
+        W_NO_SHARD_AXES: None,
+        W_FSDP_AXES: resource.fsdp_resource,
+        W_TP_AXES: tensor,
+        W_JOINED_AXES: None,
+    }
+    rules = {**ours, **{name: None for name in LOGICAL_AXES if name not in ours}, **theirs}
+    return tuple(rules.items())

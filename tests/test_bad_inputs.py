@@ -92,6 +92,11 @@ def _nnx_train_step(optimizer_of: Callable[[nnx.Module], object]) -> None:
     te_nnx.train_step(model, optimizer_of(model), lambda m: jnp.sum(m(X)))
 
 
+def _resource_rules(resource) -> None:
+    with jax.set_mesh(sharding.make_mesh({"fsdp": 2, "tensor": 4})):
+        sharding.mesh_resource_rules(resource)
+
+
 def _constraint_under(rule_set, mesh_shape, axes) -> None:
     with jax.set_mesh(sharding.make_mesh(mesh_shape)), nn.logical_axis_rules(rule_set):
         jax.jit(lambda a: sharding.with_logical_constraint(a, axes)).lower(X)
@@ -484,6 +489,22 @@ CASES = [
          lambda: sharding.with_logical_constraint(X, ("batch", "embed")), ValueError,
          r"logical axes \('batch', 'embed'\) name 2 dimensions",
          r"give one name \(or None\) per dimension"),
+    case("mesh-resource-axis-type", lambda: sharding.MeshResource(dp_resource=0), TypeError,
+         r"MeshResource\(dp_resource=0\)", r"one mesh axis name \(a str\) or None"),
+    case("mesh-resource-guard-type",
+         lambda: sharding.global_shard_guard({"dp_resource": "data"}).__enter__(), TypeError,
+         r"global_shard_guard takes a MeshResource, got \{'dp_resource'",
+         r"e\.g\. global_shard_guard\(MeshResource\("),
+    case("mesh-resource-not-active", sharding.global_mesh_resource, ValueError,
+         r"no MeshResource is active", r"wrap the code in .*global_shard_guard"),
+    case("mesh-resource-tp-and-tpsp",
+         lambda: _resource_rules(sharding.MeshResource(tp_resource="fsdp",
+                                                       tpsp_resource="tensor")),
+         ValueError, r"tp_resource='fsdp', tpsp_resource='tensor'\)", r"set one of them"),
+    case("mesh-resource-unknown-axis",
+         lambda: _resource_rules(sharding.MeshResource(tp_resource="model")), ValueError,
+         r"names mesh axis 'model', but the mesh has axes",
+         r"name one of those, or build the mesh with that axis"),
     # ------------------------------------------------------------------ checkpoint conversion
     case("convert-not-a-mapping", lambda: convert.from_transformer_engine([KERNEL]), TypeError,
          r"^variables must be a mapping of collections", r"pass the whole variable dict"),

@@ -9,10 +9,22 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
+import te_flax
+import te_flax.linen as te_nn
 from te_flax.dense import dense
 from te_flax.layernorm_dense import layernorm_dense
 from te_flax.quantize import DelayedScaling, QuantizerFactory, noop_quantizer_set
-from te_flax.sharding import with_logical_constraint
+from te_flax.sharding import (
+    BATCH_AXES,
+    W_TP_AXES,
+    MeshResource,
+    global_mesh_resource,
+    global_shard_guard,
+    load_axis_rules,
+    mesh_resource_rules,
+    use_sharding,
+    with_logical_constraint,
+)
 from tests import helpers
 
 F32 = jnp.float32
@@ -317,3 +329,91 @@ def test_kernel_gradient_follows_kernel_axes_and_values_match_unsharded(problem,
     # Under jit with sharded operands jnp.max(jnp.abs(x)) is a global amax: the new FP8 state
     # is exactly the unsharded one.
     jax.tree.map(np.testing.assert_array_equal, sharded[-1], unsharded[-1])
+
+
+# ----------------------------------------------------------------------------- MeshResource
+
+
+def _te_style_run(layer, x, rules_source):
+    """A TransformerEngine-style sharded script: parameters placed by the logical rules,
+    initialised and applied under jit. ``rules_source`` gives the rules inside the contexts."""
+    rules = rules_source()
+    with nn.logical_axis_rules(rules):
+        abstract = jax.eval_shape(layer.init, jax.random.key(0), x)
+        shardings = nn.logical_to_mesh_sharding(
+            nn.get_partition_spec(abstract), jax.sharding.get_mesh(), rules
+        )
+        variables = jax.jit(layer.init, out_shardings=shardings)(jax.random.key(0), x)
+        out, _ = jax.jit(layer.apply)(variables, x)
+    return variables, out
+
+
+DP_FSDP_TP = MeshResource(dp_resource="data", tp_resource="tensor", fsdp_resource="fsdp")
+
+
+@pytest.mark.parametrize(
+    ("resource", "rule_set"),
+    [
+        (DP_FSDP_TP, "dp_fsdp_tp"),
+        (MeshResource(dp_resource="data", tpsp_resource="tensor"), "tp_sp"),
+    ],
+    ids=["dp_fsdp_tp", "tp_sp"],
+)
+def test_mesh_resource_stands_for_the_shipped_rule_set(resource, rule_set):
+    """TE's MeshResource on a (data, fsdp, tensor) mesh gives te_flax's rule set, name for name
+    (every te_flax name the rule set leaves out is replicated)."""
+    shipped = dict(load_axis_rules(rule_set))
+    with use_sharding(rule_set, {"data": 2, "fsdp": 2, "tensor": 2}), global_shard_guard(resource):
+        ours = dict(mesh_resource_rules())
+    assert {name: ours[name] for name in shipped} == shipped
+    assert all(name in shipped or axes is None for name, axes in ours.items() if "nvte" not in name)
+
+
+def test_te_style_sharded_script_runs_as_with_the_rule_set():
+    """A TE-style script (MeshResource in autocast, parameters placed by its rules) shards and
+    computes a layer as te_flax's dp_fsdp_tp rule set does."""
+    layer = te_nn.LayerNormDenseGeneral(
+        32, kernel_axes=("embed", "mlp"), recipe=DelayedScaling(amax_history_len=4)
+    )
+    x = helpers.normal(jax.random.key(0), (8, 4, 16))
+    with use_sharding("dp_fsdp_tp", {"data": 2, "fsdp": 2, "tensor": 2}):
+        expected_vars, expected = _te_style_run(layer, x, lambda: load_axis_rules("dp_fsdp_tp"))
+        with te_flax.autocast(mesh_resource=DP_FSDP_TP):
+            got_vars, got = _te_style_run(layer, x, mesh_resource_rules)
+    specs = jax.tree.map(_spec, nn.meta.unbox(got_vars))
+    assert specs == jax.tree.map(_spec, nn.meta.unbox(expected_vars))
+    assert specs["params"]["kernel"] == ("fsdp", "tensor")
+    assert _spec(got) == _spec(expected)
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_mesh_resource_rules_apply_without_flax_rules():
+    """TE's fallback: with a MeshResource active and no Flax rules, the constraints use the
+    resource's rules, TE's own names included."""
+    x = _x()
+    with jax.set_mesh(_mesh()):
+        assert _constraints(_hlo(lambda x: with_logical_constraint(x, ("batch", "mlp")), x)) == []
+        with global_shard_guard(MeshResource(dp_resource="data", tp_resource="model")):
+            ours = _hlo(lambda x: with_logical_constraint(x, ("batch", "mlp")), x)
+            theirs = _hlo(lambda x: with_logical_constraint(x, (BATCH_AXES, W_TP_AXES)), x)
+            out = jax.jit(lambda x: with_logical_constraint(x, ("batch", "act_mlp")))(x)
+    assert any('[{"data"}, {"model"}]' in c for c in _constraints(ours))
+    assert any('[{"data"}, {"model"}]' in c for c in _constraints(theirs))
+    assert _spec(out) == ("data", "model")
+    np.testing.assert_array_equal(out, x)
+
+
+def test_mesh_resource_context_and_refusals():
+    with pytest.raises(ValueError, match="no MeshResource is active"):
+        global_mesh_resource()
+    with global_shard_guard(MeshResource(dp_resource="data")):
+        with te_flax.autocast(enabled=True, mesh_resource=MeshResource(tp_resource="model")):
+            assert global_mesh_resource() == MeshResource(tp_resource="model")
+        deprecated = pytest.warns(DeprecationWarning, match="fp8_autocast is deprecated")
+        with deprecated, te_flax.fp8_autocast(enabled=True, fp8_recipe=DelayedScaling()):
+            assert global_mesh_resource() == MeshResource(dp_resource="data")
+    both = MeshResource(tp_resource="data", tpsp_resource="model")
+    with jax.set_mesh(_mesh()), pytest.raises(ValueError, match="cannot both be on"):
+        mesh_resource_rules(both)
+    with jax.set_mesh(_mesh()), pytest.raises(ValueError, match="mesh axis 'tp'"):
+        mesh_resource_rules(MeshResource(tp_resource="tp"))
