@@ -2,8 +2,11 @@
 
 An activation type is a tuple of names, one per slice of the ``act`` axis of the first GEMM's
 output: ``("gelu",)`` applies GELU to the single slice, a gated pair such as ``("silu", "linear")``
-(SwiGLU) applies the activation to slice 0 and multiplies by slice 1. The backward is ``jax.vjp``
-of the same function, so it is exact for every activation by construction.
+(SwiGLU) applies the activation to slice 0 and multiplies by slice 1, and any longer or other
+tuple (``("relu", "relu")``, ``("gelu", "tanh", "linear")``) applies each name to its slice and
+multiplies the results, as TransformerEngine's LayerNormMLP computes the combinations its fused
+kernels do not implement. The backward is ``jax.vjp`` of the same function, so it is exact for
+every activation by construction.
 
 One pair takes parameters: TransformerEngine's clamped SwiGLU (gpt-oss),
 ``("clamped_silu", "clamped_linear")`` with ``ClampedSwigluParams(limit, alpha,
@@ -52,6 +55,22 @@ ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
     "quick_gelu": _quick_gelu,
     "squared_relu": _squared_relu,
     "linear": lambda x: x,
+    # flax.linen's elementwise activations, which TransformerEngine's LayerNormMLP looks up by
+    # name (``getattr(flax.linen, name)``) for the combinations its fused kernels do not cover.
+    "tanh": jnp.tanh,
+    "sigmoid": jax.nn.sigmoid,
+    "elu": jax.nn.elu,
+    "celu": jax.nn.celu,
+    "selu": jax.nn.selu,
+    "softplus": jax.nn.softplus,
+    "soft_sign": jax.nn.soft_sign,
+    "relu6": jax.nn.relu6,
+    "hard_tanh": jax.nn.hard_tanh,
+    "hard_sigmoid": jax.nn.hard_sigmoid,
+    "hard_silu": jax.nn.hard_silu,
+    "hard_swish": jax.nn.hard_swish,
+    "log_sigmoid": jax.nn.log_sigmoid,
+    "leaky_relu": jax.nn.leaky_relu,
 }
 
 
@@ -90,17 +109,22 @@ _PARAMETERIZED: dict[str, Callable[[Array, ClampedSwigluParams], Array]] = {
 
 
 def canonical_activation_type(activation_type: Sequence[str]) -> tuple[str, ...]:
-    """``activation_type`` as a tuple with a gated pair's activation first.
+    """``activation_type`` as a tuple, reversed when it starts with ``"linear"`` (TE's rule).
 
     ``("linear", "silu")`` and ``("silu", "linear")`` both mean SwiGLU and both become
-    ``("silu", "linear")``.
+    ``("silu", "linear")``. Names are matched in lower case, as TransformerEngine does.
     """
     if isinstance(activation_type, str) or not isinstance(activation_type, Sequence):
         raise TypeError(
             f"activation_type must be a tuple of activation names, got {activation_type!r}; "
             "e.g. ('gelu',) or ('silu', 'linear') for SwiGLU"
         )
-    names = tuple(activation_type)
+    if not activation_type or not all(isinstance(name, str) for name in activation_type):
+        raise TypeError(
+            f"activation_type must be a non-empty tuple of activation names (str), got "
+            f"{activation_type!r}; e.g. ('gelu',), ('silu', 'linear') or ('relu', 'relu')"
+        )
+    names = tuple(name.lower() for name in activation_type)
     unknown = [name for name in names if name not in ACTIVATIONS and name not in _PARAMETERIZED]
     if unknown:
         raise ValueError(
@@ -114,14 +138,10 @@ def canonical_activation_type(activation_type: Sequence[str]) -> tuple[str, ...]
                 f"pair, TransformerEngine's clamped SwiGLU; use {CLAMPED_SWIGLU}"
             )
         return CLAMPED_SWIGLU
-    if len(names) == 1:
-        return names
-    if len(names) == 2 and "linear" in names:
-        return names if names[1] == "linear" else (names[1], names[0])
-    raise ValueError(
-        f"activation_type={names!r} is not supported: give one activation, e.g. ('gelu',), or a "
-        "gated pair of an activation and 'linear', e.g. ('gelu', 'linear') for GEGLU"
-    )
+    # TransformerEngine reverses a tuple that starts with "linear", so that a gated pair's
+    # activation comes first whichever way it is written; slice i of the kernel's act axis
+    # then takes the i-th name.
+    return names[::-1] if names[0] == "linear" else names
 
 
 def canonical_activation_params(
@@ -176,11 +196,12 @@ def activation_of_slices(
         params = params or ClampedSwigluParams()
         # Gated: clamped_silu(slice 0) * clamped_linear(slice 1).
         return _clamped_silu(slices[0], params) * _clamped_linear(slices[1], params)
+    # One slice: act(slice 0); a gated pair: act(slice 0) * slice 1; in general the product of
+    # each slice's activation, left to right.
     activated = ACTIVATIONS[activation_type[0]](slices[0])
-    if len(activation_type) == 1:
-        return activated
-    # Gated: activation(slice 0) * slice 1.
-    return activated * slices[1]
+    for name, part in zip(activation_type[1:], slices[1:], strict=True):
+        activated = activated * ACTIVATIONS[name](part)
+    return activated
 
 
 def activation_forward(

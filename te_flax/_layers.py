@@ -32,7 +32,12 @@ from te_flax._lora import lora_delta, lora_shapes
 from te_flax.dense import dense
 from te_flax.layernorm import layernorm
 from te_flax.layernorm_dense import layernorm_dense, layernorm_dense_with_norm_output
-from te_flax.layernorm_mlp import layernorm_mlp
+from te_flax.layernorm_mlp import (
+    apply_dropout,
+    dropout_mask,
+    layernorm_mlp,
+    layernorm_mlp_with_norm_output,
+)
 from te_flax.quantize import QuantizerSet, Recipe
 
 __all__ = [
@@ -44,7 +49,8 @@ __all__ = [
 ]
 
 Initializer = Callable[..., Array]  # init(key, shape, dtype)
-Dropout = Callable[[Array], Array] | None
+# The key of a layer's dropout, None when its dropout is off.
+Dropout = Array | None
 # A layer's parameters by name (ParamSpec.name -> array).
 Params = dict[str, Array]
 zeros = jax.nn.initializers.zeros
@@ -521,80 +527,89 @@ class LayerNormMLPSpec(_Norm, _LowRank):
         quantizer_sets: Sequence[QuantizerSet],
         dropout: Dropout = None,
     ) -> tuple[Array, Array | None]:
-        """``dropout`` is None when the intermediate dropout is off (rate 0 or deterministic)."""
+        """``dropout``: the intermediate dropout's key, None when the dropout is off (rate 0 or
+        deterministic).
+
+        Every configuration with the norm runs the one fused ``layernorm_mlp`` op: the dropout
+        mask is drawn inside it from the key, LoRA and the norm output are part of it.
+        """
         x = _compute_input(x, self.dtype)
         _check_last_axis(self.axis, x)
         activation_type, activation_params = self._activation()
-        quantizer_sets = _named_sets(quantizer_sets, self.quantization_checkpoint_name)
-        fused = (
-            self.enable_layernorm
-            and dropout is None
-            and not self.return_layernorm_output
-            and not self.enable_low_rank_adaptation
-        )
-        if fused:
-            out = layernorm_mlp(
-                x,
-                **self._norm_arguments(params),
-                kernels=[params["wi_kernel"], params["wo_kernel"]],
-                biases=[params.get("wi_bias"), params.get("wo_bias")],
-                transpose_batch_sequence=self.transpose_batch_sequence,
-                norm_input_axes=self.layernorm_input_axes,
-                dot_1_input_axes=self.dot_1_input_axes,
-                dot_2_input_axes=self.dot_2_input_axes,
-                kernel_1_axes=self.kernel_axes_1 or None,
-                kernel_2_axes=self.kernel_axes_2 or None,
-                ffn1_ckpt_name=self.ffn1_ckpt_name,
-                ffn2_ckpt_name=self.ffn2_ckpt_name,
-                activation_type=activation_type,
-                activation_params=self.activation_params,
-                quantizer_sets=(quantizer_sets[0], quantizer_sets[1]),
+        set_1, set_2 = _named_sets(quantizer_sets, self.quantization_checkpoint_name)[:2]
+        rate = 0.0 if dropout is None else self.intermediate_dropout_rate
+        lora = None
+        if self.enable_low_rank_adaptation:
+            lora = tuple(
+                params[f"{gemm}_lora_{part}_kernel"] for gemm in ("wi", "wo") for part in "ab"
             )
-            return out, None
-        return self._composed(
-            params, x, quantizer_sets, dropout, activation_type, activation_params
+        if not self.enable_layernorm:
+            out, ln = self._without_norm(
+                params, x, (set_1, set_2), activation_type, activation_params, dropout, rate
+            )
+            return out, ln if self.return_layernorm_output else None
+        arguments: dict[str, Any] = dict(
+            **self._norm_arguments(params),
+            kernels=[params["wi_kernel"], params["wo_kernel"]],
+            biases=[params.get("wi_bias"), params.get("wo_bias")],
+            transpose_batch_sequence=self.transpose_batch_sequence,
+            norm_input_axes=self.layernorm_input_axes,
+            dot_1_input_axes=self.dot_1_input_axes,
+            dot_2_input_axes=self.dot_2_input_axes,
+            kernel_1_axes=self.kernel_axes_1 or None,
+            kernel_2_axes=self.kernel_axes_2 or None,
+            ffn1_ckpt_name=self.ffn1_ckpt_name,
+            ffn2_ckpt_name=self.ffn2_ckpt_name,
+            activation_type=activation_type,
+            activation_params=self.activation_params,
+            quantizer_sets=(set_1, set_2),
+            intermediate_dropout_rate=rate,
+            intermediate_dropout_rng=dropout,
+            intermediate_dropout_dims=tuple(self.intermediate_hidden_dropout_dims),
+            low_rank_adaptation_kernels=lora,
+            low_rank_adaptation_alpha=self.low_rank_adaptation_alpha,
         )
+        if self.return_layernorm_output:
+            return layernorm_mlp_with_norm_output(x, **arguments)
+        return layernorm_mlp(x, **arguments), None
 
     def _activation(self) -> tuple[tuple[str, ...], ClampedSwigluParams | None]:
         """The canonical activation type and its parameters (checked)."""
         activation_type = canonical_activation_type(self.activations)
         return activation_type, canonical_activation_params(activation_type, self.activation_params)
 
-    def _composed(
+    def _without_norm(
         self,
         params: Params,
         x: Array,
-        quantizer_sets: Sequence[QuantizerSet],
-        dropout: Dropout,
+        quantizer_sets: tuple[QuantizerSet, QuantizerSet],
         activation_type: tuple[str, ...],
         activation_params: ClampedSwigluParams | None,
-    ) -> tuple[Array, Array | None]:
-        """The same layer from the ops, where dropout or LoRA must sit between the GEMMs."""
-        set_1, set_2 = _fused_gradient_quantizers(quantizer_sets[0], quantizer_sets[1])
-        gemm_1: dict[str, Any] = dict(
-            kernel=params["wi_kernel"],
-            bias=params.get("wi_bias"),
+        dropout: Dropout,
+        rate: float,
+    ) -> tuple[Array, Array]:
+        """Without the norm (``enable_layernorm=False``, which TransformerEngine does not fuse
+        either): two ``dense`` ops around the activation; the norm output is the input."""
+        set_1, set_2 = _fused_gradient_quantizers(*quantizer_sets)
+        pre_activation = dense(
+            x,
+            params["wi_kernel"],
+            params.get("wi_bias"),
             transpose_batch_sequence=self.transpose_batch_sequence,
+            input_axes=self.dot_1_input_axes,
             kernel_axes=self.kernel_axes_1 or None,
             quantizer_set=set_1,
         )
-        if self.enable_layernorm:
-            pre_activation, ln = layernorm_dense_with_norm_output(
-                x,
-                **gemm_1,
-                **self._norm_arguments(params),
-                layernorm_input_axes=self.layernorm_input_axes,
-                dot_input_axes=self.dot_1_input_axes,
-            )
-        else:
-            pre_activation, ln = dense(x, **gemm_1, input_axes=self.dot_1_input_axes), x
         # [batch..., hidden] -> [batch..., n_act, intermediate]
-        pre_activation = self._with_lora(pre_activation, ln, params, "wi_", 1)
+        pre_activation = self._with_lora(pre_activation, x, params, "wi_", 1)
         pre_activation = checkpoint_name(pre_activation, self.ffn1_ckpt_name)
         # [batch..., n_act, intermediate] -> [batch..., intermediate]
         activated = activation_forward(pre_activation, activation_type, activation_params)
-        if dropout is not None:
-            activated = dropout(activated)
+        if dropout is not None and rate > 0:
+            mask = dropout_mask(
+                activated.shape, rate, tuple(self.intermediate_hidden_dropout_dims), dropout
+            )
+            activated = apply_dropout(activated, mask, rate)
         out = dense(
             activated,
             params["wo_kernel"],
@@ -605,5 +620,4 @@ class LayerNormMLPSpec(_Norm, _LowRank):
             quantizer_set=set_2,
         )
         out = self._with_lora(out, activated, params, "wo_", 1)
-        out = checkpoint_name(out, self.ffn2_ckpt_name)
-        return out, ln if self.return_layernorm_output else None
+        return checkpoint_name(out, self.ffn2_ckpt_name), x

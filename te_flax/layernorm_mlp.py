@@ -1,17 +1,22 @@
 """``layernorm_mlp``: a norm, two GEMMs and the (gated) activation between them, fused.
 
 Built from the stages of ``layernorm_dense`` and ``dense`` (normalize, quantize an operand, GEMM,
-bias) and the activation stage; it writes none of them again.
+bias) and the activation stage; it writes none of them again. The intermediate dropout (its mask
+drawn inside the op from a key, applied before the second GEMM's quantization and drawn again
+from the same key in the backward), low-rank adaptation of both GEMMs and the norm output are
+part of the op, so that every configuration of ``LayerNormMLP`` runs this one path.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Sequence
 from functools import partial
 from typing import Any, NamedTuple, cast
 
 import jax
+import jax.numpy as jnp
 from jax import Array, lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
@@ -19,14 +24,18 @@ from jax.typing import DTypeLike
 from te_flax import _validation as check
 from te_flax._activations import (
     ClampedSwigluParams,
+    activation_backward,
     activation_forward,
     canonical_activation_params,
     canonical_activation_type,
 )
+from te_flax._lora import lora_delta
 from te_flax._stages import (
+    GradOperand,
     NormSpec,
     NormStats,
     activation_grad,
+    apply_norm,
     constrained,
     dense_backward,
     dense_forward,
@@ -51,7 +60,11 @@ from te_flax.quantize import (
 )
 from te_flax.sharding import LogicalAxes, vary_like, with_logical_constraint
 
-__all__ = ["layernorm_mlp"]
+__all__ = ["layernorm_mlp", "layernorm_mlp_with_norm_output"]
+
+# Low-rank adaptation of both GEMMs: (A_1 [hidden, n_act, r], B_1 [n_act, r, intermediate],
+# A_2 [intermediate, r], B_2 [r, hidden]), TransformerEngine's wi_lora_* and wo_lora_* kernels.
+LoraKernels = tuple[Array, Array, Array, Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +81,13 @@ class _Config:
     ffn2_ckpt_name: str
     kernel_dtypes: tuple[Any, Any]
     bias_dtypes: tuple[Any, Any]  # None for a missing bias
+    # Dropout of the activation output: its rate (0: off) and the axes one mask value covers.
+    dropout_rate: float = 0.0
+    dropout_dims: tuple[int, ...] = ()
+    # Low-rank adaptation's alpha (the update is scaled by alpha / rank; None: by 1).
+    lora_alpha: float | None = None
+    # Also return the norm output (in x's dtype), for return_layernorm_output.
+    return_norm_output: bool = False
 
 
 class _Residuals(NamedTuple):
@@ -85,16 +105,69 @@ class _Residuals(NamedTuple):
     activation_operand: GemmOperand | None
     kernel_2_operand: GemmOperand | Array
     quantizer_sets: tuple[QuantizerSet, QuantizerSet]  # x and kernel already updated
+    # The dropout key (the backward draws the same mask again: no mask is saved) and the
+    # low-rank kernels, or None.
+    dropout_rng: Array | None
+    lora_kernels: LoraKernels | None
+
+
+# The output: [batch..., hidden], and the norm output too with return_norm_output.
+_Output = Array | tuple[Array, Array]
+
+
+def dropout_mask(shape: tuple[int, ...], rate: float, dims: Sequence[int], rng: Array) -> Array:
+    """The keep mask of a dropout of ``rate``, one value per position of ``shape`` outside
+    ``dims`` (broadcast over them): ``flax.linen.Dropout``'s draw from the key ``rng``."""
+    mask_shape = list(shape)
+    for dim in dims:
+        mask_shape[dim] = 1
+    mask = jax.random.bernoulli(rng, p=1.0 - rate, shape=mask_shape)
+    return jnp.broadcast_to(mask, shape)
+
+
+def apply_dropout(values: Array, mask: Array, rate: float) -> Array:
+    """``values`` with the dropped ones zeroed and the kept ones scaled by ``1 / (1 - rate)``
+    in ``values``' dtype: the operations of ``flax.linen.Dropout``, so the values are the same.
+    The dropout's backward is the same function of the gradient."""
+    return lax.select(mask, values / (1.0 - rate), jnp.zeros_like(values))
+
+
+def _dropped(config: _Config, values: Array, rng: Array | None) -> Array:
+    """``values`` after the intermediate dropout drawn from ``rng`` (unchanged without it)."""
+    if config.dropout_rate == 0.0:
+        return values
+    assert rng is not None, "checked by layernorm_mlp"
+    mask = dropout_mask(values.shape, config.dropout_rate, config.dropout_dims, rng)
+    return apply_dropout(values, mask, config.dropout_rate)
+
+
+def _lora(config: _Config, x: Array, a: Array, b: Array) -> Array:
+    """``x . A . B * alpha / rank`` in x's dtype."""
+    return lora_delta(x, a, b, 1, a.shape[-1], config.lora_alpha).astype(x.dtype)
+
+
+def _norm_output(
+    config: _Config, x: Array, stats: NormStats, gamma: Array, beta: Array | None
+) -> Array:
+    """The norm output in x's dtype, as the unquantized GEMM operand would hold it."""
+    return apply_norm(x, stats, gamma, beta, config.norm).astype(x.dtype)
+
+
+def _activation_output(config: _Config, pre_activation: Array, rng: Array | None) -> Array:
+    """``[batch..., n_act, intermediate]`` -> the activation after dropout, GEMM 2's input."""
+    activated = activation_forward(pre_activation, config.activation_type, config.activation_params)
+    return _dropped(config, activated, rng)
 
 
 def _activation_operand(
+    activated: Array,
     config: _Config,
-    pre_activation: Array,
     quantizer: Quantizer | None,
     dtype: DTypeLike,
     uses: tuple[str, ...],
 ) -> tuple[GemmOperand, Quantizer | None]:
-    activated = activation_forward(pre_activation, config.activation_type, config.activation_params)
+    # The dropout mask is already applied: the quantization (and its amax) sees the dropped
+    # and rescaled values that GEMM 2 multiplies.
     operand, new_quantizer = quantize_operand(activated, quantizer, dtype, activated.ndim - 1, uses)
     return constrained(operand, config.dot_2_input_axes), new_quantizer
 
@@ -107,8 +180,10 @@ def _forward(
     kernels: Sequence[Array],
     biases: Sequence[Array | None],
     quantizer_sets: tuple[QuantizerSet, QuantizerSet],
+    dropout_rng: Array | None,
+    lora_kernels: LoraKernels | None,
     for_backward: bool = True,
-) -> tuple[Array, _Residuals]:
+) -> tuple[_Output, _Residuals]:
     set_1, set_2 = quantizer_sets
     kernel_1, kernel_2 = kernels
     input_layouts = input_uses(for_backward)
@@ -129,8 +204,19 @@ def _forward(
     k_1, kernel_q_1 = kernel_operand(
         kernel_1, set_1.kernel, x.dtype, 1, for_backward, config.kernel_1_axes
     )
+    fp8 = not (set_1.is_noop and set_2.is_noop)
+    norm_output = None
+    if config.return_norm_output or lora_kernels is not None:
+        # Without FP8 the GEMM operand is that very array; under FP8 a second cast of the
+        # float32 norm output, which XLA computes in the same fusion.
+        norm_output = (
+            _norm_output(config, x, stats, gamma, beta) if fp8 else cast(ScaledTensor, ln).data
+        )
     # [batch..., hidden] x [hidden, n_act, intermediate] -> [batch..., n_act, intermediate]
     pre_activation = dense_forward(ln, k_1, 1, x.dtype, biases[0], set_1.precision)
+    if lora_kernels is not None:
+        assert norm_output is not None
+        pre_activation = pre_activation + _lora(config, norm_output, *lora_kernels[:2])
     if isinstance(k_1, ScaledTensor) and k_1.scale_inv is not None:
         # XLA's GEMM rewriter fuses a tanh GELU into the GEMM as an epilogue, with the
         # pre-activation as an auxiliary output when anything else reads it (the backward
@@ -139,13 +225,15 @@ def _forward(
         pre_activation = lax.optimization_barrier(pre_activation)
     pre_activation = checkpoint_name(pre_activation, config.ffn1_ckpt_name)
     # [batch..., n_act, intermediate] -> [batch..., intermediate]
-    activated, x_2 = _activation_operand(config, pre_activation, set_2.x, x.dtype, input_layouts)
+    dropped = _activation_output(config, pre_activation, dropout_rng)
+    activated, x_2 = _activation_operand(dropped, config, set_2.x, x.dtype, input_layouts)
     k_2, kernel_q_2 = kernel_operand(
         kernel_2, set_2.kernel, x.dtype, 1, for_backward, config.kernel_2_axes
     )
     # [batch..., intermediate] x [intermediate, hidden] -> [batch..., hidden]
     out = dense_forward(activated, k_2, 1, x.dtype, biases[1], set_2.precision)
-    fp8 = not (set_1.is_noop and set_2.is_noop)
+    if lora_kernels is not None:
+        out = out + _lora(config, dropped, *lora_kernels[2:])
     residuals = _Residuals(
         x=x,
         stats=stats,
@@ -162,7 +250,12 @@ def _forward(
             dataclasses.replace(set_1, x=x_1, kernel=kernel_q_1),
             dataclasses.replace(set_2, x=x_2, kernel=kernel_q_2),
         ),
+        dropout_rng=dropout_rng,
+        lora_kernels=lora_kernels,
     )
+    if config.return_norm_output:
+        assert norm_output is not None
+        return (out, norm_output), residuals
     return out, residuals
 
 
@@ -175,9 +268,11 @@ def _layernorm_mlp(
     kernels: Sequence[Array],
     biases: Sequence[Array | None],
     quantizer_sets: tuple[QuantizerSet, QuantizerSet],
-) -> Array:
+    dropout_rng: Array | None,
+    lora_kernels: LoraKernels | None,
+) -> _Output:
     # Not differentiated: no quantization for the backward GEMMs.
-    args = (config, x, gamma, beta, kernels, biases, quantizer_sets)
+    args = (config, x, gamma, beta, kernels, biases, quantizer_sets, dropout_rng, lora_kernels)
     return _forward(*args, for_backward=False)[0]
 
 
@@ -203,7 +298,8 @@ def _gemm_operands(
         config.dot_1_input_axes,
         source_axes=config.norm_input_axes,
     )
-    activated, _ = _activation_operand(config, residuals.pre_activation, None, dtype, ())
+    dropped = _activation_output(config, residuals.pre_activation, residuals.dropout_rng)
+    activated, _ = _activation_operand(dropped, config, None, dtype, ())
     # Without FP8 the kernel residuals are the parameters themselves.
     kernel_1 = ScaledTensor(cast(Array, residuals.kernel_1_operand).astype(dtype))
     kernel_2 = ScaledTensor(cast(Array, residuals.kernel_2_operand).astype(dtype))
@@ -211,7 +307,7 @@ def _gemm_operands(
 
 
 def _backward(
-    config: _Config, residuals: _Residuals, grad: Array
+    config: _Config, residuals: _Residuals, grad: _Output
 ) -> tuple[
     Array,
     Array,
@@ -219,8 +315,13 @@ def _backward(
     tuple[Array, Array],
     tuple[Array | None, Array | None],
     tuple[QuantizerSet, QuantizerSet],
+    None,
+    LoraKernels | None,
 ]:
-    x = residuals.x
+    x, lora_kernels = residuals.x, residuals.lora_kernels
+    out_grad, norm_output_grad = (
+        cast(tuple[Array, Array], grad) if config.return_norm_output else (cast(Array, grad), None)
+    )
     set_1, set_2 = residuals.quantizer_sets
     # TransformerEngine's assignment of the two gradient quantizers, so that TE's state names
     # mean the same tensors here: the first set's quantizes the layer's output gradient (GEMM
@@ -233,7 +334,7 @@ def _backward(
     # output is the residual stream, laid out as the norm input: its gradient is quantized on
     # those shards (gathered in float8 under sequence parallelism).
     grads_2 = dense_backward(
-        grad,
+        out_grad,
         activated,
         kernel_2,
         output_grad_quantizer,
@@ -244,17 +345,45 @@ def _backward(
         grad_axes=config.norm_input_axes,
         precision=set_2.precision,
     )
-    d_activated = with_logical_constraint(grads_2.lhs, config.dot_2_input_axes)
-    # On GPUs under per-tensor FP8, one kernel computes the activation's backward and
-    # quantizes it for both GEMMs (see te_flax._kernels); elsewhere the XLA stages.
-    d_pre_activation = activation_grad(
-        d_activated,
-        residuals.pre_activation,
-        config.activation_type,
-        activation_grad_quantizer,
-        bias_1_dtype,
-        config.activation_params,
-    )
+    d_dropped = grads_2.lhs
+    lora_grads: list[Array] = []
+    rng = residuals.dropout_rng
+    if rng is not None:
+        # A barrier (no copy) on the key: XLA would otherwise merge this draw with the
+        # forward's and keep the random bits alive between them; drawing again costs no memory.
+        rng = lax.optimization_barrier(rng)
+    if lora_kernels is not None:
+        # The adapter of GEMM 2 reads the (dropped) activation output in high precision.
+        dropped = _activation_output(config, residuals.pre_activation, rng)
+        _, lora_2_vjp = jax.vjp(partial(_lora, config), dropped, *lora_kernels[2:])
+        d_dropped_lora, *lora_grads = lora_2_vjp(out_grad)
+        d_dropped = d_dropped + d_dropped_lora
+    d_dropped = with_logical_constraint(d_dropped, config.dot_2_input_axes)
+    # The dropout's backward: the same mask (drawn again from the key) and the same scale.
+    d_activated = _dropped(config, d_dropped, rng)
+    d_pre_activation: Array | GradOperand
+    if lora_kernels is None:
+        # On GPUs under per-tensor FP8, one kernel computes the activation's backward and
+        # quantizes it for both GEMMs (see te_flax._kernels); elsewhere the XLA stages.
+        d_pre_activation = activation_grad(
+            d_activated,
+            residuals.pre_activation,
+            config.activation_type,
+            activation_grad_quantizer,
+            bias_1_dtype,
+            config.activation_params,
+        )
+        d_ln_lora = None
+    else:
+        # The adapter of GEMM 1 needs the pre-activation gradient in high precision: the XLA
+        # stage, whose output GEMM 1's backward quantizes as any output gradient.
+        d_pre_activation = activation_backward(
+            d_activated, residuals.pre_activation, config.activation_type, config.activation_params
+        )
+        norm_output = _norm_output(config, x, residuals.stats, residuals.gamma, residuals.beta)
+        _, lora_1_vjp = jax.vjp(partial(_lora, config), norm_output, *lora_kernels[:2])
+        d_ln_lora, *lora_1_grads = lora_1_vjp(d_pre_activation)
+        lora_grads = lora_1_grads + lora_grads
     # GEMM 1: d pre-activation [batch..., n_act, intermediate] -> d norm output, d kernel_1.
     grads_1 = dense_backward(
         d_pre_activation,
@@ -267,9 +396,13 @@ def _backward(
         bias_1_dtype,
         precision=set_1.precision,
     )
+    d_ln = grads_1.lhs
+    for extra in (d_ln_lora, norm_output_grad):
+        if extra is not None:
+            d_ln = d_ln + extra
     # The norm-output gradient returns to the norm input's layout (a reduce-scatter under
     # sequence parallelism).
-    d_ln = with_logical_constraint(grads_1.lhs, config.norm_input_axes)
+    d_ln = with_logical_constraint(d_ln, config.norm_input_axes)
     d_x, d_gamma, d_beta = normalize_backward(
         d_ln, x, residuals.stats, residuals.gamma, residuals.beta, config.norm
     )
@@ -281,10 +414,29 @@ def _backward(
         dataclasses.replace(set_1, dgrad=grads_2.dgrad_quantizer),
         dataclasses.replace(set_2, dgrad=grads_1.dgrad_quantizer),
     )
-    return d_x, d_gamma, d_beta, d_kernels, (grads_1.bias, grads_2.bias), as_cotangent(new_sets)
+    d_lora = None if lora_kernels is None else cast(LoraKernels, tuple(lora_grads))
+    return (
+        d_x,
+        d_gamma,
+        d_beta,
+        d_kernels,
+        (grads_1.bias, grads_2.bias),
+        as_cotangent(new_sets),
+        None,  # the dropout key
+        d_lora,
+    )
 
 
 _layernorm_mlp.defvjp(_forward, _backward)
+
+
+# layernorm_mlp's arguments that TransformerEngine's signature has, in its order.
+_POSITIONAL = (
+    "x", "gamma", "beta", "kernels", "biases", "norm_type", "zero_centered_gamma", "epsilon",
+    "transpose_batch_sequence", "norm_input_axes", "dot_1_input_axes", "dot_2_input_axes",
+    "kernel_1_axes", "kernel_2_axes", "ffn1_ckpt_name", "ffn2_ckpt_name", "activation_type",
+    "activation_params", "quantizer_sets",
+)  # fmt: skip
 
 
 def _check_kernels_and_biases(x: Array, kernels: object, biases: object, n_act: int) -> None:
@@ -354,12 +506,19 @@ def layernorm_mlp(
     activation_type: Sequence[str] = ("gelu",),
     activation_params: dict[str, float] | None = None,
     quantizer_sets: tuple[QuantizerSet, QuantizerSet] = (noop_quantizer_set, noop_quantizer_set),
+    *,
+    intermediate_dropout_rate: float = 0.0,
+    intermediate_dropout_rng: Array | None = None,
+    intermediate_dropout_dims: Sequence[int] = (),
+    low_rank_adaptation_kernels: Sequence[Array] | None = None,
+    low_rank_adaptation_alpha: float | None = None,
 ) -> Array:
-    """Norm, GEMM 1 (+ bias 1), activation, GEMM 2 (+ bias 2), as one differentiable op.
+    """Norm, GEMM 1 (+ bias 1), activation, dropout, GEMM 2 (+ bias 2), as one differentiable op.
 
     ``y = norm(x)``; ``h = y . kernels[0] + biases[0]`` (``[..., n_act, intermediate]``);
     ``a = act(h[..., 0, :])`` (times ``h[..., 1, :]`` for a gated pair);
-    ``out = a . kernels[1] + biases[1]``. The norm runs in float32, the activation in x's dtype.
+    ``d = dropout(a)``; ``out = d . kernels[1] + biases[1]``. The norm runs in float32, the
+    activation in x's dtype.
     With FP8 quantizer sets, the norm output, kernel 1, the activation output and kernel 2 are
     quantized directly to float8 for the forward GEMMs, and the two output gradients for the
     backward GEMMs: all six GEMMs of a training step are FP8. As in TransformerEngine's fused
@@ -397,6 +556,17 @@ def layernorm_mlp(
         7.0), ``alpha`` (1.702) and ``glu_linear_offset`` (1.0); None (default) for TE's
         defaults. Any other activation takes none.
       quantizer_sets: one ``QuantizerSet`` per GEMM (default: no FP8).
+      intermediate_dropout_rate: dropout probability of the activation output (default 0.0:
+        none). The mask is drawn inside the op from ``intermediate_dropout_rng`` exactly as
+        ``flax.linen.Dropout`` draws it from that key, applied before GEMM 2's quantization,
+        and drawn again from the key in the backward (no mask is saved).
+      intermediate_dropout_rng: the dropout's PRNG key; required when the rate is above 0.
+      intermediate_dropout_dims: axes of the activation output that share one mask value.
+      low_rank_adaptation_kernels: None (default) or TransformerEngine's four LoRA kernels
+        ``(A_1 [hidden, n_act, r], B_1 [n_act, r, intermediate], A_2 [intermediate, r], B_2 [r,
+        hidden])``: GEMM 1's output gains ``norm(x) . A_1 . B_1 * alpha / r`` and GEMM 2's
+        ``d . A_2 . B_2 * alpha / r``, both in high precision.
+      low_rank_adaptation_alpha: the LoRA ``alpha``; None (default) scales by 1.
 
     Returns:
       ``[batch..., hidden]`` in ``x.dtype``.
@@ -414,6 +584,89 @@ def layernorm_mlp(
       >>> out.shape, out.dtype
       ((2, 8, 16), dtype(bfloat16))
     """
+    return cast(Array, _apply(locals(), return_norm_output=False))
+
+
+def layernorm_mlp_with_norm_output(*args: Any, **kwargs: Any) -> tuple[Array, Array]:
+    """``layernorm_mlp`` (the same arguments) that also returns the norm output,
+    ``(out, norm(x))``.
+
+    The norm output (in x's dtype) is differentiable: its gradient joins GEMM 1's in the norm
+    backward. The modules use it for ``return_layernorm_output``.
+
+    Example usage::
+
+      >>> import jax.numpy as jnp
+      >>> from te_flax.layernorm_mlp import layernorm_mlp_with_norm_output
+      >>> kernels = [jnp.ones((8, 1, 32)) / 8, jnp.ones((32, 8)) / 32]
+      >>> out, ln = layernorm_mlp_with_norm_output(
+      ...     jnp.ones((2, 8)), jnp.ones(8), None, kernels, [None, None], "rmsnorm")
+      >>> out.shape, ln.shape
+      ((2, 8), (2, 8))
+    """
+    arguments = inspect.signature(layernorm_mlp).bind(*args, **kwargs)
+    arguments.apply_defaults()
+    return cast(tuple[Array, Array], _apply(arguments.arguments, return_norm_output=True))
+
+
+def _check_lora(kernels: object, x: Array, n_act: int, intermediate: int) -> LoraKernels | None:
+    if kernels is None:
+        return None
+    if not isinstance(kernels, Sequence) or len(kernels) != 4:
+        raise TypeError(
+            "low_rank_adaptation_kernels must be None or the four kernels (A_1 [hidden, n_act, "
+            f"rank], B_1 [n_act, rank, intermediate], A_2 [intermediate, rank], B_2 [rank, "
+            f"hidden]), got {type(kernels).__name__}"
+        )
+    for index, kernel in enumerate(kernels):
+        check.check_floating(kernel, f"low_rank_adaptation_kernels[{index}]")
+    hidden, rank = x.shape[-1], kernels[0].shape[-1]
+    shapes = (
+        (hidden, n_act, rank),
+        (n_act, rank, intermediate),
+        (intermediate, rank),
+        (rank, hidden),
+    )
+    for index, (kernel, shape) in enumerate(zip(kernels, shapes, strict=True)):
+        check.check_shape(
+            kernel,
+            shape,
+            f"low_rank_adaptation_kernels[{index}]",
+            "TransformerEngine's LoRA layout with the rank of A_1's last axis",
+        )
+    return cast(LoraKernels, tuple(kernels))
+
+
+def _check_dropout(
+    rate: object, rng: Array | None, dims: object, ndim: int
+) -> tuple[float, tuple[int, ...]]:
+    rate = check.check_rate(rate, "intermediate_dropout_rate")
+    if rate > 0 and rng is None:
+        raise ValueError(
+            f"intermediate_dropout_rate={rate} needs intermediate_dropout_rng, the key the "
+            "mask is drawn from; pass a jax.random.key, or rate 0.0 for no dropout"
+        )
+    if isinstance(dims, int) or not isinstance(dims, Sequence):
+        raise TypeError(f"intermediate_dropout_dims must be a tuple of axes, got {dims!r}")
+    canonical = []
+    for dim in dims:
+        if not isinstance(dim, int) or not -ndim <= dim < ndim:
+            raise ValueError(
+                f"intermediate_dropout_dims={tuple(dims)!r}: each must be an axis of the "
+                f"activation output, which has {ndim} axes"
+            )
+        canonical.append(dim % ndim)
+    return rate, tuple(canonical)
+
+
+def _apply(arguments: dict[str, Any], return_norm_output: bool) -> _Output:
+    """Checks ``layernorm_mlp``'s arguments and runs the op."""
+    (
+        x, gamma, beta, kernels, biases, norm_type, zero_centered_gamma, epsilon,
+        transpose_batch_sequence, norm_input_axes, dot_1_input_axes, dot_2_input_axes,
+        kernel_1_axes, kernel_2_axes, ffn1_ckpt_name, ffn2_ckpt_name, activation_type,
+        activation_params, quantizer_sets,
+    ) = (arguments[name] for name in _POSITIONAL)  # fmt: skip
     check.check_floating(x, "x")
     if x.ndim < 1:
         raise ValueError("x must have at least one axis (the hidden axis it is normalized over)")
@@ -432,6 +685,21 @@ def layernorm_mlp(
     )
     kernel_1, kernel_2 = kernels
     bias_1, bias_2 = biases
+    dropout_rng = arguments["intermediate_dropout_rng"]
+    dropout_rate, dropout_dims = _check_dropout(
+        arguments["intermediate_dropout_rate"],
+        dropout_rng,
+        arguments["intermediate_dropout_dims"],
+        x.ndim,
+    )
+    if dropout_rate == 0.0:
+        dropout_rng = None
+    lora_kernels = _check_lora(
+        arguments["low_rank_adaptation_kernels"], x, len(activation_type), kernel_1.shape[2]
+    )
+    alpha = arguments["low_rank_adaptation_alpha"]
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, int | float)):
+        raise TypeError(f"low_rank_adaptation_alpha must be a number or None, got {alpha!r}")
     config = _Config(
         norm=norm,
         activation_type=activation_type,
@@ -450,8 +718,28 @@ def layernorm_mlp(
             None if bias_1 is None else bias_1.dtype,
             None if bias_2 is None else bias_2.dtype,
         ),
+        dropout_rate=dropout_rate,
+        dropout_dims=dropout_dims,
+        lora_alpha=arguments["low_rank_adaptation_alpha"],
+        return_norm_output=return_norm_output,
     )
     gamma, beta, kernels, biases = vary_like(x, (gamma, beta, tuple(kernels), tuple(biases)))
-    out = _layernorm_mlp(config, x, gamma, beta, kernels, biases, float32_state((set_1, set_2)))
+    if lora_kernels is not None:
+        lora_kernels = vary_like(x, lora_kernels)
+    output = _layernorm_mlp(
+        config,
+        x,
+        gamma,
+        beta,
+        kernels,
+        biases,
+        float32_state((set_1, set_2)),
+        dropout_rng,
+        lora_kernels,
+    )
     # Named outside the custom_vjp, where remat policies see the op's output as a value.
+    if return_norm_output:
+        out, norm_output = cast(tuple[Array, Array], output)
+        return checkpoint_name(out, config.ffn2_ckpt_name), norm_output
+    out = cast(Array, output)
     return checkpoint_name(out, config.ffn2_ckpt_name)

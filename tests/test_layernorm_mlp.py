@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,8 +13,11 @@ import pytest
 from jax import lax
 from jax.test_util import check_grads
 
-from te_flax._activations import ACTIVATIONS
-from te_flax.layernorm_mlp import layernorm_mlp
+from te_flax._activations import activation_forward
+from te_flax._lora import lora_delta
+from te_flax.dense import dense
+from te_flax.layernorm_dense import layernorm_dense_with_norm_output
+from te_flax.layernorm_mlp import layernorm_mlp, layernorm_mlp_with_norm_output
 from te_flax.quantize import (
     DelayedScaling,
     Float8CurrentScaling,
@@ -39,8 +44,10 @@ from tests.helpers import (
 
 HIDDEN, INTERMEDIATE = 16, 32
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
-SINGLE = tuple((name,) for name in ACTIVATIONS)
-GATED = tuple((name, "linear") for name in ACTIVATIONS)
+# The activations with an independent reference below (the others are checked in combinations).
+CORE = ("gelu", "gelu_exact", "silu", "relu", "quick_gelu", "squared_relu", "linear")
+SINGLE = tuple((name,) for name in CORE)
+GATED = tuple((name, "linear") for name in CORE)
 # Argument order of the differentiated functions below.
 NAMES = ("x", "gamma", "beta", "kernel_1", "kernel_2", "bias_1", "bias_2")
 
@@ -53,7 +60,11 @@ REFERENCE_ACTIVATIONS = {
     "quick_gelu": lambda h: h / (1 + jnp.exp(-1.702 * h)),
     "squared_relu": lambda h: jnp.maximum(h, 0.0) ** 2,
     "linear": lambda h: h,
+    "tanh": lambda h: (jnp.exp(h) - jnp.exp(-h)) / (jnp.exp(h) + jnp.exp(-h)),
 }
+# Combinations beyond one activation and a gated pair with "linear": each slice through its own
+# activation, the results multiplied (TransformerEngine's unfused LayerNormMLP).
+COMBINATIONS = (("relu", "relu"), ("gelu", "tanh", "linear"))
 
 
 def make_inputs(activation_type, norm_type="layernorm", use_bias=True, dtype=F32, shape=(2, 3)):
@@ -110,8 +121,8 @@ def reference_mlp(
     if bias_1 is not None:
         h = h + jnp.broadcast_to(bias_1, h.shape)
     a = REFERENCE_ACTIVATIONS[activation_type[0]](h[..., 0, :])
-    if len(activation_type) == 2:
-        a = a * REFERENCE_ACTIVATIONS[activation_type[1]](h[..., 1, :])
+    for index, name in enumerate(activation_type[1:], start=1):
+        a = a * REFERENCE_ACTIVATIONS[name](h[..., index, :])
     # [b.., inter] x [inter, hidden] -> [b.., hidden]
     out = jnp.einsum(
         "...i,id->...d", forward_q[1][0](a), forward_q[1][1](kernel_2), precision=HIGHEST
@@ -163,6 +174,9 @@ def _reference_cases():
                             activation_type, norm_type, use_bias, dtype, id=name, marks=marks
                         )
                     )
+    for activation_type in COMBINATIONS:
+        name = "-".join([*activation_type, "layernorm", "bias", "float32"])
+        cases.append(pytest.param(activation_type, "layernorm", True, F32, id=name))
     return cases
 
 
@@ -446,10 +460,16 @@ def _call(**changes):
         (dict(kernels=[jnp.ones((HIDDEN, 1, INTERMEDIATE))]), TypeError, "kernels must be a pair"),
         (dict(activation_type=("swish",)), ValueError, "unknown activation 'swish'"),
         (dict(activation_type="gelu"), TypeError, "must be a tuple of activation names"),
+        (dict(activation_type=()), TypeError, "must be a non-empty tuple"),
         (
-            dict(activation_type=("gelu", "silu"), activation_for_inputs=("gelu", "silu")),
+            dict(intermediate_dropout_rate=0.1),
             ValueError,
-            "gated pair of an activation and 'linear'",
+            "intermediate_dropout_rate=0.1 needs intermediate_dropout_rng",
+        ),
+        (
+            dict(low_rank_adaptation_kernels=[jnp.ones((HIDDEN, 1, 4))] * 4),
+            ValueError,
+            r"low_rank_adaptation_kernels\[1\] has shape \(16, 1, 4\) but must be",
         ),
         (dict(biases=[jnp.ones((INTERMEDIATE,)), None]), ValueError, r"biases\[0\] has shape"),
         (dict(biases=[None, jnp.ones((INTERMEDIATE,))]), ValueError, r"biases\[1\] has shape"),
@@ -471,3 +491,123 @@ def _call(**changes):
 def test_bad_input_is_refused_with_a_clear_error(changes, error, match):
     with pytest.raises(error, match=match):
         _call(**changes)
+
+
+# ------------------------------------------------- dropout, LoRA and the norm output in the op
+
+
+def _composed_mlp(inputs, lora, sets, rng, *, rate, dims, alpha, activation_type):
+    """The composed path LayerNormMLP ran before the op took the dropout, LoRA and the norm
+    output: layernorm_dense, the activation, flax's Dropout, dense, LoRA beside each GEMM, with
+    the gradient quantizers exchanged so that grad_0 / grad_1 mean what the fused op's do."""
+    set_1, set_2 = sets
+    set_1, set_2 = (
+        dataclasses.replace(set_1, dgrad=set_2.dgrad),
+        dataclasses.replace(set_2, dgrad=set_1.dgrad),
+    )
+    x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2 = (inputs[name] for name in NAMES)
+    pre, ln = layernorm_dense_with_norm_output(
+        x, kernel_1, gamma, beta, bias_1, quantizer_set=set_1
+    )
+    rank = lora[0].shape[-1]
+    pre = pre + lora_delta(ln, lora[0], lora[1], 1, rank, alpha).astype(pre.dtype)
+    activated = activation_forward(pre, activation_type)
+    if rate:
+        dropout = nn.Dropout(rate, broadcast_dims=dims)
+        activated = dropout.apply({}, activated, deterministic=False, rng=rng)
+    out = dense(activated, kernel_2, bias_2, quantizer_set=set_2)
+    out = out + lora_delta(activated, lora[2], lora[3], 1, rank, alpha).astype(out.dtype)
+    return out, ln
+
+
+def _fused_mlp(inputs, lora, sets, rng, *, rate, dims, alpha, activation_type):
+    x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2 = (inputs[name] for name in NAMES)
+    return layernorm_mlp_with_norm_output(
+        x, gamma, beta, [kernel_1, kernel_2], [bias_1, bias_2], "layernorm",
+        activation_type=activation_type, quantizer_sets=sets, intermediate_dropout_rate=rate,
+        intermediate_dropout_rng=rng, intermediate_dropout_dims=dims,
+        low_rank_adaptation_kernels=lora, low_rank_adaptation_alpha=alpha,
+    )  # fmt: skip
+
+
+def _lora_kernels(n_act, rank=4):
+    keys = jax.random.split(jax.random.key(3), 4)
+    shapes = ((HIDDEN, n_act, rank), (n_act, rank, INTERMEDIATE), (INTERMEDIATE, rank))
+    shapes += ((rank, HIDDEN),)
+    return tuple(normal(key, shape, F32, 0.3) for key, shape in zip(keys, shapes, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("fp8", "rate", "dims", "activation_type"),
+    [
+        (True, 0.5, (1,), ("silu", "linear")),
+        pytest.param(False, 0.25, (), ("gelu",), marks=pytest.mark.slow),
+    ],
+    ids=["fp8-swiglu-dropout-dims", "nofp8-gelu-dropout"],
+)
+def test_fused_dropout_lora_and_norm_output_equal_the_composed_path(
+    fp8, rate, dims, activation_type
+):
+    """Values, every gradient (LoRA's too) and the new FP8 state of the fused op with dropout,
+    LoRA and the norm output equal the composed path's, with the same dropout key."""
+    inputs = make_inputs(activation_type)
+    inputs["x"] = normal(jax.random.key(5), (4, 6, HIDDEN), F32, 2.0)
+    cotangents = normal(jax.random.key(6), (2, 4, 6, HIDDEN), F32)
+    lora = _lora_kernels(len(activation_type))
+    recipe = DelayedScaling(amax_history_len=4) if fp8 else None
+    sets = QuantizerFactory.create_set(2, fp8_recipe=recipe)
+    options = dict(rate=rate, dims=dims, alpha=8.0, activation_type=activation_type)
+
+    def step(mlp, inputs, lora, sets):
+        def loss(inputs, lora, sets):
+            out, ln = mlp(inputs, lora, sets, jax.random.key(7), **options)
+            return jnp.sum(out * cotangents[0]) + jnp.sum(ln * cotangents[1]), out
+
+        return jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(inputs, lora, sets)
+
+    inputs = {k: v for k, v in inputs.items() if k != "cotangent"}
+    (_, out), grads = jax.jit(partial(step, _fused_mlp))(inputs, lora, sets)
+    (_, expected), expected_grads = jax.jit(partial(step, _composed_mlp))(inputs, lora, sets)
+    # The mask drops what it should: a quarter or half of the activation output is zero.
+    assert_close(out, expected, 1e-5, "out")
+    flat, tree = jax.tree.flatten_with_path(grads)
+    expected_flat, expected_tree = jax.tree.flatten_with_path(expected_grads)
+    assert tree == expected_tree
+    for (path, value), (_, expected_value) in zip(flat, expected_flat, strict=True):
+        # The FP8 state (amax histories and scales) is equal bit for bit; gradients within
+        # float32 rounding of the same operations fused differently.
+        if "amax" in jax.tree_util.keystr(path) or "scale" in jax.tree_util.keystr(path):
+            np.testing.assert_array_equal(value, expected_value, jax.tree_util.keystr(path))
+        else:
+            assert_close(value, expected_value, 1e-5, jax.tree_util.keystr(path))
+
+
+def test_dropout_mask_is_drawn_from_the_key_and_not_saved():
+    """Different keys drop different units, the same key the same ones, and the backward keeps
+    no mask: the saved residuals are those of the op without dropout, and the key."""
+    inputs = make_inputs(("gelu",))
+    sets = QuantizerFactory.create_set(2, fp8_recipe=DelayedScaling())
+    args = [inputs[name] for name in NAMES]
+
+    def mlp(key, *args, rate=0.5):
+        return te_mlp(
+            *args, sets, norm_type="layernorm", intermediate_dropout_rate=rate,
+            intermediate_dropout_rng=key,
+        )  # fmt: skip
+
+    run = jax.jit(mlp)
+    first = run(jax.random.key(0), *args)
+    assert np.array_equal(first, run(jax.random.key(0), *args))
+    assert not np.array_equal(first, run(jax.random.key(1), *args))
+
+    def saved(rate):
+        function = partial(mlp, jax.random.key(0), rate=rate)
+        residuals = jax.eval_shape(
+            lambda x: jax.tree.leaves(jax.vjp(lambda x: function(x, *args[1:]), x)[1]),
+            inputs["x"],
+        )
+        return [(leaf.shape, str(leaf.dtype)) for leaf in residuals]
+
+    with_dropout, without = saved(0.5), saved(0.0)
+    extra = [item for item in with_dropout if item not in without]
+    assert extra == [((), "key<fry>")], extra

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, cast
 
 import flax.linen as nn
@@ -53,7 +52,7 @@ class LinenShell(TransformerEngineBase):
     Built on ``TransformerEngineBase`` as TransformerEngine's modules are: the layers' FP8 state
     and a subclass's ``generate_quantizer_set`` are the same variables."""
 
-    def _run(self, inputs: Array, dropout: Callable[[Array], Array] | None = None) -> Any:
+    def _run(self, inputs: Array, dropout_rng: Array | None = None) -> Any:
         specs = self.param_specs(self.in_features(inputs))
         params = {spec.name: self._param(spec) for spec in specs}
         recipe = resolve_recipe(self.recipe) if self.fp8_postfixes else None
@@ -68,7 +67,7 @@ class LinenShell(TransformerEngineBase):
             )
             for postfix in self.fp8_postfixes
         )
-        return self.forward(params, inputs, sets, dropout)
+        return self.forward(params, inputs, sets, dropout_rng)
 
     def _param(self, spec: ParamSpec) -> Array:
         if self.has_variable("params", spec.name):

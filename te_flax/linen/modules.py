@@ -137,9 +137,8 @@ class LayerNormDenseGeneral(LinenShell, LayerNormDenseGeneralSpec):
 class LayerNormMLP(LinenShell, LayerNormMLPSpec):
     """Norm, GEMM 1 (``wi_kernel``), (gated) activation, dropout, GEMM 2 (``wo_kernel``).
 
-    Returns ``(y, ln_output or None)``. Without dropout and LoRA the whole block is the one
-    fused ``layernorm_mlp`` op; otherwise it is composed from ``layernorm_dense``, the
-    activation, dropout and ``dense``, with the same parameters and FP8 state.
+    Returns ``(y, ln_output or None)``. With the norm, every configuration (the intermediate
+    dropout, LoRA, the norm output) runs the one fused ``layernorm_mlp`` op.
 
     Attributes:
       intermediate_dim: the hidden size of the MLP (default 2048).
@@ -179,12 +178,8 @@ class LayerNormMLP(LinenShell, LayerNormMLPSpec):
 
         ``deterministic=True`` turns the intermediate dropout off.
         """
-        dropout = None
+        dropout_rng = None
         if self.intermediate_dropout_rate > 0 and not deterministic:
-            dropout = nn.Dropout(
-                rate=self.intermediate_dropout_rate,
-                broadcast_dims=tuple(self.intermediate_hidden_dropout_dims),
-                rng_collection=self.intermediate_dropout_rng_name,
-                deterministic=False,
-            )
-        return self._run(inputs, dropout)
+            # The key the fused op draws the dropout mask from.
+            dropout_rng = self.make_rng(self.intermediate_dropout_rng_name)
+        return self._run(inputs, dropout_rng)

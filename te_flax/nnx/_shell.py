@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax.numpy as jnp
@@ -81,7 +81,7 @@ class NnxShell(nnx.Module):
             params: dict[str, Array],
             x: Array,
             quantizer_sets: Sequence[QuantizerSet] = (),
-            dropout: Callable[[Array], Array] | None = None,
+            dropout: Array | None = None,
         ) -> Any: ...
 
     def _setup(
@@ -99,7 +99,7 @@ class NnxShell(nnx.Module):
         # Stochastic rounding draws a key per call from its own stream ("sr_rng", else default).
         self.sr_rngs = rngs[SR_RNG].fork() if needs_sr_key(recipe) else None
 
-    def _run(self, inputs: Array, dropout: Callable[[Array], Array] | None = None) -> Any:
+    def _run(self, inputs: Array, dropout_rng: Array | None = None) -> Any:
         if tuple(self.in_features(inputs)) != self.in_features_:
             raise ValueError(
                 f"{type(self).__name__} was built for input features {self.in_features_} but got "
@@ -116,7 +116,7 @@ class NnxShell(nnx.Module):
             quantizer_set(recipe, postfix, states.get(postfix, {}), self._sr_key(recipe))
             for postfix in self.fp8_postfixes
         )
-        return self.forward(params, inputs, sets, dropout)
+        return self.forward(params, inputs, sets, dropout_rng)
 
     def _fp8_state(self, recipe: Recipe | None, postfix: str) -> dict[str, Array]:
         fresh = fresh_state(recipe, postfix)

@@ -174,7 +174,8 @@ class LayerNormMLP(NnxShell, LayerNormMLPSpec):
 
         ``deterministic=True`` turns the intermediate dropout off.
         """
-        dropout = None
+        dropout_rng = None
         if self.dropout is not None and not deterministic:
-            dropout = lambda y: self.dropout(y, deterministic=False)  # noqa: E731
-        return self._run(inputs, dropout)
+            # The key nnx.Dropout would draw; the fused op draws the mask from it.
+            dropout_rng = self.dropout.rngs()
+        return self._run(inputs, dropout_rng)
