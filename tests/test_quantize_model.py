@@ -1,0 +1,226 @@
+"""te_flax.quantize_model on stock Flax models: which products it selects, equality with the
+same model written with te_flax's layers, FP8 state across steps, rules, and composition."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import te_flax
+import te_flax.linen as te_nn
+import te_flax.nnx as te_nnx
+from te_flax import training
+from te_flax.quantize import DelayedScaling
+from tests.helpers import FP8_FORWARD_TOLERANCE
+
+RECIPE = DelayedScaling(amax_history_len=4)
+OWG = "_overwrite_with_gradient"
+D, VOCAB, EXPERTS = 32, 64, 2
+
+
+class Attention(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.qkv = nnx.Linear(D, 3 * D, rngs=rngs)
+        self.out = nnx.Linear(D, D, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        q, k, v = jnp.split(self.qkv(x), 3, axis=-1)  # [b, t, d] each
+        scores = jnp.einsum("bqd,bkd->bqk", q, k) / np.sqrt(D)  # batched: stays as it is
+        return self.out(jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(scores), v))
+
+
+class MoE(nnx.Module):
+    """Experts as einsums over parameters (every expert sees every token, gate-weighted)."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.router = nnx.Linear(D, EXPERTS, rngs=rngs)
+        init = nnx.initializers.lecun_normal()
+        self.w_in = nnx.Param(init(rngs.params(), (EXPERTS, D, 2 * D)))
+        self.w_out = nnx.Param(init(rngs.params(), (EXPERTS, 2 * D, D)))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gates = jax.nn.softmax(self.router(x), axis=-1)  # [b, t, e]
+        hidden = jax.nn.gelu(jnp.einsum("btd,edf->btef", x, self.w_in[...]))
+        return jnp.einsum("btef,efd->btd", hidden * gates[..., None], self.w_out[...])
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.norm = nnx.RMSNorm(D, rngs=rngs)
+        self.attn = Attention(rngs)
+        self.moe = MoE(rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.attn(self.norm(x))
+        return x + self.moe(x)
+
+
+class GPT(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
+        self.blocks = nnx.List([Block(rngs)])
+        self.lm_head = nnx.Linear(D, VOCAB, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(x)
+
+
+TOKENS = jax.random.randint(jax.random.key(1), (2, 16), 0, VOCAB)
+
+
+def _fp8_paths(model: nnx.Module) -> set[str]:
+    state = nnx.state(model, te_nnx.Fp8Meta)
+    return {
+        "/".join(str(k) for k in path[:-1]) + ":" + str(path[-1]).split("_amax")[0]
+        for path, _ in nnx.to_flat_state(state)
+        if "amax_history" in str(path[-1])
+    }
+
+
+def _loss(model: nnx.Module, tokens: jax.Array) -> jax.Array:
+    logits = model(tokens)
+    return jnp.mean(
+        jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, tokens[..., None], -1)[..., 0]
+    )
+
+
+def test_stock_nnx_gpt_selects_projections_and_experts_and_trains():
+    model = GPT(nnx.Rngs(0))
+    reference = nnx.jit(lambda m, t: m(t))(model, TOKENS)
+    with pytest.warns(te_flax.QuantizeModelNote, match="batch dimensions"):
+        model = te_flax.quantize_model(model, RECIPE, TOKENS)
+    expected = set()
+    for layer in ("blocks/0",):
+        for module in ("attn/qkv", "attn/out"):
+            expected |= {f"{layer}/{module}:{role}" for role in ("x", "kernel", "grad")}
+        # The module's two einsums over expert parameters: postfixes "" and "_1".
+        expected |= {f"{layer}/moe:{r}{p}" for r in ("x", "kernel", "grad") for p in ("", "_1")}
+    assert _fp8_paths(model) == expected  # embed, lm_head and the routers stay as they were
+    out = nnx.jit(lambda m, t: m(t))(model, TOKENS)
+    error = float(jnp.linalg.norm(out - reference) / jnp.linalg.norm(reference))
+    # A chain of FP8 GEMMs to the output (0.080 measured with two blocks): twice one GEMM's bound.
+    assert 0 < error < 2 * FP8_FORWARD_TOLERANCE
+
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, tokens):
+        return te_nnx.train_step(model, optimizer, _loss, tokens)
+
+    losses = [float(step(model, optimizer, TOKENS)) for _ in range(2)]
+    assert losses[-1] < losses[0]
+    history = model.blocks[0].moe.x_1_amax_history[...]
+    assert np.count_nonzero(history) == 2  # one amax per step
+
+
+class StockMLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.up = nnx.Linear(D, 2 * D, use_bias=False, rngs=rngs)
+        self.down = nnx.Linear(2 * D, D, use_bias=False, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(jax.nn.relu(self.up(x)))
+
+
+class TeMLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.up = te_nnx.DenseGeneral(D, 2 * D, use_bias=False, recipe=RECIPE, rngs=rngs)
+        self.down = te_nnx.DenseGeneral(2 * D, D, use_bias=False, recipe=RECIPE, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(jax.nn.relu(self.up(x)))
+
+
+def test_quantized_nnx_model_equals_the_model_written_with_te_flax_layers():
+    x = jax.random.normal(jax.random.key(2), (16, D))
+    stock = te_flax.quantize_model(StockMLP(nnx.Rngs(0)), RECIPE, x)
+    te_model = TeMLP(nnx.Rngs(0))
+    te_model.up.kernel[...] = stock.up.kernel[...]
+    te_model.down.kernel[...] = stock.down.kernel[...]
+
+    def loss(model, x):
+        return jnp.sum(model(x) ** 2)
+
+    step = nnx.jit(te_nnx.value_and_grad(loss, update_fp8_state=True))
+    for scale in (1.0, 3.0):  # the second step uses the first step's scales
+        stock_loss, stock_grads = step(stock, scale * x)
+        te_loss, te_grads = step(te_model, scale * x)
+        np.testing.assert_array_equal(stock_loss, te_loss)
+        for name in ("up", "down"):
+            np.testing.assert_array_equal(
+                stock_grads[name]["kernel"][...], te_grads[name]["kernel"][...]
+            )
+    np.testing.assert_array_equal(
+        nnx.state(stock, te_nnx.Fp8Meta)["up"]["x_amax_history"][...],
+        nnx.state(te_model, te_nnx.Fp8Meta)["up"]["x_amax_history"][...],
+    )
+    assert np.count_nonzero(stock.down.grad_amax_history[...]) == 2
+
+
+class LinenModel(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = nn.Dense(2 * D, use_bias=False, name="up")(x)
+        x = nn.DenseGeneral((2, D), name="split")(jax.nn.relu(x))  # [b, 2, D]
+        x = nn.Einsum((2, D, D), "bhd,hdf->bf", name="merge")(x)
+        return nn.Dense(VOCAB, name="lm_head")(x)
+
+
+def test_stock_linen_model_state_under_calling_modules_and_equal_to_te_dense():
+    x = jax.random.normal(jax.random.key(3), (16, D))
+    model = te_flax.quantize_model(LinenModel(), RECIPE, x)
+    variables = jax.jit(model.init)(jax.random.key(0), x)
+    plain = jax.jit(LinenModel().init)(jax.random.key(0), x)
+    assert jax.tree.structure(variables["params"]) == jax.tree.structure(plain["params"])
+    assert sorted(variables[OWG]) == ["merge", "split", "up"]  # the head stays as it was
+    loss = training.value_and_grad(lambda v, x: jnp.sum(model.apply(v, x) ** 2))
+    _, grads = jax.jit(loss)(variables, x)
+    # "up" equals te_flax's DenseGeneral with the same kernel and state: the same new state.
+    te_layer = te_nn.DenseGeneral(2 * D, use_bias=False, recipe=RECIPE)
+    te_vars = {"params": {"kernel": variables["params"]["up"]["kernel"]}, OWG: variables[OWG]["up"]}
+    _, te_grads = jax.jit(training.value_and_grad(lambda v, x: jnp.sum(te_layer.apply(v, x))))(
+        te_vars, x
+    )
+    np.testing.assert_array_equal(
+        grads[OWG]["up"]["x_amax_history"], te_grads[OWG]["x_amax_history"]
+    )
+    np.testing.assert_array_equal(
+        grads[OWG]["up"]["kernel_amax_history"], te_grads[OWG]["kernel_amax_history"]
+    )
+    out = jax.jit(model.apply)(variables, x)
+    reference = jax.jit(LinenModel().apply)(plain | {"params": variables["params"]}, x)
+    error = float(jnp.linalg.norm(out - reference) / jnp.linalg.norm(reference))
+    assert 0 < error < FP8_FORWARD_TOLERANCE
+
+
+def test_rules_select_by_path_and_operation():
+    rules = [
+        te_flax.QuantizeRule(module_path=r".*/moe", op_names=("einsum",)),
+        te_flax.QuantizeRule(module_path=r".*attn/qkv"),
+    ]
+    model = te_flax.quantize_model(GPT(nnx.Rngs(0)), RECIPE, TOKENS, rules=rules)
+    layers = {path.split(":")[0] for path in _fp8_paths(model)}
+    assert layers == {"blocks/0/moe", "blocks/0/attn/qkv"}
+
+
+def test_bad_inputs_name_the_fix():
+    with pytest.raises(TypeError, match="recipe"):
+        te_flax.quantize_model(StockMLP(nnx.Rngs(0)), "fp8", jnp.ones((4, D)))
+    with pytest.raises(ValueError, match=r"up \(dot_general\)") as error:
+        te_flax.quantize_model(
+            StockMLP(nnx.Rngs(0)),
+            RECIPE,
+            jnp.ones((4, D)),
+            rules=[te_flax.QuantizeRule(module_path="mlp/.*")],
+        )
+    assert "down (dot_general)" in str(error.value)
+    with pytest.raises(TypeError, match=r"linen\.Module or a flax\.nnx\.Module"):
+        te_flax.quantize_model(lambda x: x, RECIPE, jnp.ones((4, D)))
