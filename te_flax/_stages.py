@@ -21,10 +21,12 @@ from te_flax._activations import ClampedSwigluParams, activation_backward
 from te_flax._kernels import (
     GradOperand,
     activation_grad_operand,
+    dispatch,
     norm_backward_grads,
     norm_quantize_operand,
     tiled_quantize_operand,
 )
+from te_flax._kernels.blockwise import blockwise_gemm_kernel, whole_operands
 from te_flax.quantize import (
     LEADING,
     TRAILING,
@@ -34,6 +36,7 @@ from te_flax.quantize import (
     GemmPrecision,
     Quantizer,
     ScaledTensor,
+    block_scaling,
     quantize_operand,
 )
 from te_flax.sharding import LogicalAxes, with_logical_constraint
@@ -44,6 +47,7 @@ __all__ = [
     "NormStats",
     "activation_grad",
     "apply_norm",
+    "blockwise_gemm_exact",
     "constrained",
     "dense_backward",
     "dense_forward",
@@ -299,12 +303,66 @@ def _accumulation_dtype(out_dtype: DTypeLike) -> DTypeLike:
     return jnp.float32 if jnp.dtype(out_dtype) == jnp.float16 else out_dtype
 
 
+def blockwise_gemm_exact(
+    lhs: Array, lhs_scale_inv: Array, rhs: Array, rhs_scale_inv: Array, out_dtype: DTypeLike
+) -> Array:
+    """Blockwise FP8's GEMM in XLA, exactly the recipe's math: ``lhs [M, K] . rhs [N, K]^T``.
+
+    K is split into 128-wide chunks; each chunk's FP8 product is accumulated in float32 (one
+    batched GEMM over the chunks), multiplied by the chunk's scales of both operands, and the
+    chunks are summed in float32; the sum is rounded to ``out_dtype`` once. Scales are
+    ``[rows, K / 128]`` or, for 128x128 blocks, ``[rows / 128, K / 128]``. The partial products
+    take ``K / 128`` times the output's memory (the Pallas kernel keeps them in registers).
+    """
+    m, k = lhs.shape
+    n = rhs.shape[0]
+    chunks = k // block_scaling.FP8_BLOCK
+    # [M, C, 128] x [N, C, 128] -> [C, M, N], split accumulation (full float32) within a chunk.
+    partial_products = lax.dot_general(
+        lhs.reshape(m, chunks, block_scaling.FP8_BLOCK),
+        rhs.reshape(n, chunks, block_scaling.FP8_BLOCK),
+        (((2,), (2,)), ((1,), (1,))),
+        precision=lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+    lhs_scales = block_scaling.expand_tile_rows(lhs_scale_inv, m).astype(jnp.float32)  # [M, C]
+    rhs_scales = block_scaling.expand_tile_rows(rhs_scale_inv, n).astype(jnp.float32)  # [N, C]
+    scaled = partial_products * lhs_scales.T[:, :, None] * rhs_scales.T[:, None, :]
+    return jnp.sum(scaled, axis=0).astype(out_dtype)  # [M, N]
+
+
+def _blockwise_gemm(lhs: BlockScaledTensor, rhs: BlockScaledTensor, out_dtype: DTypeLike) -> Array:
+    """Blockwise FP8's GEMM: the Pallas kernel where the switch selects it, else the exact XLA
+    form. The kernel takes one scale per row and chunk of each operand (a 128x128-block
+    weight's scale grid repeated over its rows, 1/128 of its float8 bytes)."""
+
+    def kernel(l_data, l_scale, r_data, r_scale, *, interpret: bool) -> Array:
+        l_scale = block_scaling.expand_tile_rows(l_scale, l_data.shape[0])
+        r_scale = block_scaling.expand_tile_rows(r_scale, r_data.shape[0])
+        return blockwise_gemm_kernel(
+            l_data, l_scale, r_data, r_scale, out_dtype, interpret=interpret
+        )
+
+    operands = (lhs.data, lhs.scale_inv, rhs.data, rhs.scale_inv)
+    return dispatch(
+        "blockwise_gemm",
+        kernel,
+        partial(blockwise_gemm_exact, out_dtype=out_dtype),
+        *operands,
+        supported=whole_operands(),
+    )
+
+
 def _block_gemm(lhs: BlockScaledTensor, rhs: BlockScaledTensor, out_dtype: DTypeLike) -> Array:
     """``lhs [M, K] . rhs [N, K]`` with block scales -> ``[*lhs.row_shape, *rhs.row_shape]``.
 
     A Hadamard transform along K (NVFP4's weight-gradient operands) cancels in the product only
-    when both operands have it.
+    when both operands have it. Float32 block scales are blockwise FP8's (``Float8BlockScaling``).
     """
+    if lhs.scale_inv.dtype == jnp.float32:
+        assert rhs.scale_inv.dtype == jnp.float32, "blockwise FP8 with another block scaling"
+        out = _blockwise_gemm(lhs, rhs, out_dtype)
+        return out.reshape(lhs.row_shape + rhs.row_shape)
     if lhs.has_rht_applied != rhs.has_rht_applied:
         raise ValueError(
             "an NVFP4 GEMM multiplies an operand quantized after the random Hadamard transform "

@@ -18,6 +18,7 @@ from te_flax.quantize import (
     CurrentScaleQuantizer,
     DelayedScaleQuantizer,
     DelayedScaling,
+    Float8BlockScaling,
     Float8CurrentScaling,
     Format,
     GemmPrecision,
@@ -53,6 +54,19 @@ TE_FIELDS = {
         "use_power_2_scales": False,
         "fp8_format": Format.HYBRID,
         "fp8_gemm_fprop": MMParams(use_split_accumulator=False),
+        "fp8_gemm_dgrad": MMParams(use_split_accumulator=True),
+        "fp8_gemm_wgrad": MMParams(use_split_accumulator=True),
+        "fp8_dpa": False,
+        "fp8_mha": False,
+        "backward_override": None,
+    },
+    Float8BlockScaling: {
+        "use_f32_scales": False,
+        "fp8_format": Format.E4M3,
+        "x_block_scaling_dim": 1,
+        "w_block_scaling_dim": 2,
+        "grad_block_scaling_dim": 1,
+        "fp8_gemm_fprop": MMParams(use_split_accumulator=True),
         "fp8_gemm_dgrad": MMParams(use_split_accumulator=True),
         "fp8_gemm_wgrad": MMParams(use_split_accumulator=True),
         "fp8_dpa": False,
@@ -102,14 +116,15 @@ def test_mmparams_default_and_precision():
 
 
 def test_kind_predicates():
-    kinds = ("delayed", "float8_current_scaling", "mxfp8", "nvfp4")
+    kinds = ("delayed", "float8_current_scaling", "float8_block_scaling", "mxfp8", "nvfp4")
     for cls, kind in zip(TE_FIELDS, kinds, strict=True):
         assert {k: getattr(cls, k)() for k in kinds} == {k: k == kind for k in kinds}
         assert getattr(cls(), kind)()  # also on instances, as in TransformerEngine
-        assert not cls.float8_block_scaling() and not cls.custom()
+        assert not cls.custom()
     assert DelayedScaling.float8_per_tensor_scaling()
     assert Float8CurrentScaling.float8_per_tensor_scaling()
     assert not MXFP8BlockScaling.float8_per_tensor_scaling()
+    assert not Float8BlockScaling.float8_per_tensor_scaling()
 
 
 def test_quantization_params_follow_the_fields():

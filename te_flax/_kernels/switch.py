@@ -43,7 +43,9 @@ _assume_gpu: list[bool] = []
 # few kilobytes, so it buys nothing measurable. The others each save a pass over a tensor:
 # the quantize kernel (a GEMM kernel's float8 layouts and its amax), the activation backward
 # with its quantization and the norm backward.
-AUTO = frozenset({"activation_grad", "norm_backward", "quantize"})
+# The blockwise FP8 GEMM kernel keeps its float32 partial products in registers, where XLA's
+# exact form writes K / 128 of them per output element.
+AUTO = frozenset({"activation_grad", "blockwise_gemm", "norm_backward", "quantize"})
 _override: list[str] = []
 
 

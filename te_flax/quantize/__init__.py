@@ -3,12 +3,14 @@
 Public API::
 
   Format, DelayedScaling, Float8CurrentScaling        per-tensor recipes
-  MXFP8BlockScaling, NVFP4BlockScaling                block-scaled recipes
+  Float8BlockScaling, MXFP8BlockScaling,              block-scaled recipes
+  NVFP4BlockScaling
   MMParams, QParams                                   a recipe's GEMM and quantization options
   QuantizerSet, QuantizerFactory, noop_quantizer_set  per-GEMM quantizer state (pytrees)
   GemmPrecision                                       the precision of a set's FP8 GEMMs
   DelayedScaleQuantizer, CurrentScaleQuantizer,       the quantizers a set holds
-  BlockScaleQuantizer, NVFP4Quantizer
+  Float8BlockQuantizer, BlockScaleQuantizer,
+  NVFP4Quantizer
   merge_by_max                                        max-merge the updates of a reused state
   check_merged, UnmergedFp8StateWarning               catch a reused state whose updates were summed
   autocast, get_autocast_recipe                       the default recipe of a code region
@@ -29,6 +31,7 @@ from te_flax.quantize.quantizer import (
     BlockScaleQuantizer,
     CurrentScaleQuantizer,
     DelayedScaleQuantizer,
+    Float8BlockQuantizer,
     GemmOperand,
     GemmPrecision,
     NVFP4Quantizer,
@@ -43,6 +46,7 @@ from te_flax.quantize.quantizer import (
 )
 from te_flax.quantize.recipes import (
     DelayedScaling,
+    Float8BlockScaling,
     Float8CurrentScaling,
     Format,
     MMParams,
@@ -61,6 +65,8 @@ __all__ = [
     "CurrentScaleQuantizer",
     "DelayedScaleQuantizer",
     "DelayedScaling",
+    "Float8BlockQuantizer",
+    "Float8BlockScaling",
     "Float8CurrentScaling",
     "Format",
     "GemmOperand",

@@ -1,9 +1,12 @@
-"""The scale math of block-scaled quantization (MXFP8 and NVFP4), as small pure functions.
+"""The scale math of block-scaled quantization (blockwise FP8, MXFP8, NVFP4), as pure functions.
 
 A block-scaled operand is a matrix ``[rows, K]`` whose last axis is the GEMM's contraction,
 cut into blocks of ``block`` consecutive elements, each with its own scale:
 ``x[r, k] ~= data[r, k] * scale_inv[r, k // block] (* tensor_scale_inv)``.
 
+* Blockwise FP8 (``Float8BlockScaling``): float8 data, float32 scales (powers of two by
+  default), 128 elements per block (``quantize_fp8_blocks``), or one scale per 128x128 tile of
+  a kernel (``quantize_fp8_tiles``, whose ``scale_inv`` is ``[rows // 128, K // 128]``).
 * MXFP8: float8 data, ``float8_e8m0fnu`` scales (powers of two), 32 elements per block.
 * NVFP4: ``float4_e2m1fn`` data, ``float8_e4m3fn`` scales, 16 elements per block, and one
   float32 scale for the whole tensor that brings the block scales into e4m3's range.
@@ -24,12 +27,16 @@ from te_flax.quantize import scaling
 
 __all__ = [
     "E2M1_MAX",
+    "FP8_BLOCK",
     "MXFP8_BLOCK",
     "NVFP4_BLOCK",
     "NVFP4_RHT_SIGNS",
     "dequantize_blocks",
     "e8m0_round_up",
+    "expand_tile_rows",
     "nvfp4_tensor_scale_inv",
+    "quantize_fp8_blocks",
+    "quantize_fp8_tiles",
     "quantize_mxfp8",
     "quantize_nvfp4",
     "quantize_nvfp4_2d",
@@ -38,6 +45,7 @@ __all__ = [
     "stochastic_round_e2m1",
 ]
 
+FP8_BLOCK = 128
 MXFP8_BLOCK = 32
 NVFP4_BLOCK = 16
 E2M1_MAX = 6.0
@@ -102,6 +110,45 @@ def quantize_mxfp8(x: Array, dtype: DTypeLike, block: int = MXFP8_BLOCK) -> tupl
     limit = scaling.fp8_max(dtype)
     data = jnp.clip(scaled, -limit, limit).astype(dtype)
     return data.reshape(x.shape), scale
+
+
+def _fp8_block_scaled(
+    values: Array, block_amax: Array, dtype: DTypeLike, power_2_scale: bool
+) -> tuple[Array, Array]:
+    """The float8 ``values`` divided by their block's scale (``block_amax`` shaped to broadcast
+    against them), and the float32 scales: ``amax / fp8_max`` (a power of two at or above it
+    with ``power_2_scale``), 1 for an all-zero or non-finite block, as current scaling does
+    for a whole tensor (``scaling.compute_scale_inv``)."""
+    one = jnp.ones((), jnp.float32)
+    scale_inv = scaling.compute_scale_inv(block_amax, dtype, 0, one, power_2_scale)
+    return scaling.quantize(values, dtype, scale_inv), scale_inv
+
+
+def quantize_fp8_blocks(
+    x: Array, dtype: DTypeLike, power_2_scale: bool = True, block: int = FP8_BLOCK
+) -> tuple[Array, Array]:
+    """``x [rows, K]`` -> (float8 data ``[rows, K]``, float32 scales ``[rows, K // block]``):
+    one scale per ``1 x block`` tile along K (``Float8BlockScaling``'s activations and
+    gradients)."""
+    blocks = _blocks(x, block)  # [rows, K / block, block]
+    data, scale_inv = _fp8_block_scaled(
+        blocks, _block_amax(blocks)[..., None], dtype, power_2_scale
+    )
+    return data.reshape(x.shape), scale_inv[..., 0]
+
+
+def quantize_fp8_tiles(
+    x: Array, dtype: DTypeLike, power_2_scale: bool = True, block: int = FP8_BLOCK
+) -> tuple[Array, Array]:
+    """``x [rows, K]`` -> (float8 data ``[rows, K]``, float32 scales
+    ``[rows // block, K // block]``): one scale per ``block x block`` tile (``Float8BlockScaling``'s
+    kernels). A tile of ``x`` is a tile of ``x.T``: the transposed data with the transposed
+    scale grid is the quantization of ``x.T``, so both GEMMs of a kernel use the same values."""
+    rows, k = x.shape
+    tiles = x.astype(jnp.float32).reshape(rows // block, block, k // block, block)
+    amax = jnp.max(jnp.abs(tiles), axis=(1, 3), keepdims=True)  # [rows/b, 1, K/b, 1]
+    data, scale_inv = _fp8_block_scaled(tiles, amax, dtype, power_2_scale)
+    return data.reshape(x.shape), scale_inv[:, 0, :, 0]
 
 
 def nvfp4_tensor_scale_inv(amax_value: Array) -> Array:
@@ -228,11 +275,23 @@ def dequantize_blocks(
     tensor_scale_inv: Array | None = None,
     dtype: DTypeLike = jnp.float32,
 ) -> Array:
-    """``data [rows, K] * scale_inv`` repeated over each block (``* tensor_scale_inv``)."""
+    """``data [rows, K] * scale_inv`` repeated over each block (``* tensor_scale_inv``).
+
+    ``scale_inv`` is ``[rows, K // block]``, or ``[rows // block, K // block]`` for square
+    tiles (``quantize_fp8_tiles``)."""
     rows, k = data.shape
     block = k // scale_inv.shape[-1]
+    scale_inv = expand_tile_rows(scale_inv, rows)
     values = data.astype(jnp.float32).reshape(rows, k // block, block)
     values = values * scale_inv.astype(jnp.float32)[..., None]
     if tensor_scale_inv is not None:
         values = values * tensor_scale_inv
     return values.reshape(rows, k).astype(dtype)
+
+
+def expand_tile_rows(scale_inv: Array, rows: int) -> Array:
+    """Block scales as one row per data row: ``[rows // b, n]`` tile scales repeated ``b``
+    times along rows, ``[rows, n]`` scales as they are."""
+    if scale_inv.shape[0] == rows:
+        return scale_inv
+    return jnp.repeat(scale_inv, rows // scale_inv.shape[0], axis=0)

@@ -19,11 +19,13 @@ from te_flax.quantize.quantizers import (
     BlockScaleQuantizer,
     CurrentScaleQuantizer,
     DelayedScaleQuantizer,
+    Float8BlockQuantizer,
     NVFP4Quantizer,
     Quantizer,
     check_quantizer,
 )
 from te_flax.quantize.recipes import (
+    Float8BlockScaling,
     Float8CurrentScaling,
     MXFP8BlockScaling,
     NVFP4BlockScaling,
@@ -233,6 +235,13 @@ def _set_from_recipe(recipe: Recipe | None, sr_key: Array | None) -> QuantizerSe
             NVFP4Quantizer(key=sr_key, use_rht=rht),
         )
     forward, backward = recipe.fp8_format.forward_dtype, recipe.fp8_format.backward_dtype
+    if isinstance(recipe, Float8BlockScaling):
+        power_2 = not recipe.use_f32_scales
+        return QuantizerSet(
+            Float8BlockQuantizer(forward, recipe.x_block_scaling_dim, power_2),
+            Float8BlockQuantizer(forward, recipe.w_block_scaling_dim, power_2),
+            Float8BlockQuantizer(backward, recipe.grad_block_scaling_dim, power_2),
+        )
     if isinstance(recipe, MXFP8BlockScaling):
         return QuantizerSet(
             BlockScaleQuantizer(forward),

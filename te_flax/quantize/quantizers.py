@@ -34,6 +34,7 @@ __all__ = [
     "BlockScaleQuantizer",
     "CurrentScaleQuantizer",
     "DelayedScaleQuantizer",
+    "Float8BlockQuantizer",
     "NVFP4Quantizer",
     "Quantizer",
     "check_quantizer",
@@ -159,10 +160,12 @@ def _block_operand(
     quantize_matrix: Callable[[Array, str], tuple[Array, Array, Array | None]],
     transformed_uses: Sequence[str] = (),
     blocked_uses: Sequence[str] = (),
+    one_d_fix: str = "disable_2d_quantization=True",
 ) -> BlockOperand:
     """``x`` quantized for each of ``uses`` by ``quantize_matrix(matrix, use)``, in blocks of
     ``block`` along each use's contraction (refused where that is not a multiple of it, and
-    along the contraction of each of ``blocked_uses`` too: square tiles).
+    along the contraction of each of ``blocked_uses`` too: square tiles, which the recipe
+    argument ``one_d_fix`` turns off).
 
     The quantizations of ``transformed_uses`` are of Hadamard-transformed values."""
     prepared: dict[str, BlockScaledTensor] = {}
@@ -183,11 +186,11 @@ def _block_operand(
         axes = x.shape[split:] if use == TRAILING else x.shape[:split]
         if math.prod(axes) % block:
             raise ValueError(
-                f"{recipe} quantizes kernels in {block}x{block} tiles (TransformerEngine's 2D "
-                f"quantization), but the {use} axes {axes} of the kernel of shape "
+                f"{recipe} quantizes this tensor in {block}x{block} tiles (TransformerEngine's 2D "
+                f"quantization), but the {use} axes {axes} of the tensor of shape "
                 f"{tuple(x.shape)} hold {math.prod(axes)} elements, not a multiple of {block}; "
                 f"pad the features to a multiple of {block} or use 1x{block} blocks with "
-                f"{recipe}(disable_2d_quantization=True)"
+                f"{recipe}({one_d_fix})"
             )
     for use in uses:
         matrix, row_shape = _as_matrix(x, split, use)
@@ -311,10 +314,83 @@ class NVFP4Quantizer:
         return operand, self
 
 
-Quantizer = DelayedScaleQuantizer | CurrentScaleQuantizer | BlockScaleQuantizer | NVFP4Quantizer
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Float8BlockQuantizer:
+    """Blockwise FP8 (``Float8BlockScaling``): float32 scales per 1x128 tile or 128x128 block.
+
+    Attributes:
+      q_dtype: the float8 dtype (static).
+      block_dims: 1 for one scale per ``1 x block_size`` tile along each GEMM's contraction,
+        each use quantized from high precision; 2 for one scale per ``block_size x
+        block_size`` block of the ``[leading, trailing]`` matrix, quantized once, the
+        ``LEADING`` use being its exact transpose with the transposed scale grid (static,
+        default 1).
+      power_2_scale: round each scale up to a power of two (static, default True).
+      block_size: 128 (static).
+
+    The scales are block-local: no amax is reduced across blocks, shards or devices, so a
+    sharded tensor quantizes each of its blocks where they lie. A grouped GEMM's operands
+    (``[groups, rows, K]``) quantize group by group (``jax.vmap`` over the leading axis).
+    """
+
+    block_scaled = True  # quantizes per block along a contraction
+
+    q_dtype: Any = _static(jnp.float8_e4m3fn)  # noqa: RUF009
+    block_dims: int = _static(1)
+    power_2_scale: bool = _static(True)
+    block_size: int = _static(block_scaling.FP8_BLOCK)
+
+    def quantize(
+        self, x: Array, split: int, uses: Sequence[str]
+    ) -> tuple[BlockOperand, Float8BlockQuantizer]:
+        """``x`` quantized for each of ``uses`` (``TRAILING``, ``LEADING``), and this quantizer."""
+        tiled: list[tuple[Array, Array]] = []
+
+        def quantize_matrix(matrix: Array, use: str) -> tuple[Array, Array, Array | None]:
+            if self.block_dims == 1:
+                data, scale_inv = block_scaling.quantize_fp8_blocks(
+                    matrix, self.q_dtype, self.power_2_scale, self.block_size
+                )
+                return data, scale_inv, None
+            # 128x128 blocks: quantized once as [leading, trailing]; LEADING is the transpose.
+            if not tiled:
+                leading_first = matrix if use == TRAILING else matrix.T
+                tiled.append(
+                    block_scaling.quantize_fp8_tiles(
+                        leading_first, self.q_dtype, self.power_2_scale, self.block_size
+                    )
+                )
+            data, tile_scales = tiled[0]
+            if use == LEADING:
+                data, tile_scales = data.T, tile_scales.T
+            return data, tile_scales, None
+
+        dim_field = "w_block_scaling_dim=1 (or x_/grad_block_scaling_dim=1)"
+        operand = _block_operand(
+            "Float8BlockScaling",
+            self.block_size,
+            x,
+            split,
+            uses,
+            quantize_matrix,
+            blocked_uses=(TRAILING, LEADING) if self.block_dims == 2 else (),
+            one_d_fix=dim_field,
+        )
+        return operand, self
+
+
+Quantizer = (
+    DelayedScaleQuantizer
+    | CurrentScaleQuantizer
+    | Float8BlockQuantizer
+    | BlockScaleQuantizer
+    | NVFP4Quantizer
+)
 _QUANTIZER_TYPES = (
     DelayedScaleQuantizer,
     CurrentScaleQuantizer,
+    Float8BlockQuantizer,
     BlockScaleQuantizer,
     NVFP4Quantizer,
 )
@@ -322,6 +398,7 @@ _FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 _DTYPES = {
     DelayedScaleQuantizer: _FP8_DTYPES,
     CurrentScaleQuantizer: _FP8_DTYPES,
+    Float8BlockQuantizer: _FP8_DTYPES,
     BlockScaleQuantizer: _FP8_DTYPES,
     NVFP4Quantizer: (jnp.dtype(jnp.float4_e2m1fn),),
 }
@@ -358,7 +435,7 @@ def quantize_operand(
     """
     if quantizer is None:
         return ScaledTensor(x.astype(compute_dtype)), None
-    if isinstance(quantizer, BlockScaleQuantizer | NVFP4Quantizer):
+    if quantizer.block_scaled:
         if split is None:
             raise AssertionError("a block-scaled quantization needs the contraction split")
         return quantizer.quantize(x, split, uses)

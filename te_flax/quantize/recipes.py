@@ -1,8 +1,9 @@
 """Recipes: which low-precision formats to use and how their scales are chosen.
 
 Per-tensor recipes (``DelayedScaling``, ``Float8CurrentScaling``) give each GEMM operand one
-float32 scale; block-scaled recipes (``MXFP8BlockScaling``, ``NVFP4BlockScaling``) give every
-block of consecutive elements along a GEMM's contraction its own scale.
+float32 scale; block-scaled recipes (``Float8BlockScaling``, ``MXFP8BlockScaling``,
+``NVFP4BlockScaling``) give every block of consecutive elements along a GEMM's contraction its
+own scale.
 
 Every recipe has TransformerEngine 2.20's fields, in its order and with its defaults. A field
 te_flax cannot honour accepts TransformerEngine's default and refuses any other value with an
@@ -25,6 +26,7 @@ from jax.typing import DTypeLike
 
 __all__ = [
     "DelayedScaling",
+    "Float8BlockScaling",
     "Float8CurrentScaling",
     "Format",
     "MMParams",
@@ -134,8 +136,8 @@ class _RecipeKind:
 
     @classmethod
     def float8_block_scaling(cls) -> bool:
-        """Whether the recipe is TransformerEngine's ``Float8BlockScaling`` (te_flax has none)."""
-        return False
+        """Whether the recipe is blockwise FP8 scaling (``Float8BlockScaling``)."""
+        return issubclass(cls, Float8BlockScaling)
 
     @classmethod
     def custom(cls) -> bool:
@@ -195,6 +197,19 @@ def _check_backward_override(recipe_name: str, backward_override: object) -> Non
             "TransformerEngine's JAX layers ignore this field; for a high-precision backward "
             "leave the layer unquantized (recipe=None)"
         )
+
+
+_GEMM_FIELDS = ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad")
+
+
+def _check_gemm_params(recipe_name: str, recipe: object) -> None:
+    """The recipe's ``fp8_gemm_*`` fields are ``MMParams``."""
+    for field in _GEMM_FIELDS:
+        if not isinstance(getattr(recipe, field), MMParams):
+            raise TypeError(
+                f"{recipe_name}({field}=...) must be a te_flax.quantize.MMParams, got "
+                f"{getattr(recipe, field)!r}; e.g. MMParams(use_split_accumulator=True)"
+            )
 
 
 def _check_hashable(recipe_name: str, field: str, value: object) -> None:
@@ -350,12 +365,7 @@ class Float8CurrentScaling(_RecipeKind):
     def __post_init__(self) -> None:
         _check_bool("Float8CurrentScaling", "use_power_2_scales", self.use_power_2_scales)
         _check_format("Float8CurrentScaling", self.fp8_format)
-        for field in ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"):
-            if not isinstance(getattr(self, field), MMParams):
-                raise TypeError(
-                    f"Float8CurrentScaling({field}=...) must be a te_flax.quantize.MMParams, got "
-                    f"{getattr(self, field)!r}; e.g. MMParams(use_split_accumulator=True)"
-                )
+        _check_gemm_params("Float8CurrentScaling", self)
         _check_attention("Float8CurrentScaling", self.fp8_dpa, self.fp8_mha)
         _check_backward_override("Float8CurrentScaling", self.backward_override)
 
@@ -569,9 +579,132 @@ class NVFP4BlockScaling(_RecipeKind):
         )
 
 
-Recipe = DelayedScaling | Float8CurrentScaling | MXFP8BlockScaling | NVFP4BlockScaling
-RECIPE_TYPES = (DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling)
-BLOCK_RECIPE_TYPES = (MXFP8BlockScaling, NVFP4BlockScaling)
+FP8_BLOCK_SIZE = 128  # Float8BlockScaling's block: 1x128 tiles and 128x128 blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8BlockScaling(_RecipeKind):
+    """Blockwise FP8 (DeepSeek-V3's recipe): a float32 scale per 1x128 tile or 128x128 block.
+
+    GEMM inputs and output gradients get one scale per 128 consecutive elements along each
+    GEMM's contraction (1x128 tiles); kernels one scale per 128x128 block. A scale is the block's
+    own ``amax / fp8_max`` (no state, no amax reduction across blocks or devices), rounded up to
+    a power of two by default. A tile-scaled tensor that two GEMMs contract along different
+    axes (x in the forward and weight-gradient GEMMs, the output gradient in dgrad and wgrad) is
+    quantized once for each, from high precision, never from its own float8 copy; a
+    block-scaled kernel is quantized once, and its transpose (for dgrad) is the same float8
+    blocks with the transposed scale grid. Every GEMM splits K into 128-wide chunks, multiplies
+    each chunk in FP8 and sums the chunks' products in float32 with their two scales applied
+    (TransformerEngine's split accumulation, which the recipe requires). Contracted sizes, and
+    both sizes of a 128x128-scaled tensor, must be multiples of 128.
+
+    Args:
+      use_f32_scales: keep each scale as the exact float32 ``amax / fp8_max`` (default False:
+        round it up to a power of two, so that scaling is exact). TransformerEngine takes the
+        default from ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES``; te_flax reads no environment.
+      fp8_format: ``Format.E4M3`` (default: e4m3 everywhere) or ``Format.HYBRID`` (e5m2
+        gradients); ``Format.E5M2`` is refused.
+      x_block_scaling_dim: 1 (default, 1x128 tiles) or 2 (128x128 blocks) for GEMM inputs.
+      w_block_scaling_dim: 2 (default, 128x128 blocks) or 1 (1x128 tiles) for kernels.
+      grad_block_scaling_dim: 1 (default) or 2 for output gradients. No GEMM may have two
+        operands with 128x128 blocks (as in TransformerEngine).
+      fp8_gemm_fprop: the forward GEMM's options; ``use_split_accumulator`` must be True
+        (default ``MMParams(use_split_accumulator=True)``): the float32 sum over K's chunks.
+      fp8_gemm_dgrad: the data-gradient GEMM's options, as ``fp8_gemm_fprop``.
+      fp8_gemm_wgrad: the weight-gradient GEMM's options, as ``fp8_gemm_fprop``.
+      fp8_dpa: FP8 dot-product attention (default False); True is refused, as in
+        TransformerEngine.
+      fp8_mha: FP8 multi-head attention (default False); True is refused, as ``fp8_dpa``.
+      backward_override: None (default); ``"high_precision"`` and ``"dequantized"`` are
+        refused (not implemented).
+
+    Example usage::
+
+      >>> from te_flax.quantize import Float8BlockScaling
+      >>> recipe = Float8BlockScaling()
+      >>> recipe.float8_block_scaling(), recipe.w_block_scaling_dim
+      (True, 2)
+      >>> recipe.fp8_quant_fwd_inp.power_2_scale
+      True
+    """
+
+    use_f32_scales: bool = False
+    fp8_format: Format = Format.E4M3
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+    fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: str | None = None
+
+    def __post_init__(self) -> None:
+        name = "Float8BlockScaling"
+        _check_bool(name, "use_f32_scales", self.use_f32_scales)
+        _check_format(name, self.fp8_format)
+        dims = {
+            "x": self.x_block_scaling_dim,
+            "w": self.w_block_scaling_dim,
+            "grad": self.grad_block_scaling_dim,
+        }
+        for role, dim in dims.items():
+            if dim not in (1, 2) or isinstance(dim, bool):
+                raise ValueError(
+                    f"{name}({role}_block_scaling_dim={dim!r}) must be 1 (1x{FP8_BLOCK_SIZE} "
+                    f"tiles) or 2 ({FP8_BLOCK_SIZE}x{FP8_BLOCK_SIZE} blocks)"
+                )
+        for a, b in (("x", "w"), ("x", "grad"), ("w", "grad")):
+            if dims[a] == 2 == dims[b]:
+                raise ValueError(
+                    f"{name}({a}_block_scaling_dim=2, {b}_block_scaling_dim=2) would multiply "
+                    f"two {FP8_BLOCK_SIZE}x{FP8_BLOCK_SIZE}-block operands in one GEMM, which "
+                    "TransformerEngine's blockwise GEMM does not support; give one of them 1"
+                )
+        _check_gemm_params(name, self)
+        for field in _GEMM_FIELDS:
+            if not getattr(self, field).use_split_accumulator:
+                raise ValueError(
+                    f"{name}({field}=MMParams(use_split_accumulator=False)): blockwise FP8 "
+                    f"sums each {FP8_BLOCK_SIZE}-wide chunk of K in float32 with its scales "
+                    "(split accumulation), which the recipe requires (as in TransformerEngine); "
+                    "leave use_split_accumulator=True"
+                )
+        _check_attention(name, self.fp8_dpa, self.fp8_mha)
+        _check_backward_override(name, self.backward_override)
+
+    @property
+    def fp8_quant_fwd_inp(self) -> QParams:
+        """How GEMM inputs are quantized (TE's ``QParams``)."""
+        return QParams(power_2_scale=not self.use_f32_scales)
+
+    @property
+    def fp8_quant_fwd_weight(self) -> QParams:
+        """How kernels are quantized (TE's ``QParams``)."""
+        return QParams(power_2_scale=not self.use_f32_scales)
+
+    @property
+    def fp8_quant_bwd_grad(self) -> QParams:
+        """How gradients are quantized (TE's ``QParams``)."""
+        return QParams(power_2_scale=not self.use_f32_scales)
+
+
+Recipe = (
+    DelayedScaling
+    | Float8CurrentScaling
+    | Float8BlockScaling
+    | MXFP8BlockScaling
+    | NVFP4BlockScaling
+)
+RECIPE_TYPES = (
+    DelayedScaling,
+    Float8CurrentScaling,
+    Float8BlockScaling,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+)
+BLOCK_RECIPE_TYPES = (Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling)
 
 
 def check_recipe(recipe: object, argument: str = "fp8_recipe") -> None:

@@ -28,7 +28,13 @@ MODULES = [
     "RelativePositionBiases",
     "TransformerLayer",
 ]
-RECIPES = ["DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling", "NVFP4BlockScaling"]
+RECIPES = [
+    "DelayedScaling",
+    "Float8CurrentScaling",
+    "Float8BlockScaling",
+    "MXFP8BlockScaling",
+    "NVFP4BlockScaling",
+]
 
 # Deliberate differences (docs/porting.md): Flax's ``dtype`` is the compute dtype, None for
 # "the input's", with the storage dtype in ``param_dtype`` (float32); TE's ``dtype`` is the
