@@ -281,3 +281,30 @@ def test_traced_sizes_are_cut_at_the_rows():
     out = run(jnp.array([-3, 10, 20], jnp.int32))
     expected = run(jnp.array([0, 10, 6], jnp.int32))
     np.testing.assert_array_equal(out, expected)
+
+
+def test_capacity_lowering_with_the_quantize_kernel():
+    """On GPUs the capacity lowering quantizes each expert's kernel with te_flax's Pallas
+    kernel, batched over experts by vmap: the same values and state as the XLA stage (the
+    kernel in interpret mode here)."""
+    from te_flax._kernels import pallas_kernels
+
+    x, kernel, _, cotangent = _inputs()
+    state = _quantizer_set(RECIPES["delayed"])
+    results = []
+    for setting in ("1", "0"):
+        with pallas_kernels(setting):
+            step = jax.jit(
+                jax.grad(
+                    lambda k, s: jnp.sum(
+                        grouped_dense(
+                            x, k, jnp.array(SIZES, jnp.int32), quantizer_set=s, lowering="capacity"
+                        )
+                        * cotangent
+                    ),
+                    argnums=(0, 1),
+                )
+            )
+            results.append(step(kernel, state))
+    for with_kernel, without in zip(*map(jax.tree.leaves, results), strict=True):
+        np.testing.assert_array_equal(with_kernel, without)
