@@ -541,6 +541,23 @@ CASES = [
                                              {"params": {}}),
          ValueError, r"'params' collection does not fit DenseGeneral: missing .*'kernel'",
          r"pass the variables of the Linen module"),
+    # ------------------------------------------------------------------ stock Flax models
+    case("quantize-model-recipe", lambda: te_flax.quantize_model(nn.Dense(8), "fp8", X),
+         TypeError, r"^quantize_model\(recipe=\) must be a te_flax\.quantize recipe",
+         r"DelayedScaling"),
+    case("quantize-model-rule-selects-nothing",
+         lambda: te_flax.quantize_model(nn.Dense(8), q.DelayedScaling(), X,
+                                        rules=[te_flax.QuantizeRule(module_path="mlp/.*")]),
+         ValueError, r"module_path='mlp/\.\*'.* selects no product .* <root> \(dot_general\)",
+         r"Fix the rule's module_path"),
+    case("quantize-model-not-a-model",
+         lambda: te_flax.quantize_model(jnp.tanh, q.DelayedScaling(), X), TypeError,
+         r"^quantize_model takes a flax\.linen\.Module or a flax\.nnx\.Module",
+         r"pass the model object"),
+    case("dot-general-cls-batch-dims",
+         lambda: nn.DenseGeneral(8, batch_dims=(0,), dot_general_cls=te_nn.make_dot_general_cls(
+             q.DelayedScaling())).init(KEY, X), ValueError, r"it has batch dimensions",
+         r"leave this layer in high precision"),
     # ------------------------------------------------------------------ example configuration
     case("config-unknown-key", lambda: load_config(overrides=["train.stpes=10"]),
          ConfigKeyError, r"Key 'stpes' not in 'TrainConfig'", r"Did you mean: 'steps'"),
