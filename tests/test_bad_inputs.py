@@ -428,6 +428,13 @@ CASES = [
     case("recipe-nvfp4-rounding",
          lambda: q.NVFP4BlockScaling(disable_stochastic_rounding=1), TypeError,
          r"NVFP4BlockScaling\(disable_stochastic_rounding=\.\.\.\)", r"must be a bool"),
+    case("factory-mode-and-recipe",
+         lambda: q.QuantizerFactory.create_set(
+             scaling_mode=q.ScalingMode.CURRENT_TENSOR_SCALING, fp8_recipe=q.DelayedScaling()),
+         ValueError, r"takes a scaling_mode or an fp8_recipe, not both", r"recipe is preferred"),
+    case("factory-n-groups", lambda: q.QuantizerFactory.create_set(n_groups=4), ValueError,
+         r"create_set\(n_groups=4\)",
+         r"te_flax\.dense\.grouped_quantizer_set\(QuantizerFactory\.create_set"),
     case("recipe-blockwise-two-2d",
          lambda: q.Float8BlockScaling(x_block_scaling_dim=2), ValueError,
          r"x_block_scaling_dim=2, w_block_scaling_dim=2", r"give one of them 1"),

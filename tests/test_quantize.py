@@ -255,3 +255,72 @@ def test_set_with_two_e5m2_operands_is_refused():
         QuantizerSet(x=e5, kernel=e5, dgrad=CurrentScaleQuantizer(E4M3)).check()
     with pytest.raises(ValueError, match="only float8_e4m3fn and float8_e5m2"):
         QuantizerSet(x=e5, kernel=CurrentScaleQuantizer(jnp.bfloat16), dgrad=e5).check()
+
+
+# ----------------------------------------------------------------------------- TE's factory API
+
+
+def test_create_set_with_a_scaling_mode_builds_each_mode():
+    from te_flax.quantize import QuantizeLayout, ScalingMode
+
+    modes = {
+        ScalingMode.DELAYED_TENSOR_SCALING: "DelayedScaleQuantizer",
+        ScalingMode.CURRENT_TENSOR_SCALING: "CurrentScaleQuantizer",
+        ScalingMode.MXFP8_1D_SCALING: "BlockScaleQuantizer",
+        ScalingMode.FP8_1D_BLOCK_SCALING: "Float8BlockQuantizer",
+        ScalingMode.NVFP4_2D_SCALING: "NVFP4Quantizer",
+    }
+    for mode, cls_name in modes.items():
+        qs = QuantizerFactory.create_set(scaling_mode=mode, is_2x2x=True)
+        assert type(qs.kernel).__name__ == cls_name and qs.kernel.scaling_mode is mode
+        expected = jnp.float4_e2m1fn if mode.is_nvfp4_scaling else jnp.float8_e5m2
+        assert jnp.dtype(qs.dgrad.q_dtype) == jnp.dtype(expected)
+    assert QuantizerFactory.create_set(scaling_mode=ScalingMode.NO_SCALING).is_noop
+    single = QuantizerFactory.create(
+        scaling_mode=ScalingMode.FP8_2D_BLOCK_SCALING, q_layout=QuantizeLayout.ROWWISE_COLWISE
+    )
+    assert single.block_dims == 2
+    assert QuantizerFactory.create(2, ScalingMode.NO_SCALING) == (None, None)
+
+
+def test_recipes_give_their_scaling_modes():
+    from te_flax.quantize import Float8BlockScaling, NVFP4BlockScaling, ScalingMode
+    from te_flax.quantize.scaling_modes import recipe_scaling_modes
+
+    for recipe in (DelayedScaling(), Float8BlockScaling(), NVFP4BlockScaling()):
+        qs = QuantizerFactory.create_set(fp8_recipe=recipe, sr_key=jax.random.key(0))
+        modes = tuple(q.scaling_mode for q in (qs.x, qs.kernel, qs.dgrad))
+        assert modes == recipe_scaling_modes(recipe)
+    assert recipe_scaling_modes(Float8BlockScaling())[1] is ScalingMode.FP8_2D_BLOCK_SCALING
+
+
+def test_create_set_starts_delayed_state_from_a_quantize_meta_set():
+    from te_flax.quantize import QuantizeMeta, QuantizeMetaSet
+
+    history = jnp.arange(4.0)
+    meta = QuantizeMeta(scale=jnp.full((1,), 8.0), amax_history=history)
+    qs = QuantizerFactory.create_set(
+        fp8_recipe=DelayedScaling(amax_history_len=4),
+        quantize_meta_set=QuantizeMetaSet(x=meta, kernel=QuantizeMeta(), grad=QuantizeMeta()),
+    )
+    np.testing.assert_array_equal(qs.x.scale_inv, [0.125])
+    np.testing.assert_array_equal(qs.x.amax_history, history)
+    np.testing.assert_array_equal(qs.kernel.scale_inv, [1.0])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        (
+            dict(scaling_mode="delayed"),
+            TypeError,
+            r"scaling_mode must be a te_flax\.quantize\.ScalingMode",
+        ),
+        (dict(fwd_dtype=jnp.float8_e4m3fn, fp8_recipe=DelayedScaling()), ValueError, r"fwd_dtype"),
+        (dict(n_groups=4), ValueError, r"grouped_quantizer_set\(QuantizerFactory\.create_set"),
+        (dict(is_2x2x=1), TypeError, r"is_2x2x must be None or a bool"),
+    ],
+)
+def test_create_set_refuses(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        QuantizerFactory.create_set(**kwargs)

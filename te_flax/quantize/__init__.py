@@ -8,6 +8,8 @@ Public API::
   MMParams, QParams                                   a recipe's GEMM and quantization options
   QuantizerSet, QuantizerFactory, noop_quantizer_set  per-GEMM quantizer state (pytrees)
   GemmPrecision                                       the precision of a set's FP8 GEMMs
+  ScalingMode, QuantizeLayout                         TransformerEngine's names for scaling rules
+  QuantizeMeta, QuantizeMetaSet                       state a quantizer set can start from
   DelayedScaleQuantizer, CurrentScaleQuantizer,       the quantizers a set holds
   Float8BlockQuantizer, BlockScaleQuantizer,
   NVFP4Quantizer
@@ -55,6 +57,12 @@ from te_flax.quantize.recipes import (
     QParams,
     Recipe,
 )
+from te_flax.quantize.scaling_modes import (
+    QuantizeLayout,
+    QuantizeMeta,
+    QuantizeMetaSet,
+    ScalingMode,
+)
 
 __all__ = [
     "LEADING",
@@ -76,11 +84,15 @@ __all__ = [
     "NVFP4BlockScaling",
     "NVFP4Quantizer",
     "QParams",
+    "QuantizeLayout",
+    "QuantizeMeta",
+    "QuantizeMetaSet",
     "Quantizer",
     "QuantizerFactory",
     "QuantizerSet",
     "Recipe",
     "ScaledTensor",
+    "ScalingMode",
     "UnmergedFp8StateWarning",
     "as_cotangent",
     "autocast",

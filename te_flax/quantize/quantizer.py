@@ -1,13 +1,13 @@
 """Quantizers and the sets the ops take (re-exports; kept as the public import path).
 
 The code lives by concern in ``te_flax.quantize.tensors`` (the quantized GEMM operands),
-``te_flax.quantize.quantizers`` (how one tensor is scaled) and ``te_flax.quantize.quantizer_set``
-(the quantizers of one GEMM and the factory that builds them from a recipe).
+``te_flax.quantize.quantizers`` (how one tensor is scaled), ``te_flax.quantize.quantizer_set``
+(the quantizers of one GEMM) and ``te_flax.quantize.factory`` (which builds them).
 """
 
+from te_flax.quantize.factory import QuantizerFactory
 from te_flax.quantize.quantizer_set import (
     GemmPrecision,
-    QuantizerFactory,
     QuantizerSet,
     as_cotangent,
     noop_quantizer_set,

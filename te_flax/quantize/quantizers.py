@@ -20,6 +20,7 @@ from jax.typing import DTypeLike
 
 from te_flax.quantize import block_scaling, scaling
 from te_flax.quantize.recipes import DelayedScaling
+from te_flax.quantize.scaling_modes import ScalingMode
 from te_flax.quantize.tensors import (
     LEADING,
     TRAILING,
@@ -58,6 +59,7 @@ class DelayedScaleQuantizer:
     """
 
     block_scaled = False  # quantizes per block along a contraction
+    scaling_mode = ScalingMode.DELAYED_TENSOR_SCALING  # TransformerEngine's name for the rule
 
     scale_inv: Array
     amax_history: Array
@@ -122,6 +124,7 @@ class CurrentScaleQuantizer:
     """
 
     block_scaled = False  # quantizes per block along a contraction
+    scaling_mode = ScalingMode.CURRENT_TENSOR_SCALING  # TransformerEngine's name for the rule
 
     q_dtype: Any = _static(jnp.float8_e4m3fn)  # noqa: RUF009
     power_2_scale: bool = _static(False)
@@ -209,6 +212,7 @@ class BlockScaleQuantizer:
     """MXFP8: blocks of 32 along the contraction, float8 data, e8m0 power-of-two scales."""
 
     block_scaled = True  # quantizes per block along a contraction
+    scaling_mode = ScalingMode.MXFP8_1D_SCALING  # TransformerEngine's name for the rule
 
     q_dtype: Any = _static(jnp.float8_e4m3fn)  # noqa: RUF009
     block_size: int = _static(block_scaling.MXFP8_BLOCK)
@@ -255,6 +259,11 @@ class NVFP4Quantizer:
     """
 
     block_scaled = True  # quantizes per block along a contraction
+
+    @property
+    def scaling_mode(self) -> ScalingMode:
+        """``NVFP4_2D_SCALING`` with 16x16 tiles, else ``NVFP4_1D_SCALING``."""
+        return ScalingMode.NVFP4_2D_SCALING if self.use_2d else ScalingMode.NVFP4_1D_SCALING
 
     key: Array | None = None
     q_dtype: Any = _static(jnp.float4_e2m1fn)  # noqa: RUF009
@@ -335,6 +344,13 @@ class Float8BlockQuantizer:
     """
 
     block_scaled = True  # quantizes per block along a contraction
+
+    @property
+    def scaling_mode(self) -> ScalingMode:
+        """``FP8_1D_BLOCK_SCALING`` (1x128 tiles) or ``FP8_2D_BLOCK_SCALING`` (128x128)."""
+        if self.block_dims == 2:
+            return ScalingMode.FP8_2D_BLOCK_SCALING
+        return ScalingMode.FP8_1D_BLOCK_SCALING
 
     q_dtype: Any = _static(jnp.float8_e4m3fn)  # noqa: RUF009
     block_dims: int = _static(1)
