@@ -153,13 +153,18 @@ def check_grouped_set(quantizer_set: QuantizerSet, n_groups: int) -> None:
             )
 
 
-def _group_amax(x: Array, ids: Array, n_groups: int) -> Array:
-    """``max |x|`` over each group's rows: float32 ``[G]``, 0 for an empty group."""
+def _group_amax(
+    x: Array, ids: Array, n_groups: int, distinct: frozenset[str] | None = None
+) -> Array:
+    """``max |x|`` over each group's rows: float32 ``[G]``, 0 for an empty group.
+
+    ``distinct``: manual mesh axes whose devices hold other groups (``scaling.distinct_over``).
+    """
     row_amax = jnp.max(jnp.abs(x), axis=tuple(range(1, x.ndim))).astype(jnp.float32)  # [M]
     amax = jax.ops.segment_max(row_amax, ids, num_segments=n_groups)  # [G]; -inf when empty
     amax = jnp.maximum(amax, 0.0)
     # As scaling.amax: inside shard_map each device holds a block of the rows.
-    manual = tuple(sorted(jax.sharding.get_abstract_mesh().manual_axes))
+    manual = scaling.amax_axes(distinct)
     return lax.pmax(amax, manual) if manual else amax
 
 
@@ -173,7 +178,12 @@ def _group_scales(quantizer: Quantizer, amax: Array) -> tuple[Array, Quantizer]:
 
 
 def quantize_rows(
-    x: Array, quantizer: Quantizer | None, ids: Array, n_groups: int, dtype: DTypeLike
+    x: Array,
+    quantizer: Quantizer | None,
+    ids: Array,
+    n_groups: int,
+    dtype: DTypeLike,
+    distinct: frozenset[str] | None = None,
 ) -> tuple[GemmOperand, Quantizer | None]:
     """Rows ``x [M, K]`` sorted by group, each group quantized with its own scale.
 
@@ -186,7 +196,7 @@ def quantize_rows(
         # Blocks along each GEMM's contraction: the features (per row) and, for wgrad, the
         # rows (blocks of rows that straddle two groups share a scale).
         return quantize_operand(x, quantizer, dtype, 1, (TRAILING, LEADING))
-    scale_inv, quantizer = _group_scales(quantizer, _group_amax(x, ids, n_groups))
+    scale_inv, quantizer = _group_scales(quantizer, _group_amax(x, ids, n_groups, distinct))
     row_scale_inv = jnp.take(scale_inv, ids, mode="fill", fill_value=1.0)  # [M]
     data = scaling.quantize(x, quantizer.q_dtype, row_scale_inv[:, None])
     return ScaledTensor(data, scale_inv), quantizer
@@ -310,6 +320,8 @@ class GroupedConfig:
     kernel_dtype: Any
     bias_dtype: Any  # None without a bias
     precision: lax.Precision | None  # of the GEMMs without FP8
+    # Manual mesh axes whose devices hold other groups (scaling.distinct_over at the forward).
+    distinct_axes: frozenset[str] = frozenset()
 
 
 class _Residuals(NamedTuple):
@@ -331,7 +343,9 @@ def _forward(
     quantizer_set: QuantizerSet,
 ) -> tuple[Array, _Residuals]:
     ids = group_ids(group_sizes, x.shape[0])  # [M]
-    lhs, x_quantizer = quantize_rows(x, quantizer_set.x, ids, config.n_groups, x.dtype)
+    lhs, x_quantizer = quantize_rows(
+        x, quantizer_set.x, ids, config.n_groups, x.dtype, config.distinct_axes
+    )
     # [G, K, N]: one scale per group, as dense's kernel stage under vmap.
     rhs, kernel_quantizer = quantize_groups(
         kernel, quantizer_set.kernel, x.dtype, 1, (LEADING, TRAILING)
@@ -376,7 +390,7 @@ def _backward(
         d_bias = d_bias.astype(config.bias_dtype)
     # Without FP8 the backward GEMMs run in x's dtype, as dense's.
     grad_operand, grad_quantizer = quantize_rows(
-        grad, quantizers.dgrad, ids, config.n_groups, config.x_dtype
+        grad, quantizers.dgrad, ids, config.n_groups, config.x_dtype, config.distinct_axes
     )
     dtype = config.x_dtype
     grad_input = partial(_gemm_input, grad_operand, dtype=dtype, grouped=False)

@@ -33,6 +33,7 @@ from te_flax.quantize import (
     float32_state,
     noop_quantizer_set,
     quantize_operand,
+    scaling,
 )
 from te_flax.sharding import LogicalAxes, vary_like, with_logical_constraint
 
@@ -435,6 +436,7 @@ def grouped_dense(
             kernel_dtype=kernel.dtype,
             bias_dtype=None if bias is None else bias.dtype,
             precision=precision,
+            distinct_axes=scaling.distinct_axes(),
         )
         return _grouped.ragged_grouped_dense(config, x, kernel, group_sizes, bias, quantizer_set)
     # Capacity: dense's own op under vmap over groups, so each GEMM becomes one batched GEMM

@@ -68,7 +68,7 @@ MESH_AXES = ("data", "fsdp", "tensor")
 # The logical axis names of te_flax's default axes and of the examples' activations.
 LOGICAL_AXES = (
     "batch", "length", "embed", "mlp", "act", "heads", "kv", "qkv", "vocab", "layers",
-    "act_embed", "act_mlp", "act_heads", "relpos_buckets",
+    "act_embed", "act_mlp", "act_heads", "relpos_buckets", "exp",
 )  # fmt: skip
 
 LogicalAxes = Sequence[str | None] | None

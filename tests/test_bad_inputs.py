@@ -34,6 +34,7 @@ from te_flax.dense import dense, grouped_dense
 from te_flax.layernorm import layernorm
 from te_flax.layernorm_dense import layernorm_dense
 from te_flax.layernorm_mlp import layernorm_mlp
+from te_flax.router import fused_topk_with_score_function
 
 F32 = jnp.float32
 DOCS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "bad_inputs.md"
@@ -50,6 +51,11 @@ TRANSFORMER = dict(hidden_size=32, mlp_hidden_size=64, num_attention_heads=4)
 
 ROWS_X = jnp.ones((8, 32), F32)  # [rows, hidden], rows sorted by group
 GROUPED_KERNEL = jnp.ones((3, 32, 16), F32)  # [groups, hidden, features]
+
+
+def _moe_on_ep_mesh(**attributes):
+    with sharding.use_sharding("ep", {"data": 4, "fsdp": 2}):
+        return te_nn.MoEBlock(**attributes).init(KEY, jnp.ones((8, 4, 32), F32))
 
 
 def _sizes(*sizes: int) -> jax.Array:
@@ -203,6 +209,21 @@ CASES = [
     case("grouped-dense-lowering",
          lambda: grouped_dense(ROWS_X, GROUPED_KERNEL, _sizes(2, 2, 2), lowering="padded"),
          ValueError, r"^lowering must be one of", r"'ragged', 'capacity'"),
+    case("router-topk-exceeds-experts",
+         lambda: fused_topk_with_score_function(jnp.ones((4, 8), F32), 9), ValueError,
+         r"^topk must be an int from 1 to the number of experts \(8\), got 9",
+         r"lower topk or add experts"),
+    case("moe-topk-exceeds-experts",
+         lambda: te_nn.MoEBlock(num_experts=4, num_experts_per_tok=5).init(KEY, X), ValueError,
+         r"^num_experts_per_tok \(5\) is larger than num_experts \(4\)",
+         r"lower num_experts_per_tok or add experts"),
+    case("moe-expert-bias-softmax",
+         lambda: te_nn.MoEBlock(use_expert_routing_bias=True).init(KEY, X), ValueError,
+         r"^use_expert_routing_bias needs score_function='sigmoid' or 'sqrtsoftplus'",
+         r"got 'softmax'"),
+    case("moe-experts-not-dividing-ep-axis", lambda: _moe_on_ep_mesh(num_experts=6), ValueError,
+         r"^num_experts \(6\) must be divisible by the expert-parallel mesh axis 'data' of "
+         r"size 4", r"choose a multiple of 4 experts"),
     case("dense-collective-gemm",
          lambda: dense(X, KERNEL, collective_op_set=te_flax.collective.CollectiveOpSet.create(
              te_flax.collective.CollectiveOp.ALL_GATHER)),

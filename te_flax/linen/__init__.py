@@ -3,6 +3,7 @@
 Public API::
 
   LayerNorm, DenseGeneral, LayerNormDenseGeneral, LayerNormMLP      the FP8 building blocks
+  MoEBlock                                                          a mixture of experts
   DotProductAttention, MultiHeadAttention, RelativePositionBiases,
   TransformerLayer, TransformerLayerType                            TE's higher layers
   make_dot_general_cls, make_grouped_dense_cls,                     FP8 for Flax's own layers
@@ -19,6 +20,7 @@ from te_flax.linen.inject import (
     wrap_function_in_te_state_module,
 )
 from te_flax.linen.modules import DenseGeneral, LayerNorm, LayerNormDenseGeneral, LayerNormMLP
+from te_flax.linen.moe import MoEBlock
 from te_flax.linen.transformer import (
     DotProductAttention,
     MultiHeadAttention,
@@ -33,6 +35,7 @@ __all__ = [
     "LayerNorm",
     "LayerNormDenseGeneral",
     "LayerNormMLP",
+    "MoEBlock",
     "MultiHeadAttention",
     "RelativePositionBiases",
     "TransformerEngineBase",

@@ -3,6 +3,7 @@
 Public API::
 
   LayerNorm, DenseGeneral, LayerNormDenseGeneral, LayerNormMLP   the modules
+  MoEBlock                                                       a mixture of experts
   DotProductAttention, MultiHeadAttention, RelativePositionBiases,
   TransformerLayer, TransformerLayerType                         TE's higher layers
   Fp8Meta                                                        the FP8 state variable type
@@ -16,6 +17,7 @@ from te_flax.nnx._fp8_meta import Fp8Meta
 from te_flax.nnx.convert import linen_variables, load_linen_variables
 from te_flax.nnx.inject import DotGeneral, EinsumOp
 from te_flax.nnx.modules import DenseGeneral, LayerNorm, LayerNormDenseGeneral, LayerNormMLP
+from te_flax.nnx.moe import MoEBlock
 from te_flax.nnx.training import train_step, update_fp8_state, value_and_grad
 from te_flax.nnx.transformer import (
     DotProductAttention,
@@ -34,6 +36,7 @@ __all__ = [
     "LayerNorm",
     "LayerNormDenseGeneral",
     "LayerNormMLP",
+    "MoEBlock",
     "MultiHeadAttention",
     "RelativePositionBiases",
     "TransformerLayer",

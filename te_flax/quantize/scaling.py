@@ -6,7 +6,9 @@ Scales are stored as *dequantization* scales, ``scale_inv``: ``x ~= q * scale_in
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -16,8 +18,11 @@ from jax.typing import DTypeLike
 
 __all__ = [
     "amax",
+    "amax_axes",
     "compute_scale_inv",
     "dequantize",
+    "distinct_axes",
+    "distinct_over",
     "fp8_max",
     "push_amax",
     "quantize",
@@ -33,6 +38,35 @@ def fp8_max(dtype: DTypeLike) -> float:
     return float(jnp.finfo(dtype).max)
 
 
+# Manual mesh axes over which the tensors being quantized are different tensors, not blocks of
+# one: under expert parallelism each device holds other experts, whose amaxes must not mix.
+_DISTINCT_AXES: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
+    "distinct_axes", default=frozenset()
+)
+
+
+@contextlib.contextmanager
+def distinct_over(axes: Iterable[str]) -> Iterator[None]:
+    """Inside ``shard_map``: amaxes are not combined over ``axes`` while this is active."""
+    token = _DISTINCT_AXES.set(frozenset(axes))
+    try:
+        yield
+    finally:
+        _DISTINCT_AXES.reset(token)
+
+
+def distinct_axes() -> frozenset[str]:
+    """The axes of the active ``distinct_over`` (ops that quantize again in their backward keep
+    this value from the forward)."""
+    return _DISTINCT_AXES.get()
+
+
+def amax_axes(distinct: frozenset[str] | None = None) -> tuple[str, ...]:
+    """The manual mesh axes an amax is combined over (``pmax``): all but the distinct ones."""
+    distinct = distinct_axes() if distinct is None else distinct
+    return tuple(sorted(set(jax.sharding.get_abstract_mesh().manual_axes) - distinct))
+
+
 def amax(x: Array) -> Array:
     """``max(|x|)`` over the whole (global) tensor, as a float32 scalar.
 
@@ -42,7 +76,7 @@ def amax(x: Array) -> Array:
     """
     # Reduce in float32: a bfloat16 maximum is exact, but the scale math that follows is not.
     value = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    manual = tuple(sorted(jax.sharding.get_abstract_mesh().manual_axes))
+    manual = amax_axes()
     return lax.pmax(value, manual) if manual else value
 
 

@@ -1,0 +1,64 @@
+"""``MoEBlock``, NNX style: the mixture-of-experts block of ``te_flax._moe``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+from jax import Array
+
+from te_flax._fp8_state import check_state_matches, resolve_recipe, state_names
+from te_flax._moe import MoEBlockSpec
+from te_flax.nnx._fp8_meta import Fp8Meta
+from te_flax.nnx._shell import NnxShell
+from te_flax.quantize import Recipe
+
+__all__ = ["MoEBlock"]
+
+
+class MoEBlock(NnxShell, MoEBlockSpec):
+    """A mixture of gated MLP experts (``te_flax.linen.MoEBlock``, NNX style).
+
+    Returns ``(y, aux_loss)``. ``in_features`` is the hidden size. Each call writes what the
+    router did into two ``nnx.Intermediate`` variables, ``tokens_per_expert`` (int32 ``[E]``)
+    and ``tokens_dropped`` (int32 ``[]``), which no optimizer touches. The FP8 state of the
+    two grouped GEMMs holds one entry per expert (``[num_experts, ...]``).
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import te_flax.nnx as te_nnx
+      >>> moe = te_nnx.MoEBlock(8, num_experts=4, intermediate_dim=16, rngs=nnx.Rngs(0))
+      >>> jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(moe, nnx.Param)))
+      {'gate_kernel': (8, 4), 'wi_kernel': (4, 8, 2, 16), 'wo_kernel': (4, 16, 8)}
+      >>> y, aux_loss = moe(jnp.ones((2, 3, 8)))
+      >>> y.shape
+      (2, 3, 8)
+    """
+
+    _description = MoEBlockSpec
+
+    def __init__(self, in_features: int, *, rngs: nnx.Rngs, **attributes: Any) -> None:
+        self._setup((in_features,), rngs, attributes)
+        # One state per expert, in place of the shell's per-tensor one.
+        recipe = resolve_recipe(self.recipe)
+        for postfix in self.fp8_postfixes:
+            for name, value in self.fresh_fp8_state(recipe, postfix).items():
+                setattr(self, name, Fp8Meta(value))
+        self.tokens_per_expert = nnx.Intermediate(jnp.zeros((self.num_experts,), jnp.int32))
+        self.tokens_dropped = nnx.Intermediate(jnp.zeros((), jnp.int32))
+
+    def __call__(self, inputs: Array) -> tuple[Array, Array]:
+        """``[batch..., in_features]`` -> ``([batch..., in_features], aux_loss [])``."""
+        (out, aux_loss), stats = self._run(inputs)
+        self.tokens_per_expert[...] = stats.tokens_per_expert
+        self.tokens_dropped[...] = stats.tokens_dropped
+        return out, aux_loss
+
+    def _fp8_state(self, recipe: Recipe | None, postfix: str) -> dict[str, Array]:
+        fresh = self.fresh_fp8_state(recipe, postfix)
+        present = {n for n in state_names(postfix) if isinstance(getattr(self, n, None), Fp8Meta)}
+        check_state_matches(type(self).__name__, recipe, set(fresh), present)
+        return {name: getattr(self, name)[...] for name in fresh}

@@ -1,0 +1,155 @@
+"""MoEBlock: against a dense per-expert reference, capacity, FP8 state per expert, Linen = NNX."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import te_flax.linen as te_nn
+import te_flax.nnx as te_nnx
+from te_flax.quantize import DelayedScaling, Float8CurrentScaling
+from te_flax.training import OVERWRITE_WITH_GRADIENT, merge_fp8_state
+from te_flax.training import value_and_grad as linen_value_and_grad
+from tests.helpers import FP8_FORWARD_TOLERANCE, assert_close, normal, relative_error
+
+HIDDEN, EXPERTS, TOPK, FFN = 16, 4, 2, 24
+X = normal(jax.random.key(1), (2, 12, HIDDEN))
+ATTRIBUTES = dict(num_experts=EXPERTS, num_experts_per_tok=TOPK, intermediate_dim=FFN)
+
+
+def _reference(params, x, kept=None):
+    """Every expert on every token, weighted by the router's top-k softmax (zero elsewhere)."""
+    tokens = x.reshape(-1, HIDDEN)
+    logits = tokens @ params["gate_kernel"]
+    top, chosen = jax.lax.top_k(logits, TOPK)
+    weights = jax.nn.softmax(top, axis=-1)
+    if kept is not None:
+        weights = jnp.where(kept, weights, 0.0)
+    probs = jnp.zeros_like(logits).at[jnp.arange(tokens.shape[0])[:, None], chosen].set(weights)
+    h = jnp.einsum("th,ehaf->teaf", tokens, params["wi_kernel"])
+    expert_out = jnp.einsum(
+        "tef,efh->teh", jax.nn.silu(h[:, :, 0]) * h[:, :, 1], params["wo_kernel"]
+    )
+    return jnp.einsum("teh,te->th", expert_out, probs).reshape(x.shape)
+
+
+LAYER = te_nn.MoEBlock(**ATTRIBUTES)
+PARAMS = nn.meta.unbox(jax.jit(LAYER.init)(jax.random.key(0), X))["params"]
+
+
+def test_dropless_matches_dense_reference_values_and_gradients():
+    def loss(params, x, forward):
+        return jnp.sum(jnp.sin(forward(params, x)))
+
+    def block(params, x):
+        return LAYER.apply({"params": params}, x)[0]
+
+    value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)(
+        PARAMS, X, block
+    )
+    expected, expected_grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)(
+        PARAMS, X, _reference
+    )
+    assert_close(value, expected, 2e-5)
+    for name in PARAMS:
+        assert relative_error(grads[0][name], expected_grads[0][name]) < 1e-5, name
+    assert relative_error(grads[1], expected_grads[1]) < 1e-5
+
+
+def test_capacity_drops_and_counts():
+    layer = te_nn.MoEBlock(**ATTRIBUTES, capacity_factor=0.5, drop_policy="position")
+    (y, _), state = jax.jit(lambda p, x: layer.apply({"params": p}, x, mutable=["intermediates"]))(
+        PARAMS, X
+    )
+    stats = state["intermediates"]
+    dropped, per_expert = int(stats["tokens_dropped"][0]), stats["tokens_per_expert"][0]
+    capacity = 24 * TOPK // EXPERTS // 2
+    assert dropped > 0 and int(per_expert.max()) <= capacity
+    assert int(per_expert.sum()) + dropped == 24 * TOPK
+    # The same as the reference with the dropped assignments' weights at zero.
+    logits = X.reshape(-1, HIDDEN) @ PARAMS["gate_kernel"]
+    chosen = jnp.sort(jax.lax.top_k(logits, TOPK)[1], axis=-1)  # expert order, as the block
+    position = np.zeros(EXPERTS, int)
+    kept = np.zeros(chosen.shape, bool)
+    for t, row in enumerate(np.asarray(chosen)):
+        for slot, expert in enumerate(row):
+            kept[t, slot] = position[expert] < capacity
+            position[expert] += 1
+    order = jnp.argsort(jax.lax.top_k(logits, TOPK)[1], axis=-1)  # top-k order -> expert order
+    kept_topk = jnp.take_along_axis(jnp.asarray(kept), jnp.argsort(order, axis=-1), axis=-1)
+    assert_close(y, jax.jit(_reference)(PARAMS, X, kept_topk), 2e-5)
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling()])
+def test_fp8_one_state_per_expert(recipe):
+    layer = te_nn.MoEBlock(**ATTRIBUTES, recipe=recipe)
+    variables = jax.jit(layer.init)(jax.random.key(0), X)
+    fp8 = variables.get(OVERWRITE_WITH_GRADIENT, {})
+    if isinstance(recipe, DelayedScaling):
+        assert fp8["x_0_amax_history"].shape == (EXPERTS, 4)
+        assert fp8["grad_1_scale_inv"].shape == (EXPERTS, 1)
+    else:
+        assert not fp8
+
+    def loss(variables, x):
+        return jnp.sum(layer.apply(merge_fp8_state(variables), x)[0] ** 2)
+
+    _, grads = jax.jit(linen_value_and_grad(loss))(variables, X)
+    if isinstance(recipe, DelayedScaling):
+        new = grads[OVERWRITE_WITH_GRADIENT]
+        # Each expert's x amax is the max over its own tokens' rows.
+        tokens = X.reshape(-1, HIDDEN)
+        chosen = jax.lax.top_k(tokens @ nn.meta.unbox(variables)["params"]["gate_kernel"], TOPK)[1]
+        for expert in range(EXPERTS):
+            rows = tokens[np.asarray((chosen == expert).any(-1))]
+            np.testing.assert_allclose(new["x_0_amax_history"][expert, 0], jnp.abs(rows).max())
+        assert float(new["grad_0_amax_history"][:, 0].min()) > 0
+    out = jax.jit(layer.apply)(variables, X)[0]
+    reference = jax.jit(_reference)(nn.meta.unbox(variables)["params"], X)
+    assert relative_error(out, reference) < FP8_FORWARD_TOLERANCE
+
+
+def test_linen_and_nnx_agree_bit_for_bit():
+    recipe = DelayedScaling(amax_history_len=4)
+    attributes = dict(
+        ATTRIBUTES, recipe=recipe, enable_layernorm=True, aux_loss_coeff=0.01, use_bias=True,
+        score_function="sigmoid", use_expert_routing_bias=True,
+    )  # fmt: skip
+    linen_module = te_nn.MoEBlock(**attributes)
+    variables = jax.jit(linen_module.init)(jax.random.key(0), X)
+    module = te_nnx.MoEBlock(HIDDEN, **attributes, rngs=nnx.Rngs(5))
+    te_nnx.load_linen_variables(module, variables)
+    variables = nn.meta.unbox(variables)
+
+    def linen_loss(variables, x):
+        y, aux = linen_module.apply(merge_fp8_state(variables), x)
+        return jnp.sum(y**2) + aux
+
+    def nnx_loss(model, x):
+        y, aux = model(x)
+        return jnp.sum(y**2) + aux
+
+    linen_value, linen_grads = jax.jit(linen_value_and_grad(linen_loss))(variables, X)
+    nnx_value, nnx_grads = nnx.jit(te_nnx.value_and_grad(nnx_loss, update_fp8_state=True))(
+        module, X
+    )
+    np.testing.assert_array_equal(nnx_value, linen_value)
+    nnx_params = nnx.to_pure_dict(nnx.state(module, nnx.Param))
+    assert sorted(nnx_params) == sorted(variables["params"])
+    flat_nnx = nnx.to_pure_dict(nnx_grads)
+    for name, grad in linen_grads["params"].items():
+        np.testing.assert_array_equal(flat_nnx[name], grad, err_msg=name)
+    # The NNX step wrote the new FP8 state into the module: the Linen gradient of the state.
+    for name, new in linen_grads[OVERWRITE_WITH_GRADIENT].items():
+        np.testing.assert_array_equal(getattr(module, name)[...], new, err_msg=name)
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="num_experts_per_tok \\(5\\) is larger than num_experts"):
+        te_nn.MoEBlock(num_experts=4, num_experts_per_tok=5).init(jax.random.key(0), X)
+    with pytest.raises(ValueError, match="use_expert_routing_bias needs score_function"):
+        te_nn.MoEBlock(use_expert_routing_bias=True).init(jax.random.key(0), X)
