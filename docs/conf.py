@@ -83,6 +83,8 @@ API_MODULES = [
     "te_flax.dense",
     "te_flax.layernorm",
     "te_flax.attention",
+    "te_flax.activation",
+    "te_flax.collective",
 ]
 
 
