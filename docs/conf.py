@@ -83,6 +83,7 @@ API_MODULES = [
     "te_flax.dense",
     "te_flax.layernorm",
     "te_flax.attention",
+    "te_flax.inject",
     "te_flax.activation",
     "te_flax.collective",
 ]
