@@ -24,16 +24,21 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax import Array
 
-from te_flax._layers import ParamSpec
-from te_flax._transformer import (
-    CacheSlots,
-    Child,
+from te_flax._attention_specs import (
     DotProductAttentionSpec,
     MultiHeadAttentionSpec,
     RelativePositionBiasesSpec,
-    TransformerLayerSpec,
-    TransformerLayerType,
 )
+from te_flax._composite import Child, DropoutSpec
+from te_flax._kv_cache import CacheSlots
+from te_flax._layers import (
+    DenseGeneralSpec,
+    LayerNormDenseGeneralSpec,
+    LayerNormMLPSpec,
+    LayerNormSpec,
+    ParamSpec,
+)
+from te_flax._transformer import TransformerLayerSpec, TransformerLayerType
 from te_flax.linen import modules
 from te_flax.linen._shell import create_param
 
@@ -57,10 +62,7 @@ class _LinenHost:
     def layer(self, name: str) -> Any:
         if name not in self.built:
             kind, attributes, _ = self.children[name]
-            if kind == "Dropout":
-                self.built[name] = nn.Dropout(**attributes, name=name)
-            else:
-                self.built[name] = _KINDS[kind](**attributes, name=name)
+            self.built[name] = _KINDS[kind](**attributes, name=name)
         return self.built[name]
 
     def rng(self, stream: str) -> Array:
@@ -347,11 +349,13 @@ class TransformerLayer(nn.Module, TransformerLayerSpec):
         )
 
 
-_KINDS = {
-    "DenseGeneral": modules.DenseGeneral,
-    "LayerNorm": modules.LayerNorm,
-    "LayerNormDenseGeneral": modules.LayerNormDenseGeneral,
-    "LayerNormMLP": modules.LayerNormMLP,
-    "MultiHeadAttention": MultiHeadAttention,
-    "RelativePositionBiases": RelativePositionBiases,
+# The Linen module of each sublayer description.
+_KINDS: dict[type, type[nn.Module]] = {
+    DenseGeneralSpec: modules.DenseGeneral,
+    DropoutSpec: nn.Dropout,
+    LayerNormSpec: modules.LayerNorm,
+    LayerNormDenseGeneralSpec: modules.LayerNormDenseGeneral,
+    LayerNormMLPSpec: modules.LayerNormMLP,
+    MultiHeadAttentionSpec: MultiHeadAttention,
+    RelativePositionBiasesSpec: RelativePositionBiases,
 }

@@ -21,16 +21,21 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import Array
 
-from te_flax._layers import ParamSpec
-from te_flax._transformer import (
-    CacheSlots,
-    Child,
+from te_flax._attention_specs import (
     DotProductAttentionSpec,
     MultiHeadAttentionSpec,
     RelativePositionBiasesSpec,
-    TransformerLayerSpec,
-    TransformerLayerType,
 )
+from te_flax._composite import Child, DropoutSpec
+from te_flax._kv_cache import CacheSlots
+from te_flax._layers import (
+    DenseGeneralSpec,
+    LayerNormDenseGeneralSpec,
+    LayerNormMLPSpec,
+    LayerNormSpec,
+    ParamSpec,
+)
+from te_flax._transformer import TransformerLayerSpec, TransformerLayerType
 from te_flax.nnx import modules
 from te_flax.nnx._shell import create_param, set_attributes
 
@@ -92,11 +97,11 @@ class _NnxHost:
 
 def _build(child: Child, rngs: nnx.Rngs) -> nnx.Module:
     kind, attributes, in_features = child
-    if kind == "Dropout":  # a stream only where it draws: rate 0 needs no "dropout" stream
+    if kind is DropoutSpec:  # a stream only where it draws: rate 0 needs no "dropout" stream
         return nnx.Dropout(**attributes, rngs=rngs if attributes["rate"] > 0 else None)
-    if kind == "RelativePositionBiases":
+    if kind is RelativePositionBiasesSpec:
         return RelativePositionBiases(**attributes, rngs=rngs)
-    if kind == "MultiHeadAttention" and isinstance(in_features, tuple):
+    if kind is MultiHeadAttentionSpec and isinstance(in_features, tuple):
         query_features, kv_features = in_features
         return MultiHeadAttention(
             query_features, in_kv_features=kv_features, **attributes, rngs=rngs
@@ -310,8 +315,6 @@ class TransformerLayer(nnx.Module, TransformerLayerSpec):
     def __init__(self, *, rngs: nnx.Rngs, **attributes: Any):
         set_attributes(self, TransformerLayerSpec, attributes, rngs)
         for name, child in self.children().items():
-            if name == "encoder_decoder_attention":
-                child = child._replace(in_features=(self.hidden_size, self.hidden_size))
             # TE names the output norm after its switch: the module takes the attribute's place
             # (and keeps its truth value), so that its variables sit where Linen puts them.
             setattr(self, name, nnx.data(_build(child, rngs)))
@@ -361,10 +364,11 @@ class _WithRelativeEmbedding(_NnxHost):
         return super().layer(name)
 
 
-_KINDS = {
-    "DenseGeneral": modules.DenseGeneral,
-    "LayerNorm": modules.LayerNorm,
-    "LayerNormDenseGeneral": modules.LayerNormDenseGeneral,
-    "LayerNormMLP": modules.LayerNormMLP,
-    "MultiHeadAttention": MultiHeadAttention,
+# The NNX module of each sublayer description built from its input size.
+_KINDS: dict[type, type[nnx.Module]] = {
+    DenseGeneralSpec: modules.DenseGeneral,
+    LayerNormSpec: modules.LayerNorm,
+    LayerNormDenseGeneralSpec: modules.LayerNormDenseGeneral,
+    LayerNormMLPSpec: modules.LayerNormMLP,
+    MultiHeadAttentionSpec: MultiHeadAttention,
 }
