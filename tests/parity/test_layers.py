@@ -206,12 +206,10 @@ def _swap_gradient_state(fp8):
     return swapped
 
 
-def test_te_unfused_layernorm_mlp_names_its_gradient_state_the_other_way():
-    """TE's LayerNormMLP quantizes the output gradient with ``grad_0_*`` on its fused path and
-    with ``grad_1_*`` on its unfused one (``return_layernorm_output=True``, dropout); te_flax
-    keeps the fused path's meaning everywhere (docs/porting.md). Everything else agrees."""
-    attributes = dict(intermediate_dim=64, return_layernorm_output=True)
-    our_recipe, te_recipe = ref.RECIPES["delayed"]
+def compare_with_te_unfused_mlp(attributes: dict, recipe_name: str = "delayed") -> None:
+    """Two steps of TE's LayerNormMLP on its unfused path and te_flax's from TE's variables:
+    the same outputs, gradients and FP8 state, TE's gradient-state names exchanged."""
+    our_recipe, te_recipe = ref.RECIPES[recipe_name]
     theirs, ours = ref.TE.LayerNormMLP(**attributes), te_nn.LayerNormMLP(**attributes)
     x, cotangent = _inputs(0, SHAPE[-1])
     with ref.te_context(te_recipe):
@@ -232,6 +230,13 @@ def test_te_unfused_layernorm_mlp_names_its_gradient_state_the_other_way():
         # Each run goes on with its own state: both quantize each gradient with its own
         # history, under different names.
         assert max(errors.values()) <= TOLERANCE, errors
+
+
+def test_te_unfused_layernorm_mlp_names_its_gradient_state_the_other_way():
+    """TE's LayerNormMLP quantizes the output gradient with ``grad_0_*`` on its fused path and
+    with ``grad_1_*`` on its unfused one (``return_layernorm_output=True``, dropout); te_flax
+    keeps the fused path's meaning everywhere (docs/porting.md). Everything else agrees."""
+    compare_with_te_unfused_mlp(dict(intermediate_dim=64, return_layernorm_output=True))
 
 
 @pytest.mark.parametrize("mask_type", ["causal", "padding"])
