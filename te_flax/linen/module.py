@@ -1,5 +1,5 @@
-"""TransformerEngine's ``transformer_engine.jax.flax.module`` path: the base module and the FP8
-building blocks.
+"""TransformerEngine's ``transformer_engine.jax.flax.module`` path: the base module, the FP8
+building blocks and the injection of FP8 products into Flax's own layers.
 
 ``transformer_engine.jax.flax`` is ``te_flax.linen``, so TE code that names the base class by
 its module path (``transformer_engine.jax.flax.module.TransformerEngineBase``) reads
@@ -7,6 +7,11 @@ its module path (``transformer_engine.jax.flax.module.TransformerEngineBase``) r
 """
 
 from te_flax.linen._base import TransformerEngineBase
+from te_flax.linen.inject import (
+    make_dot_general_cls,
+    make_grouped_dense_cls,
+    wrap_function_in_te_state_module,
+)
 from te_flax.linen.modules import DenseGeneral, LayerNorm, LayerNormDenseGeneral, LayerNormMLP
 
 __all__ = [
@@ -15,4 +20,7 @@ __all__ = [
     "LayerNormDenseGeneral",
     "LayerNormMLP",
     "TransformerEngineBase",
+    "make_dot_general_cls",
+    "make_grouped_dense_cls",
+    "wrap_function_in_te_state_module",
 ]
