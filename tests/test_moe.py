@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -16,6 +18,7 @@ from te_flax.training import OVERWRITE_WITH_GRADIENT, merge_fp8_state
 from te_flax.training import value_and_grad as linen_value_and_grad
 from tests.helpers import FP8_FORWARD_TOLERANCE, assert_close, normal, relative_error
 
+ROOT = Path(__file__).resolve().parent.parent
 HIDDEN, EXPERTS, TOPK, FFN = 16, 4, 2, 24
 X = normal(jax.random.key(1), (2, 12, HIDDEN))
 ATTRIBUTES = dict(num_experts=EXPERTS, num_experts_per_tok=TOPK, intermediate_dim=FFN)
@@ -153,3 +156,26 @@ def test_bad_inputs():
         te_nn.MoEBlock(num_experts=4, num_experts_per_tok=5).init(jax.random.key(0), X)
     with pytest.raises(ValueError, match="use_expert_routing_bias needs score_function"):
         te_nn.MoEBlock(use_expert_routing_bias=True).init(jax.random.key(0), X)
+
+
+@pytest.mark.slow
+def test_example_lm_trains_a_moe_and_reports_its_routing(tmp_path):
+    from examples.lm.config import load_config
+    from examples.lm.report import write_report
+    from examples.lm.train import train
+    from tests.helpers import TINY_LM
+
+    moe = ["model.moe.experts=4", "model.moe.capacity_factor=1.0", "model.activation=swiglu"]
+    config = load_config(
+        ROOT / "configs" / "lm_moe.yaml",
+        [*TINY_LM, *moe, "train.steps=3", "checkpoint_every=0", f"output_dir={tmp_path}"],
+    )
+    result = train(config, "fp8", progress=False)
+    assert len(result.aux_loss) == len(result.tokens_dropped) == 3
+    # Two layers, each about the coefficient (0.01) when the routing is near uniform.
+    assert 0.01 < result.aux_loss[0] < 0.04 and result.tokens_dropped[0] >= 0
+    assert result.variables["params"]["blocks"]["moe"]["wi_kernel"].shape == (2, 4, 32, 2, 64)
+    report = write_report(config, [result]).read_text()
+    assert "top-2" in report and (tmp_path / "moe.png").exists()
+    with pytest.raises(ValueError, match=r"model\.moe\.experts=4 needs model\.frontend=linen"):
+        load_config(ROOT / "configs" / "lm_moe.yaml", ["model.frontend=nnx"])

@@ -56,7 +56,7 @@ def _compare(single, sharded, tolerance):
             assert relative_error(actual, expected) <= tolerance, name
 
 
-@pytest.mark.parametrize("ways", [2, 4, 8])
+@pytest.mark.parametrize("ways", [pytest.param(2, marks=pytest.mark.slow), 4, 8])
 def test_expert_parallel_equals_one_device(ways):
     layer = _layer()
     variables = jax.jit(layer.init)(jax.random.key(0), X)

@@ -17,6 +17,22 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "lm_small.yam
 
 
 @dataclasses.dataclass
+class MoEConfig:
+    """A mixture of experts in place of each block's MLP (``experts: 0``: the dense MLP).
+
+    Each expert is an MLP of ``model.mlp_dim`` with ``model.activation``; ``top_k`` of them
+    run per token. ``capacity_factor``: rows per expert ``ceil(tokens * top_k / experts *
+    capacity_factor)``, the rest dropped; None is dropless. ``aux_loss_coeff``: the
+    load-balancing loss's weight in the training loss.
+    """
+
+    experts: int = 0
+    top_k: int = 2
+    capacity_factor: float | None = None
+    aux_loss_coeff: float = 0.01
+
+
+@dataclasses.dataclass
 class ModelConfig:
     vocab_size: int = 256  # bytes
     d_model: int = 128
@@ -29,6 +45,7 @@ class ModelConfig:
     # "handwritten": te_flax's FP8 layers composed by hand; "te": TE's TransformerLayer
     # (needs d_model = heads * head_dim, as TE derives the head size from them).
     block: str = "handwritten"
+    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
 
 
 @dataclasses.dataclass
@@ -110,5 +127,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             f"model.block=te needs model.d_model = model.heads * model.head_dim (TE's "
             f"TransformerLayer uses head_dim = hidden_size / num_attention_heads); got "
             f"d_model={m.d_model}, heads={m.heads}, head_dim={m.head_dim}"
+        )
+    if m.moe.experts and (m.frontend, m.block) != ("linen", "handwritten"):
+        raise ValueError(
+            f"model.moe.experts={m.moe.experts} needs model.frontend=linen and "
+            f"model.block=handwritten (the MoE blocks are written in the Linen model); got "
+            f"frontend={m.frontend}, block={m.block}"
         )
     return OmegaConf.to_object(config)

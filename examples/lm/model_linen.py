@@ -3,7 +3,9 @@
 Pre-norm decoder blocks: attention whose QKV projection is one ``LayerNormDenseGeneral`` with
 ``features=(3, heads, head_dim)``, ``te_flax.attention.dot_product_attention``, an output
 ``DenseGeneral``, then a ``LayerNormMLP`` subclass that adds its own residual. The blocks are
-stacked with ``nn.scan``, each layer with its own parameters and FP8 state. Kernels and
+stacked with ``nn.scan``, each layer with its own parameters and FP8 state. With
+``model.moe.experts`` each block's MLP is a ``MoEBlock`` (with its pre-norm), whose aux loss and
+dropped tokens are sown into ``"intermediates"``. Kernels and
 activations carry logical axis names for the rule sets of ``configs/rules``; the (small)
 embeddings are replicated.
 
@@ -43,6 +45,16 @@ class ResidualMLP(te_nn.LayerNormMLP):
         return inputs + out
 
 
+class ResidualMoE(te_nn.MoEBlock):
+    """The mixture of experts with its own residual; its aux loss is sown for the train step."""
+
+    @nn.compact
+    def __call__(self, inputs):
+        out, aux_loss = super().__call__(inputs)
+        self.sow("intermediates", "aux_loss", aux_loss)
+        return inputs + out
+
+
 class Attention(nn.Module):
     config: ModelConfig
 
@@ -76,6 +88,20 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x, _):
         x = x + Attention(self.config, name="attention")(x)
+        moe = self.config.moe
+        if moe.experts:
+            x = ResidualMoE(
+                num_experts=moe.experts,
+                num_experts_per_tok=moe.top_k,
+                capacity_factor=moe.capacity_factor,
+                aux_loss_coeff=moe.aux_loss_coeff,
+                intermediate_dim=self.config.mlp_dim,
+                activations=ACTIVATIONS[self.config.activation],
+                enable_layernorm=True,
+                dtype=COMPUTE_DTYPE,
+                name="moe",
+            )(x)
+            return x, None
         x = ResidualMLP(
             intermediate_dim=self.config.mlp_dim,
             activations=ACTIVATIONS[self.config.activation],
@@ -132,7 +158,7 @@ class GPT(nn.Module):
         x = (embed(tokens) + positions[None]).astype(COMPUTE_DTYPE)  # [batch, seq, d_model]
         blocks = nn.scan(
             TELayer if c.block == "te" else Block,
-            variable_axes={"params": 0, OVERWRITE_WITH_GRADIENT: 0},
+            variable_axes={"params": 0, OVERWRITE_WITH_GRADIENT: 0, "intermediates": 0},
             split_rngs={"params": True},
             length=c.layers,
             metadata_params={nn.PARTITION_NAME: "layers"},

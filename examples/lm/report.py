@@ -66,6 +66,46 @@ def _plot_ratio(axis: plt.Axes, ratios: LossRatios, name: str, reference: str) -
     axis.legend(fontsize="small")
 
 
+def _moe_report(config: Config, results: list[RunResult], out: Path) -> list[str]:
+    """``moe.png`` (each run's aux loss and dropped tokens per step) and the report's lines."""
+    moe, t = config.model.moe, config.train
+    figure, (aux_axis, drop_axis) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+    for index, result in enumerate(results):
+        style = dict(color=f"C{index}", lw=1, label=result.name)
+        aux_axis.plot(result.steps, result.aux_loss, **style)
+        drop_axis.plot(result.steps, result.tokens_dropped, **style)
+    aux_axis.set(ylabel=f"aux loss (coeff {moe.aux_loss_coeff})", title="MoE routing")
+    drop_axis.set(xlabel="step", ylabel="assignments dropped")
+    for axis in (aux_axis, drop_axis):
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(out / "moe.png", dpi=120)
+    plt.close(figure)
+    assignments = t.batch * t.seq_len * moe.top_k * config.model.layers
+    lines = [
+        "",
+        f"Mixture of experts in every block: {moe.experts} experts, top-{moe.top_k}, capacity "
+        f"factor {moe.capacity_factor} ({'dropless' if moe.capacity_factor is None else 'drops'}"
+        f"), aux loss coefficient {moe.aux_loss_coeff}; {assignments:,} token-expert "
+        "assignments per step over all layers.",
+        "",
+        "![MoE aux loss and dropped tokens](moe.png)",
+        "",
+        "| run | first aux loss | final aux loss | dropped, first step | dropped, mean of last "
+        "tenth | dropped, whole run |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        tail = r.tokens_dropped[-max(1, len(r.tokens_dropped) // 10) :]
+        lines.append(
+            f"| {r.name} | {r.aux_loss[0]:.5f} | {r.aux_loss[-1]:.5f} | {r.tokens_dropped[0]:,} | "
+            f"{np.mean(tail):,.1f} ({np.mean(tail) / assignments:.2%}) | "
+            f"{sum(r.tokens_dropped):,} |"
+        )
+    return lines
+
+
 def write_report(config: Config, results: list[RunResult]) -> Path:
     """Writes ``loss.png`` and ``report.md`` to ``config.output_dir``; returns the report."""
     out = Path(config.output_dir)
@@ -149,6 +189,8 @@ def write_report(config: Config, results: list[RunResult]) -> Path:
             f"Eval loss ratio {a.name} / {b.name} at each evaluation (step: ratio): {points}. "
             f"Farthest from 1: {ratios.eval[worst]:.4f} at step {ratios.eval_steps[worst]}.",
         ]
+    if all(r.aux_loss for r in results):
+        lines += _moe_report(config, results, out)
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path

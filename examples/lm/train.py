@@ -76,6 +76,8 @@ class RunResult:
     parameters: int
     variables: Any  # the final variables (params and FP8 state), on the host
     partition_specs: Any = None  # how the final variables were laid out on the mesh
+    aux_loss: list[float] = dataclasses.field(default_factory=list)  # MoE, per step
+    tokens_dropped: list[int] = dataclasses.field(default_factory=list)  # MoE, per step
 
 
 def make_recipe(config: Config):
@@ -94,7 +96,7 @@ def make_recipe(config: Config):
 @dataclasses.dataclass
 class _Frontend:
     init: Any  # key -> variables
-    apply: Any  # (variables, tokens) -> logits
+    apply: Any  # (variables, tokens) -> (logits, sown intermediates)
     partition_specs: Any  # () -> the variables' PartitionSpecs on the mesh, under the rules
 
 
@@ -108,7 +110,7 @@ def _linen_frontend(config: Config) -> _Frontend:
 
     return _Frontend(
         init=lambda key: nn.meta.unbox(model.init(key, tokens)),
-        apply=model.apply,
+        apply=lambda variables, tokens: model.apply(variables, tokens, mutable=["intermediates"]),
         partition_specs=partition_specs,
     )
 
@@ -126,7 +128,7 @@ def _nnx_frontend(config: Config) -> _Frontend:
     def apply(variables, tokens):
         model = nnx.merge(graphdef, state, copy=True)
         te_nnx.load_linen_variables(model, variables)
-        return model(tokens)
+        return model(tokens), {}
 
     def partition_specs():
         # Each variable's logical names (its sharding metadata) resolved by the active rules,
@@ -170,9 +172,23 @@ def make_optimizer(config: Config) -> optax.GradientTransformation:
     )
 
 
+def _sown(intermediates, name: str):
+    """The sum of every sown value called ``name`` (each MoE layer's), 0 without any."""
+    leaves = jax.tree_util.tree_flatten_with_path(intermediates)[0]
+    values = [
+        jnp.sum(v).astype(jnp.float32) for path, v in leaves if name in jax.tree_util.keystr(path)
+    ]
+    return sum(values, jnp.zeros((), jnp.float32))
+
+
 def _loss(frontend, variables, tokens, targets):
-    logits = frontend.apply(variables, tokens).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    """The training loss (cross-entropy plus the MoE aux loss) and its parts."""
+    logits, intermediates = frontend.apply(variables, tokens)
+    logits = logits.astype(jnp.float32)
+    cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    aux_loss = _sown(intermediates, "aux_loss")
+    dropped = _sown(intermediates, "tokens_dropped")
+    return cross_entropy + aux_loss, (cross_entropy, aux_loss, dropped)
 
 
 def _mesh(config: Config) -> jax.sharding.Mesh:
@@ -364,15 +380,15 @@ def train(
                 return _loss(frontend, variables, tokens, targets)
 
             # te_flax's value_and_grad max-merges the FP8 state of the layers' reuses.
-            loss, grads = value_and_grad(loss_fn)(state["variables"])
+            (_, parts), grads = value_and_grad(loss_fn, has_aux=True)(state["variables"])
             variables, opt_state = apply_gradients(
                 tx, state["variables"], grads, state["opt_state"]
             )
-            return {"variables": variables, "opt_state": opt_state}, loss
+            return {"variables": variables, "opt_state": opt_state}, parts
 
         @jax.jit
         def eval_loss(variables, tokens, targets):
-            return _loss(frontend, variables, tokens, targets)
+            return _loss(frontend, variables, tokens, targets)[1][0]
 
         def evaluate(variables) -> float:
             losses = []
@@ -394,11 +410,14 @@ def train(
             tokens, targets = corpus.batch("train", t.seed, step, t.batch, t.seq_len)
             tokens, targets = jax.device_put((tokens, targets), batch_sharding)
             began = time.perf_counter()
-            state, loss = train_step(state, tokens, targets)
+            state, (loss, aux_loss, dropped) = train_step(state, tokens, targets)
             loss = float(loss)  # waits for the step
             times.append(time.perf_counter() - began)
             result.steps.append(step + 1)
             result.train_loss.append(loss)
+            if config.model.moe.experts:
+                result.aux_loss.append(float(aux_loss))
+                result.tokens_dropped.append(int(dropped))
             if len(times) > 1:
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{t.batch * t.seq_len / times[-1]:.0f}")
             if (step + 1) % every == 0 or step + 1 == end:
