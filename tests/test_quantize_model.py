@@ -224,3 +224,68 @@ def test_bad_inputs_name_the_fix():
     assert "down (dot_general)" in str(error.value)
     with pytest.raises(TypeError, match=r"linen\.Module or a flax\.nnx\.Module"):
         te_flax.quantize_model(lambda x: x, RECIPE, jnp.ones((4, D)))
+
+
+class ScannedLayer(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.proj = nnx.Linear(D, D, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x + jax.nn.relu(self.proj(x))
+
+
+class ScannedStack(nnx.Module):
+    """Layers built stacked with nnx.vmap and run with nnx.scan, as in Flax's guides."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=0, out_axes=0)
+        def make(rngs):
+            return ScannedLayer(rngs)
+
+        self.layers = make(rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(x, layer):
+            return layer(x)
+
+        return body(x, self.layers)
+
+
+class LinenScannedLayer(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array, _: None) -> tuple[jax.Array, None]:
+        return x + jax.nn.relu(nn.remat(nn.Dense)(D)(x)), None
+
+
+class LinenScannedStack(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        layers = nn.scan(
+            LinenScannedLayer,
+            variable_axes={"params": 0, OWG: 0},
+            split_rngs={"params": True},
+            length=3,
+        )
+        return layers()(x, None)[0]
+
+
+def test_scan_over_layers_keeps_one_fp8_state_per_layer():
+    x = jax.random.normal(jax.random.key(4), (16, D))
+    model = te_flax.quantize_model(ScannedStack(nnx.Rngs(0)), RECIPE, x)
+    assert model.layers.proj.x_amax_history[...].shape == (3, 4)
+    step = nnx.jit(te_nnx.value_and_grad(lambda m, x: jnp.mean(m(x) ** 2), update_fp8_state=True))
+    step(model, x)
+    history = model.layers.proj.x_amax_history[...]
+    assert np.all(history[:, 0] > 0) and len(set(np.asarray(history[:, 0]).tolist())) == 3
+
+    linen = te_flax.quantize_model(LinenScannedStack(), RECIPE, x)  # scan and remat
+    variables = jax.jit(linen.init)(jax.random.key(0), x)
+    loss = training.value_and_grad(lambda v, x: jnp.mean(linen.apply(v, x) ** 2))
+    _, grads = jax.jit(loss)(variables, x)
+    (layer_state,) = jax.tree.leaves(
+        grads[OWG], is_leaf=lambda node: isinstance(node, dict) and "x_amax_history" in node
+    )
+    assert layer_state["x_amax_history"].shape == (3, 4)
+    assert np.all(layer_state["x_amax_history"][:, 0] > 0)
