@@ -379,8 +379,9 @@ def grouped_dense(
         past the sum belong to no group: their output is zero).
       contracting_dims: ``((1,), (1,))`` (default, the only one supported, as in TE).
       bias: ``[G, N]`` or None (default).
-      precision: ``lax.Precision`` of the GEMMs without FP8 (default None); FP8 GEMMs take the
-        quantizer set's ``precision``.
+      precision: ``lax.Precision`` of the ragged lowering's GEMMs without FP8 (default None;
+        the capacity lowering runs ``dense``'s); FP8 GEMMs take the quantizer set's
+        ``precision``.
       preferred_element_type: the output dtype (default None: x's dtype).
       group_offset: not supported (None), as in TransformerEngine.
       quantizer_set: the GEMMs' quantizers (default ``noop_quantizer_set``: no FP8).
