@@ -86,6 +86,8 @@ API_MODULES = [
     "te_flax.inject",
     "te_flax.activation",
     "te_flax.collective",
+    "te_flax.router",
+    "te_flax.permutation",
 ]
 
 
