@@ -1,19 +1,19 @@
-"""Writes the suite's results: ``RESULTS.md`` (tables of ratios), ``results.json`` and a chart."""
+"""Writes the suite's results: ``RESULTS.md`` (tables of ratios), ``results.json`` and a chart.
+
+The text of ``RESULTS.md`` lives here; the targets and their bounds in ``bench.targets``, the
+chart in ``bench.plots``. ``RESULTS.md`` links every other ``RESULTS_*.md`` it finds beside it.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import matplotlib
+from bench.plots import plot_ratios
+from bench.targets import LABELS, evaluate_targets
 
-matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt
+__all__ = ["evaluate_targets", "results_index", "write"]
 
-__all__ = ["evaluate_targets", "write"]
-
-LABELS = {"none": "no FP8 (BF16)", "delayed": "FP8 delayed"}
-EXPECTED_FP8_GEMMS = {"LayerNormDenseGeneral": 3, "LayerNormMLP": 6}
 # te_flax's deviceless H100 programs by kernel switch (results.json key, TE_FLAX_PALLAS value).
 KERNEL_VARIANTS = (("h100_xla", "0"), ("h100", "auto"), ("h100_all", "1"))
 
@@ -29,85 +29,6 @@ def _ms(seconds: float) -> str:
 def _ratio(stats: dict) -> str:
     """A paired ratio: median, and [min, max] over the rounds."""
     return f"{stats['median']:.3f} [{stats['min']:.3f}, {stats['max']:.3f}]"
-
-
-def _worst(values: list[tuple[float, str]], higher_is_worse: bool = True) -> tuple[float, str]:
-    return max(values) if higher_is_worse else min(values)
-
-
-def evaluate_targets(results: dict) -> list[dict]:
-    """Each target of the issue: its bound, the worst measured value and where, met or not."""
-    layers, targets = results["layers"], []
-
-    def add(key, name, bound, values, higher_is_worse=True, note=""):
-        if not values:
-            targets.append(dict(key=key, name=name, bound=bound, value=None, where=note, met=None))
-            return
-        value, where = _worst(values, higher_is_worse)
-        limit = float(bound.split()[-1])
-        met = value <= limit if bound.startswith("<=") else value >= limit
-        targets.append(dict(key=key, name=name, bound=bound, value=value, where=where, met=met))
-
-    for recipe, label in LABELS.items():
-        add(
-            f"cpu_time_{recipe}",
-            f"CPU step time te_flax / Flax, {label}",
-            "<= 1.00",
-            [(c["ratios"][recipe]["cpu_time"]["median"], c["case"]["name"]) for c in layers],
-        )
-    add(
-        "norm_cost",
-        "Norm cost: layernorm_dense / dot_general forward time",
-        "<= 1.10",
-        [(n["ratio"]["median"], n["case"]["name"]) for n in results["norm_cost"]],
-    )
-    for recipe, bound in (("none", "<= 0.6"), ("delayed", "<= 0.5")):
-        add(
-            f"residuals_{recipe}",
-            f"Saved residual bytes te_flax / Flax, {LABELS[recipe]}",
-            bound,
-            [(c["ratios"][recipe]["residual_activations"], c["case"]["name"]) for c in layers],
-        )
-    with_h100 = [c for c in layers if "h100_bytes" in c["ratios"]["delayed"]]
-    gemm_checks = []
-    for c in with_h100:
-        counts = c["candidates"]["te_flax/delayed"]["h100"]
-        expected = EXPECTED_FP8_GEMMS[c["case"]["layer"]]
-        fraction = counts["fp8_gemms"] / (counts["fp8_gemms"] + counts["other_gemms"])
-        ok = counts["fp8_gemms"] == expected and counts["other_gemms"] == 0
-        gemm_checks.append((float(ok) * fraction, c["case"]["name"]))
-    add(
-        "h100_all_fp8",
-        "H100 deviceless: fraction of te_flax FP8 GEMMs that are FP8 cuBLASLt calls",
-        ">= 1.0",
-        gemm_checks,
-        higher_is_worse=False,
-        note=results["settings"]["h100"],
-    )
-    add(
-        "h100_bytes",
-        "H100 deviceless: bytes accessed te_flax FP8 / Flax FP8",
-        "<= 0.85",
-        [(c["ratios"]["delayed"]["h100_bytes"], c["case"]["name"]) for c in with_h100],
-        note=results["settings"]["h100"],
-    )
-    gpu = results.get("gpu")
-    add(
-        "gpu_speedup",
-        "GPU: FP8 / BF16 speed-up of te_flax at the largest shape",
-        ">= 1.5",
-        gpu["speedup"] if gpu else [],
-        higher_is_worse=False,
-        note="not measured (no GPU); run `python -m bench.gpu` on one",
-    )
-    add(
-        "gpu_time",
-        "GPU: time te_flax FP8 / Flax FP8",
-        "<= 1.0",
-        gpu["fp8_time_ratio"] if gpu else [],
-        note="not measured (no GPU); run `python -m bench.gpu` on one",
-    )
-    return targets
 
 
 # Why a target is missed, from profiling the runs (the "Where the CPU time goes" and "Where the
@@ -404,84 +325,6 @@ def _shapes(layers: list[dict]) -> list[str]:
     return lines
 
 
-def _plot(results: dict, path: Path) -> None:
-    layers = results["layers"]
-    metrics = [
-        ("cpu_time", "CPU time"),
-        ("residual_activations", "saved residuals"),
-        ("h100_bytes", "H100 bytes accessed"),
-    ]
-    bounds = {
-        ("cpu_time", "none"): 1.0,
-        ("cpu_time", "delayed"): 1.0,
-        ("residual_activations", "none"): 0.6,
-        ("residual_activations", "delayed"): 0.5,
-        ("h100_bytes", "delayed"): 0.85,
-    }
-    norm_cost = results["norm_cost"]
-    panels = len(metrics) + bool(norm_cost)
-    figure, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 4.6))
-    width = 0.8 / len(layers)
-    for axis, (metric, title) in zip(axes, metrics, strict=False):
-        for index, c in enumerate(layers):
-            values, errors = [], [[], []]
-            for recipe in LABELS:
-                value = c["ratios"][recipe].get(metric)
-                if isinstance(value, dict):
-                    errors[0].append(value["median"] - value["min"])
-                    errors[1].append(value["max"] - value["median"])
-                    value = value["median"]
-                else:
-                    errors[0].append(0)
-                    errors[1].append(0)
-                values.append(float("nan") if value is None else value)
-            positions = [x + (index - (len(layers) - 1) / 2) * width for x in range(len(LABELS))]
-            has_errors = any(errors[0]) or any(errors[1])
-            axis.bar(
-                positions,
-                values,
-                width,
-                yerr=errors if has_errors else None,
-                capsize=3,
-                color=f"C{index}",
-                label=c["case"]["name"],
-            )
-        for x, recipe in enumerate(LABELS):
-            if (metric, recipe) in bounds:
-                bound = bounds[metric, recipe]
-                axis.hlines(bound, x - 0.45, x + 0.45, colors="k", linestyles="--", lw=1)
-        axis.axhline(1.0, color="grey", lw=0.5)
-        axis.set_xticks(range(len(LABELS)), ["BF16", "FP8 delayed"])
-        axis.set_title(f"{title}: te_flax / Flax")
-        axis.grid(axis="y", alpha=0.3)
-    if norm_cost:
-        axis = axes[-1]
-        for index, n in enumerate(norm_cost):
-            stats = [n["ratio"], n["ratio_fp8"]]
-            axis.bar(
-                [x + index * 0.3 for x in range(2)],
-                [r["median"] for r in stats],
-                0.3,
-                yerr=[
-                    [r["median"] - r["min"] for r in stats],
-                    [r["max"] - r["median"] for r in stats],
-                ],
-                capsize=3,
-                color="C7",
-            )
-        axis.hlines(1.10, -0.45, 0.45, colors="k", linestyles="--", lw=1)
-        axis.axhline(1.0, color="grey", lw=0.5)
-        axis.set_xticks(range(2), ["BF16: / dot_general", "FP8: / dense"])
-        axis.set_title("norm cost: layernorm_dense / GEMM")
-        axis.grid(axis="y", alpha=0.3)
-    axes[0].set_ylabel("ratio (dashed: target)")
-    handles, labels = axes[0].get_legend_handles_labels()
-    figure.legend(handles, labels, loc="lower center", ncol=len(layers), fontsize=8)
-    figure.tight_layout(rect=(0, 0.07, 1, 1))
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-
-
 # What RESULTS.md says about the GPU: nothing measured there (this suite runs on a CPU).
 GPU_SECTION = (
     "No GPU figures have been measured yet: every figure in this file comes from a CPU or "
@@ -499,7 +342,19 @@ GPU_SECTION = (
 )
 
 
-def markdown(results: dict, targets: list[dict]) -> str:
+def results_index(out: Path) -> list[str]:
+    """One link per ``RESULTS_*.md`` file in ``out`` (the other benchmarks' results), with the
+    first heading of each."""
+    lines = []
+    for path in sorted(out.glob("RESULTS_*.md")):
+        text = path.read_text().splitlines()
+        title = next((line.lstrip("# ").strip() for line in text if line.startswith("#")), "")
+        lines.append(f"- [{path.name}]({path.name})" + (f": {title}" if title else ""))
+    return lines
+
+
+def markdown(results: dict, targets: list[dict], others: tuple[str, ...] | list[str] = ()) -> str:
+    """``others``: the lines of ``results_index``, listed at the end."""
     env, settings, layers = results["environment"], results["settings"], results["layers"]
     has_h100 = settings["h100"] == "measured"
     lines = [
@@ -585,6 +440,8 @@ def markdown(results: dict, targets: list[dict]) -> str:
     ]
     if has_h100:
         lines += ["## Where the bytes go (deviceless H100)", "", *_bytes_breakdown(layers)]
+    if others:
+        lines += ([""] if lines[-1] else []) + ["## Other results", "", *others]
     return "\n".join(lines)
 
 
@@ -594,7 +451,7 @@ def write(results: dict, out: Path) -> list[Path]:
     targets = evaluate_targets(results)
     results["targets"] = targets
     paths = [out / "RESULTS.md", out / "results.json", out / "results.png"]
-    paths[0].write_text(markdown(results, targets))
+    paths[0].write_text(markdown(results, targets, results_index(out)))
     paths[1].write_text(json.dumps(results, indent=1) + "\n")
-    _plot(results, paths[2])
+    plot_ratios(results, paths[2])
     return paths

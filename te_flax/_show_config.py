@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import platform
-import re
 import sys
 from typing import TextIO
 
@@ -17,12 +16,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from te_flax._hlo import native_fp8_gemm
+
 __all__ = ["fp8_gemm_is_native", "native_fp8_gemm_in_hlo", "show_config"]
 
 _PACKAGES = ("te-flax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "ml_dtypes")
-# `%name = type op(...)`: one HLO instruction, with the type of the value it defines (a tuple
-# type, such as a GEMM custom call's `(bf16[64,64]{1,0}, s8[0]{0})`, holds spaces).
-_INSTRUCTION = re.compile(r"%([\w.\-]+) = (\([^)]*\)|\S+) ([\w\-]+)\(([^)]*)\)")
 
 
 def _version(package: str) -> str:
@@ -39,21 +37,7 @@ def native_fp8_gemm_in_hlo(hlo_text: str) -> bool:
     native when one of its two operands has a float8 type. Emulation widens the operands with
     ``convert`` first, so its GEMMs read bf16 or f32.
     """
-    types: dict[str, str] = {}
-    gemm_operands: list[list[str]] = []
-    for line in hlo_text.splitlines():
-        match = _INSTRUCTION.search(line)
-        if match is None:
-            continue
-        name, value_type, op, operands = match.groups()
-        types[name] = value_type
-        if op == "dot" or (op == "custom-call" and "matmul" in line):
-            gemm_operands.append(re.findall(r"%([\w.\-]+)", operands)[:2])
-    return any(
-        types.get(operand, "").startswith("f8")
-        for operands in gemm_operands
-        for operand in operands
-    )
+    return native_fp8_gemm(hlo_text)
 
 
 def fp8_gemm_is_native(device: jax.Device | None = None) -> bool:

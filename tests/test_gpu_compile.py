@@ -10,9 +10,7 @@ and the float8 types of its operands. Each distinct program is compiled once per
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import json
 import re
 
 import jax
@@ -21,6 +19,14 @@ import pytest
 
 pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the gpu-compile extra (jax[cuda12])")
 
+from te_flax._hlo import (
+    FP8_GEMM,
+    NON_FP8_GEMMS,
+    Gemm,
+    custom_call_targets,
+    gemms_left_to_fusions,
+    parse_gemms,
+)
 from te_flax.dense import dense
 from te_flax.layernorm_dense import layernorm_dense
 from te_flax.layernorm_mlp import layernorm_mlp
@@ -38,8 +44,6 @@ from tests.gpu_target import h100_sharding
 pytestmark = pytest.mark.gpu_compile
 
 TOKENS, HIDDEN, FEATURES = 512, 1024, 2048
-FP8_GEMM = "__cublas$lt$matmul$f8"
-NON_FP8_GEMMS = ("__cublas$gemm", "__cublas$lt$matmul")
 FLOAT8_TYPE = re.compile(r"\bf8e\d")
 
 # The three GEMMs of a step, told apart by their output dims (in either order, in case XLA
@@ -66,64 +70,14 @@ BLOCK_TYPES = {"mxfp8": ("f8e4m3fn", "f8e8m0fnu"), "nvfp4": ("f4e2m1fn", "f8e4m3
 # ----------------------------------------------------------------------------- reading the HLO
 
 
-@dataclasses.dataclass(frozen=True)
-class Gemm:
-    """One cuBLAS custom call of the optimized HLO."""
-
-    name: str
-    target: str
-    dims: tuple[int, ...]  # of the GEMM's result
-    operand_types: tuple[str, ...]  # element types of the two matrix operands
-    precision: tuple[str, ...]
-    epilogue: str
-
-    @property
-    def role(self) -> str:
-        # Without unit dims: block-scaled GEMMs carry a batch dim of 1.
-        dims = frozenset(d for d in self.dims if d != 1)
-        return ROLES.get(dims, f"unknown GEMM of shape {self.dims}")
-
-
-# `%name = f8e4m3fn[512,1024]{1,0} ...` or, for a tuple result, `%name = (bf16[512,2048]{1,0}, ...`
-_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%([^\s=]+)\s*=\s*\(?([a-z][a-z0-9]*)\[([0-9,]*)\]")
-_TARGET = re.compile(r'custom_call_target="([^"]+)"')
-_OPERANDS = re.compile(r"custom-call\(([^)]*)\)")
-_OPERAND_NAME = re.compile(r"%([^\s,()]+)")
-
-
-def parse_gemms(hlo_text: str) -> list[Gemm]:
-    """The cuBLAS GEMM custom calls of an optimized HLO module, with their operand types."""
-    types = {}
-    for line in hlo_text.splitlines():
-        if match := _DEFINITION.match(line):
-            name, element_type, dims = match.groups()
-            types[name] = (element_type, tuple(int(d) for d in dims.split(",") if d))
-    gemms = []
-    for line in hlo_text.splitlines():
-        target = _TARGET.search(line)
-        if target is None or not target.group(1).startswith("__cublas$"):
-            continue
-        definition = _DEFINITION.match(line)
-        assert definition is not None, line
-        operands = _OPERAND_NAME.findall(_OPERANDS.search(line).group(1))
-        start = line.index("backend_config=") + len("backend_config=")
-        config, _ = json.JSONDecoder().raw_decode(line[start:])
-        gemm_config = config["gemm_backend_config"]
-        gemms.append(
-            Gemm(
-                name=definition.group(1),
-                target=target.group(1),
-                dims=types[definition.group(1)][1],
-                operand_types=tuple(types[name][0] for name in operands[:2]),
-                precision=tuple(gemm_config["precision_config"]["operand_precision"]),
-                epilogue=gemm_config.get("epilogue", "DEFAULT"),
-            )
-        )
-    return gemms
+def role(gemm: Gemm) -> str:
+    # Without unit dims: block-scaled GEMMs carry a batch dim of 1.
+    dims = frozenset(d for d in gemm.dims if d != 1)
+    return ROLES.get(dims, f"unknown GEMM of shape {gemm.dims}")
 
 
 def by_role(gemms: list[Gemm]) -> dict[str, Gemm]:
-    roles = {gemm.role: gemm for gemm in gemms}
+    roles = {role(gemm): gemm for gemm in gemms}
     assert len(gemms) == 3 and sorted(roles) == ["dgrad", "forward", "wgrad"], gemms
     return roles
 
@@ -191,12 +145,10 @@ def gemms_of(*args, **kwargs) -> list[Gemm]:
 
 
 def assert_no_other_gemm(hlo_text: str, allowed: str) -> None:
-    targets = set(_TARGET.findall(hlo_text))
+    targets = set(custom_call_targets(hlo_text))
     others = {t for t in targets if t.startswith("__cublas$") and t != allowed}
     assert not others, f"GEMMs other than {allowed}: {sorted(others)}"
-    assert not re.search(r"\sdot\(", hlo_text), "a dot was left to a fusion, not to cuBLAS"
-    for kind in ("__triton_gemm", "__cudnn$fusion"):
-        assert f'"kind":"{kind}"' not in hlo_text, f"a GEMM was given to a {kind} fusion"
+    assert not gemms_left_to_fusions(hlo_text), "a GEMM was left to a fusion or a dot"
 
 
 fp8_cases = pytest.mark.parametrize(

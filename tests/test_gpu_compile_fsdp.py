@@ -19,10 +19,8 @@ slice its part from.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-import re
 
 import flax.linen as nn
 import jax
@@ -36,17 +34,12 @@ from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 
 import te_flax.linen as te_nn
+from te_flax._hlo import FP8_GEMM, NON_FP8_GEMMS, Collective, parse_collectives, parse_gemms
 from te_flax.quantize import DelayedScaling, Float8CurrentScaling
 from te_flax.sharding import load_axis_rules, make_mesh, with_logical_constraint
 from te_flax.training import apply_gradients, init_optimizer, merge_fp8_state
 from tests.gpu_target import TARGET_CONFIG
-from tests.test_gpu_compile import (
-    _DEFINITION,
-    FP8_GEMM,
-    NON_FP8_GEMMS,
-    assert_no_other_gemm,
-    parse_gemms,
-)
+from tests.test_gpu_compile import assert_no_other_gemm
 
 pytestmark = pytest.mark.gpu_compile
 
@@ -74,39 +67,6 @@ RECIPES = {
 
 
 # ----------------------------------------------------------------------------- reading the HLO
-
-
-@dataclasses.dataclass(frozen=True)
-class Collective:
-    """One collective of the optimized HLO (sync or async start)."""
-
-    kind: str  # "all-gather", "reduce-scatter", "all-reduce", "all-to-all" or "collective-permute"
-    operands: tuple[tuple[str, tuple[int, ...]], ...]  # (element type, dims) of each input
-
-
-_COLLECTIVE = re.compile(
-    r"\s(all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)(?:-start)?\(([^)]*)\)"
-)
-_OPERAND_NAME = re.compile(r"%([^\s,()]+)")
-
-
-def parse_collectives(hlo_text: str) -> list[Collective]:
-    """The collectives of an optimized HLO module, with their input types.
-
-    Combined collectives (one op moving several arrays) are one entry with several operands.
-    """
-    types = {}
-    for line in hlo_text.splitlines():
-        if match := _DEFINITION.match(line):
-            name, element_type, dims = match.groups()
-            types[name] = (element_type, tuple(int(d) for d in dims.split(",") if d))
-    collectives = []
-    for line in hlo_text.splitlines():
-        if match := _COLLECTIVE.search(line):
-            kind, operands = match.groups()
-            names = _OPERAND_NAME.findall(operands)
-            collectives.append(Collective(kind, tuple(types[name] for name in names)))
-    return collectives
 
 
 def moved_arrays(collectives: list[Collective], kind: str) -> list[tuple[str, tuple[int, ...]]]:

@@ -22,6 +22,7 @@ import pytest
 
 pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the gpu-compile extra (jax[cuda12])")
 
+from te_flax._hlo import FP8_GEMM, kernel_names
 from te_flax._kernels import pallas_kernels
 from te_flax.layernorm_dense import layernorm_dense
 from te_flax.layernorm_mlp import layernorm_mlp
@@ -32,7 +33,6 @@ pytestmark = pytest.mark.gpu_compile
 
 TOKENS, HIDDEN, FEATURES = 512, 1024, 2048
 TRITON = '"__gpu$xla.gpu.triton"'
-FP8_GEMM = '"__cublas$lt$matmul$f8"'
 RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling}
 # The kernels by their pallas_call name, as they appear in the custom calls' metadata.
 NORM_QUANTIZE = "te_flax_norm_quantize"
@@ -89,12 +89,6 @@ def triton_calls(hlo_text: str) -> list[str]:
     return [line for line in hlo_text.splitlines() if TRITON in line]
 
 
-def kernel_names(hlo_text: str) -> list[str]:
-    return sorted(
-        re.search(r'op_name="[^"]*?(te_flax_\w+)', line).group(1) for line in triton_calls(hlo_text)
-    )
-
-
 def float8_kernel_writers(hlo_text: str) -> list[str]:
     """The opcodes of the entry instructions that write float8 data with as many elements as
     a GEMM kernel (a bitcast or tuple element only renames data)."""
@@ -128,7 +122,7 @@ def test_kernels_replace_fusions_and_keep_fp8_gemms(op, n_gemms, recipe):
     assert "fusion" in float8_kernel_writers(off)
     assert set(float8_kernel_writers(auto)) == {"custom-call"}
     for text in (off, auto, every):
-        assert text.count(FP8_GEMM) == n_gemms
+        assert text.count(f'"{FP8_GEMM}"') == n_gemms
         assert not re.search(r'custom_call_target="__cublas\$(gemm|lt\$matmul)"', text)
         assert not re.search(r"\sdot\(", text)
     # The kernels' work leaves XLA: fewer fusions.

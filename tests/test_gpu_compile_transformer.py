@@ -19,13 +19,17 @@ core, which is not quantized:
 
 Each case prints (visible with ``pytest -s``) and puts in its assertion messages which attention
 lowering it got and its GEMM counts.
+
+The steps are traced with te_flax's Pallas kernels as a process with a GPU chooses them, and
+the layer has an intermediate dropout of 0.1: on (``deterministic=False``) the MLP still runs
+the fused ``layernorm_mlp`` op, and the step has the same FP8 GEMMs and the same Pallas kernels
+as the deterministic one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 from collections import Counter
 
 import flax.linen as nn
@@ -36,10 +40,19 @@ import pytest
 pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the gpu-compile extra (jax[cuda12])")
 
 import te_flax.linen as te_nn
+from te_flax._hlo import (
+    FP8_GEMM,
+    NON_FP8_GEMMS,
+    Gemm,
+    fused_attention_calls,
+    gemms_left_to_fusions,
+    kernel_names,
+    parse_gemms,
+)
+from te_flax._kernels import pallas_kernels
 from te_flax.quantize import DelayedScaling
 from te_flax.training import merge_fp8_state
 from tests.gpu_target import h100_sharding
-from tests.test_gpu_compile import FP8_GEMM, NON_FP8_GEMMS, Gemm, parse_gemms
 
 pytestmark = pytest.mark.gpu_compile
 
@@ -67,9 +80,6 @@ XLA_ATTENTION_GEMMS = 6
 IMPLEMENTATIONS = {"xla": "xla", "cudnn": "cudnn", "auto": None}
 # The lowering each case must get (see the module docstring for "auto").
 EXPECTED_LOWERING = {"xla": "xla", "cudnn": "cudnn", "auto": "xla"}
-
-_TARGET = re.compile(r'custom_call_target="([^"]+)"')
-_FUSION_GEMMS = ("__triton_gemm", "__cudnn$fusion")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,20 +117,18 @@ def _is_attention(gemm: Gemm) -> bool:
 def step_gemms(hlo_text: str) -> StepGemms:
     gemms = parse_gemms(hlo_text)
     plain = [g for g in gemms if g.target != FP8_GEMM]
-    fused = [t for t in _TARGET.findall(hlo_text) if t.startswith("__cudnn$fmha")]
-    loose = len(re.findall(r"\sdot\(", hlo_text))
-    loose += sum(hlo_text.count(f'"kind":"{kind}"') for kind in _FUSION_GEMMS)
     return StepGemms(
         fp8=[g for g in gemms if g.target == FP8_GEMM],
         attention=[g for g in plain if _is_attention(g)],
         other=[g for g in plain if not _is_attention(g)],
-        fused_attention=fused,
-        loose_dots=loose,
+        fused_attention=fused_attention_calls(hlo_text),
+        loose_dots=gemms_left_to_fusions(hlo_text),
     )
 
 
-def _layer(implementation: str | None) -> te_nn.TransformerLayer:
+def _layer(implementation: str | None, **attributes: object) -> te_nn.TransformerLayer:
     return te_nn.TransformerLayer(
+        **attributes,
         hidden_size=HIDDEN,
         mlp_hidden_size=MLP,
         num_attention_heads=HEADS,
@@ -133,14 +141,21 @@ def _layer(implementation: str | None) -> te_nn.TransformerLayer:
 
 
 @functools.cache
-def transformer_step_hlo(case: str) -> str:
-    """The optimized HLO of one training step of the layer on the H100, compiled deviceless."""
+def transformer_step_hlo(case: str, dropout: bool = False) -> str:
+    """The optimized HLO of one training step of the layer on the H100, compiled deviceless,
+    with the Pallas kernels a process with a GPU chooses.
+
+    The layer has an intermediate dropout of 0.1 (the hidden and attention dropout off), on
+    with ``deterministic=False`` when ``dropout`` is True.
+    """
     sharding = h100_sharding()
-    layer = _layer(IMPLEMENTATIONS[case])
+    rates = dict(hidden_dropout=0.0, attention_dropout=0.0, intermediate_dropout=0.1)
+    layer = _layer(IMPLEMENTATIONS[case], **rates)
     x = jax.ShapeDtypeStruct((BATCH, SEQ, HIDDEN), jnp.bfloat16, sharding=sharding)
 
     def loss(variables, x):
-        out = layer.apply(merge_fp8_state(variables), x, deterministic=True)
+        rngs = {"dropout": jax.random.key(1)}
+        out = layer.apply(merge_fp8_state(variables), x, deterministic=not dropout, rngs=rngs)
         # A loss whose gradient depends on the output, so that XLA cannot fold it to a constant.
         return jnp.mean(jnp.square(out.astype(jnp.float32)))
 
@@ -149,7 +164,8 @@ def transformer_step_hlo(case: str) -> str:
     variables = jax.tree.map(
         lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), abstract
     )
-    lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(variables, x)
+    with pallas_kernels("auto", assume_gpu=True):
+        lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(variables, x)
     return lowered.compile().as_text()
 
 
@@ -185,3 +201,19 @@ def test_transformer_step_has_twelve_fp8_gemms_and_only_attention_besides(case):
         assert not gemms.attention, report
         assert len(gemms.fused_attention) == 2, report
         assert sum("Backward" in target for target in gemms.fused_attention) == 1, report
+
+
+def test_intermediate_dropout_keeps_the_fused_mlp_kernels_and_fp8_gemms():
+    """Training with the intermediate dropout on compiles to the same FP8 GEMMs and the same
+    Pallas kernels as the deterministic step: the MLP stays on the fused op."""
+    with_dropout = transformer_step_hlo("xla", dropout=True)
+    without = transformer_step_hlo("xla", dropout=False)
+    counts = []
+    for text in (with_dropout, without):
+        gemms = step_gemms(text)
+        fp8 = Counter((g.precision[0], tuple(sorted(g.dims))) for g in gemms.fp8)
+        counts.append((fp8, kernel_names(text), len(gemms.attention), gemms.loose_dots))
+    print(f"\n[dropout on / off] FP8 GEMMs, kernels: {counts[0][1]} / {counts[1][1]}")
+    assert counts[0] == counts[1]
+    assert counts[0][0] == EXPECTED_FP8_GEMMS
+    assert "te_flax_activation_grad" in counts[0][1]
