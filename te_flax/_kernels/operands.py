@@ -15,9 +15,10 @@ from jax import Array
 from jax.typing import DTypeLike
 
 from te_flax._kernels.activation_grad import KERNEL_ACTIVATIONS, activation_grad_tiles
-from te_flax._kernels.common import row_blocks
+from te_flax._kernels.common import RowBlocks, row_blocks
 from te_flax._kernels.norm_backward import norm_backward
 from te_flax._kernels.norm_quantize import norm_quantize
+from te_flax._kernels.partition import Reduction, mesh_partitioned, per_shard
 from te_flax._kernels.quantize import quantize_tiles
 from te_flax._kernels.switch import dispatch
 from te_flax.quantize import scaling
@@ -47,6 +48,13 @@ def _per_tensor(quantizer: Quantizer | None) -> bool:
 
 
 R = TypeVar("R")
+
+
+def _row_blocks(rows: int, hidden: int) -> RowBlocks:
+    """The row blocks of a device's block (it fits: the whole tensor's rows did)."""
+    blocks = row_blocks(rows, hidden)
+    assert blocks is not None
+    return blocks
 
 
 def _scaled_passes(
@@ -103,17 +111,38 @@ def norm_quantize_operand(
         *,
         interpret: bool,
     ) -> _Quantized:
-        assert blocks is not None and quantizer is not None
-        matrix = x.reshape(rows, hidden)  # [tokens, hidden]
-        row_mean = None if mean is None else mean.reshape(rows)
-        args = (matrix, row_mean, rsigma.reshape(rows), gamma, beta)
+        assert quantizer is not None
+        batch = tuple(f"b{d}" for d in range(x.ndim - 1))  # the rows' factors
+        stats = (*batch, "one")  # [batch..., 1]
 
         def run(scale_inv: Array, q_dtype: DTypeLike | None) -> tuple[Array | None, Array]:
-            return norm_quantize(*args, scale_inv, q_dtype, blocks, interpret=interpret)
+            def local(
+                x: Array, mean: Array | None, rsigma: Array, gamma: Array, beta: Array | None,
+                scale_inv: Array,
+            ) -> list[Array]:  # fmt: skip
+                rows, hidden = math.prod(x.shape[:-1]), x.shape[-1]
+                data, partials = norm_quantize(
+                    x.reshape(rows, hidden), None if mean is None else mean.reshape(rows),
+                    rsigma.reshape(rows), gamma, beta, scale_inv, q_dtype,
+                    _row_blocks(rows, hidden), interpret=interpret,
+                )  # fmt: skip
+                amax = jnp.max(partials)  # of this block
+                return [amax] if data is None else [data.reshape(x.shape), amax]
+
+            results = ([] if q_dtype is None else [(*batch, "h")]) + [()]
+            outputs = per_shard(
+                local,
+                (x, mean, rsigma, gamma, beta, scale_inv),
+                ((*batch, "h"), stats, stats, ("h",), ("h",), None),
+                results,
+                [None] * (len(results) - 1) + ["max"],
+                replicated=("h", "one"),  # the rows whole, as the norm statistics
+            )
+            return (outputs[0] if q_dtype is not None else None), outputs[-1]
 
         data, scale_inv, new_quantizer = _scaled_passes(quantizer, run)
         assert data is not None
-        return ScaledTensor(data.reshape(x.shape), scale_inv), new_quantizer
+        return ScaledTensor(data, scale_inv), new_quantizer
 
     def xla(*_: object) -> _Quantized:
         return fallback()
@@ -157,27 +186,49 @@ def tiled_quantize_operand(
     rows, columns = math.prod(leading), math.prod(trailing)
     layouts = (TRAILING in uses, LEADING in uses)
     supported = _per_tensor(quantizer) and 0 < split < x.ndim and rows * columns > 0
+    # In a partitioned program the kernel writes the data alone and the GEMMs read it as the
+    # XLA stage's, in the layout they need: a sharded kernel (FSDP) is then gathered once in
+    # float8, not once per layout.
+    one_layout = mesh_partitioned()
 
     def kernel(x: Array, quantizer: Quantizer | None, *, interpret: bool) -> _Quantized:
         assert quantizer is not None
-        matrix = x.reshape(rows, columns)
+        written = (True, False) if one_layout else layouts
+        dims = tuple(f"d{d}" for d in range(x.ndim))
+        layout_dims = (dims, dims[split:] + dims[:split])  # [leading, trailing], transposed
 
         def run(
             scale_inv: Array, q_dtype: DTypeLike | None
         ) -> tuple[tuple[Array | None, Array | None], Array]:
-            data, transposed, partials = quantize_tiles(
-                matrix, scale_inv, q_dtype, layouts, interpret=interpret
+            asked = written if q_dtype is not None else (False, False)
+
+            def local(x: Array, scale_inv: Array) -> list[Array]:
+                leading, trailing = x.shape[:split], x.shape[split:]
+                matrix = x.reshape(math.prod(leading), math.prod(trailing))
+                data, transposed, partials = quantize_tiles(
+                    matrix, scale_inv, q_dtype, asked, interpret=interpret
+                )
+                outputs = [] if data is None else [data.reshape(x.shape)]
+                if transposed is not None:
+                    outputs.append(transposed.reshape(trailing + leading))
+                return [*outputs, jnp.max(partials)]  # the block's amax last
+
+            outputs = list(
+                per_shard(
+                    local,
+                    (x, scale_inv),
+                    (dims, None),
+                    [d for d, on in zip(layout_dims, asked, strict=True) if on] + [()],
+                    [None] * sum(asked) + ["max"],
+                )
             )
-            return (data, transposed), partials
+            results = [outputs.pop(0) if on else None for on in asked]
+            return (results[0], results[1]), outputs[0]
 
         (data, transposed), scale_inv, new_quantizer = _scaled_passes(quantizer, run)
-        if transposed is not None:
-            transposed = transposed.reshape(trailing + leading)
         if data is None:
             assert transposed is not None
             data = jnp.transpose(transposed, (*range(len(trailing), x.ndim), *range(len(trailing))))
-        else:
-            data = data.reshape(x.shape)
         return ScaledTensor(data, scale_inv, transposed), new_quantizer
 
     def xla(*_: object) -> _Quantized:
@@ -186,7 +237,7 @@ def tiled_quantize_operand(
     def with_transposed(result: _Quantized) -> _Quantized:
         operand, new_quantizer = result
         assert isinstance(operand, ScaledTensor)
-        if not layouts[1]:
+        if not layouts[1] or one_layout:
             return result
         order = (*range(split, x.ndim), *range(split))
         return operand._replace(transposed=jnp.transpose(operand.data, order)), new_quantizer
@@ -250,26 +301,51 @@ def activation_grad_operand(
         grad: Array, pre_activation: Array, quantizer: Quantizer | None, *, interpret: bool
     ) -> Array | GradOperand:
         assert quantizer is not None
-        matrices = (pre_activation.reshape(rows, n_act * intermediate), grad.reshape(rows, -1))
+        batch = tuple(f"b{d}" for d in range(grad.ndim - 1))
+        pre_dims = (*batch, "act", "i")  # [batch..., n_act, intermediate]
 
         def run(scale_inv: Array, q_dtype: DTypeLike | None) -> tuple[_TileResults, Array]:
-            data, transposed, partials, sums = activation_grad_tiles(
-                *matrices, scale_inv, activation_type, q_dtype,
-                with_bias and q_dtype is not None, interpret=interpret,
-            )  # fmt: skip
-            return (data, transposed, sums), partials
+            sums_asked = with_bias and q_dtype is not None
+
+            def local(pre_activation: Array, grad: Array, scale_inv: Array) -> list[Array]:
+                rows = math.prod(grad.shape[:-1])
+                data, transposed, partials, sums = activation_grad_tiles(
+                    pre_activation.reshape(rows, -1), grad.reshape(rows, -1), scale_inv,
+                    activation_type, q_dtype, sums_asked, interpret=interpret,
+                )  # fmt: skip
+                outputs = [jnp.max(partials)]  # the block's amax
+                if data is not None and transposed is not None:
+                    quantized_shape = pre_activation.shape[-2:] + pre_activation.shape[:-2]
+                    outputs = [data.reshape(pre_activation.shape)]
+                    outputs += [transposed.reshape(quantized_shape), jnp.max(partials)]
+                if sums is not None:  # the block's column sums, [n_act, intermediate]
+                    outputs.append(jnp.sum(sums, axis=0).reshape(pre_activation.shape[-2:]))
+                return outputs
+
+            quantized = [] if q_dtype is None else [pre_dims, pre_dims[-2:] + pre_dims[:-2]]
+            results = [*quantized, ()] + ([pre_dims[-2:]] if sums_asked else [])
+            reductions: list[Reduction] = [None] * len(quantized)
+            reductions.append("max")
+            if sums_asked:
+                reductions.append("sum")
+            outputs = list(
+                per_shard(
+                    local,
+                    (pre_activation, grad, scale_inv),
+                    (pre_dims, (*batch, "i"), None),
+                    results,
+                    reductions,
+                    replicated=("act",),
+                )
+            )
+            data, transposed = (outputs.pop(0), outputs.pop(0)) if quantized else (None, None)
+            amax = outputs.pop(0)
+            return (data, transposed, outputs[0] if sums_asked else None), amax
 
         (data, transposed, sums), scale_inv, new_quantizer = _scaled_passes(quantizer, run)
         assert data is not None and transposed is not None
-        batch = pre_activation.shape[:-2]
-        operand = ScaledTensor(
-            data.reshape(pre_activation.shape),
-            scale_inv,
-            transposed.reshape((n_act, intermediate, *batch)),
-        )
-        bias = None
-        if sums is not None:
-            bias = jnp.sum(sums, axis=0).reshape(n_act, intermediate).astype(bias_dtype)
+        operand = ScaledTensor(data, scale_inv, transposed)
+        bias = None if sums is None else sums.astype(bias_dtype)
         return GradOperand(operand, new_quantizer, bias)
 
     def xla(*_: object) -> Array | GradOperand:
@@ -334,21 +410,36 @@ def norm_backward_grads(
         interpret: bool,
     ) -> _NormGrads:
         assert blocks is not None
-        row_mean = None if mean is None else mean.reshape(rows)
-        d_x, d_gamma, d_beta = norm_backward(
-            d_out.reshape(rows, hidden),
-            x.reshape(rows, hidden),
-            row_mean,
-            rsigma.reshape(rows),
-            gamma,
-            beta_dtype is not None,
-            x.dtype,
-            blocks,
-            interpret=interpret,
+        with_beta = beta_dtype is not None
+
+        def local(
+            d_out: Array, x: Array, mean: Array | None, rsigma: Array, gamma: Array
+        ) -> list[Array]:
+            rows, hidden = math.prod(x.shape[:-1]), x.shape[-1]
+            d_x, d_gamma, d_beta = norm_backward(
+                d_out.reshape(rows, hidden), x.reshape(rows, hidden),
+                None if mean is None else mean.reshape(rows), rsigma.reshape(rows), gamma,
+                with_beta, x.dtype, _row_blocks(rows, hidden), interpret=interpret,
+            )  # fmt: skip
+            # The block's sums of the per-program partial sums.
+            sums = [jnp.sum(d_gamma, axis=0)]
+            if d_beta is not None:
+                sums.append(jnp.sum(d_beta, axis=0))
+            return [d_x.reshape(x.shape), *sums]
+
+        dims = (*(f"b{d}" for d in range(x.ndim - 1)), "h")  # [batch..., hidden]
+        stats = (*dims[:-1], "one")
+        outputs = per_shard(
+            local,
+            (d_out, x, mean, rsigma, gamma),
+            (dims, dims, stats, stats, ("h",)),
+            [dims] + [("h",)] * (1 + with_beta),
+            [None] + ["sum"] * (1 + with_beta),
+            replicated=("h", "one"),  # each row's sums over the hidden axis
         )
-        d_gamma = jnp.sum(d_gamma, axis=0).astype(gamma_dtype)
-        d_beta = None if d_beta is None else jnp.sum(d_beta, axis=0).astype(beta_dtype)
-        return d_x.reshape(x.shape), d_gamma, d_beta
+        d_gamma = outputs[1].astype(gamma_dtype)
+        d_beta = outputs[2].astype(beta_dtype) if with_beta else None
+        return outputs[0], d_gamma, d_beta
 
     def xla(*_: object) -> _NormGrads:
         return fallback()

@@ -13,10 +13,13 @@
   mode (slow, for tests).
 - ``"0"``: the XLA stages everywhere.
 
-Under ``"auto"``, programs that may be partitioned over several devices (a mesh of more than
-one device outside ``shard_map``, or a process that sees more than one GPU) keep the XLA stages:
-XLA's SPMD partitioner has no rule for a kernel's custom call and would gather its operands.
-Inside ``shard_map`` the kernels work on each device's block.
+Programs partitioned over the mesh set with ``jax.set_mesh`` run each kernel on every device's
+block (``partition.per_shard``: a ``custom_partitioning`` rule, the reductions combined over the
+mesh), so ``"auto"`` keeps the kernels there; inside ``shard_map`` they work on each device's
+block as they are. Under ``"auto"`` only programs that may be partitioned without such a mesh
+(sharded arrays under ``jit`` in a process that sees more than one GPU, or a partly manual
+``shard_map``) keep the XLA stages: XLA's SPMD partitioner has no rule for a kernel's custom
+call and would gather its operands.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from typing import Any, TypeVar
 
 import jax
 from jax import lax
+
+from te_flax._kernels.partition import mesh_partitioned
 
 __all__ = ["AUTO", "ENV_VAR", "MODES", "dispatch", "mode", "pallas_kernels"]
 
@@ -92,11 +97,14 @@ def _cuda_devices() -> int:
         return 0
 
 
-def _partitioned() -> bool:
-    """True where a kernel could be partitioned by XLA's SPMD partitioner: inside a mesh of
-    more than one device (unless every axis is manual, as in ``shard_map``), or in a process
-    that sees more than one GPU (sharded arrays under ``jit`` need no mesh context)."""
+def _partitioned_without_rule() -> bool:
+    """True where XLA's SPMD partitioner could partition a kernel that has no rule for it: a
+    partly manual mesh, or no mesh in a process that sees more than one GPU (sharded arrays
+    under ``jit`` need no mesh context). A mesh of several devices with no manual axis has the
+    kernels' rules (``partition.per_shard``); a wholly manual one (``shard_map``) local blocks."""
     mesh = jax.sharding.get_abstract_mesh()
+    if mesh_partitioned():
+        return False
     if not mesh.empty and set(mesh.manual_axes) == set(mesh.axis_names):
         return False  # per-device blocks: the kernels see local arrays
     if not mesh.empty and mesh.size > 1:
@@ -127,7 +135,7 @@ def dispatch(
         return fallback(*args)
     if selected == "auto":
         on_gpu_host = bool(_assume_gpu and _assume_gpu[-1]) or _cuda_devices() > 0
-        if not on_gpu_host or name not in AUTO or _partitioned():
+        if not on_gpu_host or name not in AUTO or _partitioned_without_rule():
             return fallback(*args)
     on_gpu = partial(kernel, interpret=False)
     elsewhere: Callable[..., T] = fallback
