@@ -358,8 +358,9 @@ _ACTIVE_RESOURCE = jax.make_user_context(default_value=None)
 
 
 @contextlib.contextmanager
-def global_shard_guard(resource: MeshResource) -> Iterator[None]:
-    """Makes ``resource`` the active ``MeshResource`` inside the context (contexts nest).
+def global_shard_guard(resource: MeshResource | None) -> Iterator[None]:
+    """Makes ``resource`` the active ``MeshResource`` inside the context (contexts nest); None
+    makes none active, as in TransformerEngine.
 
     Example usage::
 
@@ -368,7 +369,7 @@ def global_shard_guard(resource: MeshResource) -> Iterator[None]:
       ...     print(global_mesh_resource().dp_resource)
       data
     """
-    if not isinstance(resource, MeshResource):
+    if resource is not None and not isinstance(resource, MeshResource):
         raise TypeError(
             f"global_shard_guard takes a MeshResource, got {resource!r}; e.g. "
             "global_shard_guard(MeshResource(dp_resource='data', tp_resource='tensor'))"

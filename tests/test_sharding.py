@@ -417,3 +417,9 @@ def test_mesh_resource_context_and_refusals():
         mesh_resource_rules(both)
     with jax.set_mesh(_mesh()), pytest.raises(ValueError, match="mesh axis 'tp'"):
         mesh_resource_rules(MeshResource(tp_resource="tp"))
+
+
+def test_global_shard_guard_of_none_makes_none_active():
+    with global_shard_guard(MeshResource(dp_resource="data")), global_shard_guard(None):
+        with pytest.raises(ValueError, match="no MeshResource is active"):
+            global_mesh_resource()
