@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from collections import Counter
 
 import jax
@@ -19,6 +18,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from te_flax._hlo import parse_collectives
 from te_flax._kernels import activation_grad_operand, pallas_kernels
 from te_flax._kernels.partition import mesh_partitioned
 from te_flax.layernorm_dense import layernorm_dense
@@ -39,11 +39,6 @@ LAYOUTS = {
     "tp": (P("data", None, None), P(None, "tensor")),
 }
 PARTITIONED_CALL = "CustomSPMDPartitioning"  # custom_partitioning's call in the lowered program
-_COLLECTIVE = re.compile(
-    r"\s(all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)(?:-start)?\(([^)]*)\)"
-)
-_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%(\S+) = ([a-z0-9]+)\[([0-9,]*)\]", re.MULTILINE)
-_OPERAND = re.compile(r"%([^\s,()]+)")
 
 
 @functools.cache
@@ -105,18 +100,16 @@ def _assert_equal(actual, expected) -> None:
 
 
 def tensor_collectives(hlo_text: str) -> tuple[list[tuple[str, str, str]], set[str]]:
-    """The collectives moving more than a few values (kind, element type, dims), sorted, and
-    the element types of the small ones (the amaxes and the loss)."""
-    types = {m[0]: m[1:] for m in _DEFINITION.findall(hlo_text)}
-    large, small = [], set()
-    for kind, operands in _COLLECTIVE.findall(hlo_text):
-        for name in _OPERAND.findall(operands):
-            element_type, dims = types[name]
-            if math.prod(int(d) for d in dims.split(",") if d) > 16:
-                large.append((kind, element_type, dims))
+    """The collectives' inputs of more than a few values (kind, element type, dims), sorted,
+    and the element types of the small ones (the amaxes and the loss)."""
+    tensors, small = [], set()
+    for collective in parse_collectives(hlo_text):
+        for element_type, dims in collective.operands:
+            if math.prod(dims) > 16:
+                tensors.append((collective.kind, element_type, ",".join(map(str, dims))))
             else:
                 small.add(element_type)
-    return sorted(large), small
+    return sorted(tensors), small
 
 
 @pytest.mark.parametrize(
