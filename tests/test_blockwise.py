@@ -28,6 +28,7 @@ from te_flax.quantize import (
     QuantizerFactory,
     block_scaling,
 )
+from te_flax.sharding import make_mesh
 from te_flax.training import OVERWRITE_WITH_GRADIENT
 from tests.helpers import F32, normal, relative_error
 
@@ -294,3 +295,27 @@ def test_linen_and_nnx_modules_and_autocast():
 
 def _nnx_params(params):
     return jax.tree.map(lambda v: nnx.Param(v), nn.unbox(params))
+
+
+def test_sharded_step_equals_one_device():
+    # 8 CPU devices: tokens over "data" (4), the kernel's input features over "fsdp" (2). The
+    # scales are block-local, so each device's blocks need no amax from the others.
+    mesh = make_mesh({"data": 4, "fsdp": 2})
+    keys = jax.random.split(jax.random.key(8), 2)
+    x = normal(keys[0], (512, 256))
+    w = normal(keys[1], (256, 128), scale=0.1)
+    qs = QuantizerFactory.create_set(fp8_recipe=RECIPE)
+
+    def step(x, w):
+        return jax.value_and_grad(
+            lambda x, w: jnp.sum(jnp.square(dense(x, w, None, quantizer_set=qs))), (0, 1)
+        )(x, w)
+
+    single = jax.jit(step)(x, w)
+    specs = (jax.P("data", None), jax.P("fsdp", None))
+    placed = [
+        jax.device_put(a, jax.NamedSharding(mesh, s)) for a, s in zip((x, w), specs, strict=True)
+    ]
+    sharded = jax.jit(step)(*placed)
+    for got, expected in zip(jax.tree.leaves(sharded), jax.tree.leaves(single), strict=True):
+        np.testing.assert_allclose(_f64(got), _f64(expected), rtol=1e-5, atol=1e-5)
