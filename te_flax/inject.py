@@ -220,9 +220,11 @@ def _report(records: dict[tuple[str, Any], _Record], rules: Sequence[QuantizeRul
                 "module_path (a regular expression over the whole path) or op_names"
             )
     left = sorted(
-        f"{path or '<root>'} ({record.op}): {record.reason}"
-        for (path, _), record in records.items()
-        if record.reason is not None
+        {
+            f"{path or '<root>'} ({record.op}): {record.reason}"
+            for (path, _), record in records.items()
+            if record.reason is not None
+        }
     )
     if left:
         _note_once(

@@ -1,0 +1,3 @@
+from examples.stock_nnx.train import main
+
+main()
