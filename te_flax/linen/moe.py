@@ -24,8 +24,9 @@ class MoEBlock(LinenShell, MoEBlockSpec):
     one scale per expert (delayed-scaling variables ``{x,kernel,grad}_{0,1}_*`` of shape
     ``[num_experts, ...]``). With a mesh and logical axis rules that map ``"exp"`` to a mesh
     axis, the experts are split over it (expert parallelism, ``configs/rules/ep.yaml``).
-    Each call sows ``tokens_per_expert`` (``[E]``) and ``tokens_dropped`` into the
-    ``"intermediates"`` collection.
+    Each call sows ``aux_loss``, ``tokens_per_expert`` (``[E]``) and ``tokens_dropped`` into
+    the ``"intermediates"`` collection (a ``TransformerLayer`` with ``moe=`` returns only its
+    output: add the sown ``aux_loss`` to the training loss).
 
     Attributes:
       num_experts: the experts (default 8).
@@ -68,6 +69,7 @@ class MoEBlock(LinenShell, MoEBlockSpec):
     def __call__(self, inputs: Array) -> tuple[Array, Array]:
         """``[batch..., hidden]`` -> ``([batch..., hidden], aux_loss [])``."""
         (out, aux_loss), stats = self._run(inputs)
+        self.sow("intermediates", "aux_loss", aux_loss)
         self.sow("intermediates", "tokens_per_expert", stats.tokens_per_expert)
         self.sow("intermediates", "tokens_dropped", stats.tokens_dropped)
         return out, aux_loss

@@ -38,9 +38,11 @@ from te_flax._layers import (
     LayerNormSpec,
     ParamSpec,
 )
+from te_flax._moe import MoEBlockSpec
 from te_flax._transformer import TransformerLayerSpec, TransformerLayerType
 from te_flax.linen import modules
 from te_flax.linen._shell import create_param
+from te_flax.linen.moe import MoEBlock
 
 __all__ = [
     "DotProductAttention",
@@ -306,6 +308,11 @@ class TransformerLayer(nn.Module, TransformerLayerSpec):
 
     Example usage::
 
+      moe: None (default: the MLP) or ``MoEBlock`` attributes, e.g. ``{"num_experts": 8,
+        "num_experts_per_tok": 2}``: a ``MoEBlock`` (named ``mlp``, with the MLP's norm,
+        ``mlp_hidden_size`` per expert and ``mlp_activations``) replaces the MLP; give it to
+        every n-th layer for a mixture of experts every n layers. Its aux loss is sown
+        (``"intermediates"``, ``aux_loss``): add it to the training loss.
       >>> import jax, jax.numpy as jnp
       >>> import te_flax.linen as te_nn
       >>> layer = te_nn.TransformerLayer(hidden_size=32, mlp_hidden_size=64,
@@ -359,3 +366,4 @@ _KINDS: dict[type, type[nn.Module]] = {
     MultiHeadAttentionSpec: MultiHeadAttention,
     RelativePositionBiasesSpec: RelativePositionBiases,
 }
+    MoEBlockSpec: MoEBlock,

@@ -21,8 +21,8 @@ class MoEBlock(NnxShell, MoEBlockSpec):
     """A mixture of gated MLP experts (``te_flax.linen.MoEBlock``, NNX style).
 
     Returns ``(y, aux_loss)``. ``in_features`` is the hidden size. Each call writes what the
-    router did into two ``nnx.Intermediate`` variables, ``tokens_per_expert`` (int32 ``[E]``)
-    and ``tokens_dropped`` (int32 ``[]``), which no optimizer touches. The FP8 state of the
+    router did into ``nnx.Intermediate`` variables, ``aux_loss``, ``tokens_per_expert`` (int32
+    ``[E]``) and ``tokens_dropped`` (int32 ``[]``), which no optimizer touches. The FP8 state of the
     two grouped GEMMs holds one entry per expert (``[num_experts, ...]``).
 
     Example usage::
@@ -47,12 +47,14 @@ class MoEBlock(NnxShell, MoEBlockSpec):
         for postfix in self.fp8_postfixes:
             for name, value in self.fresh_fp8_state(recipe, postfix).items():
                 setattr(self, name, Fp8Meta(value))
+        self.aux_loss = nnx.Intermediate(jnp.zeros((), jnp.float32))
         self.tokens_per_expert = nnx.Intermediate(jnp.zeros((self.num_experts,), jnp.int32))
         self.tokens_dropped = nnx.Intermediate(jnp.zeros((), jnp.int32))
 
     def __call__(self, inputs: Array) -> tuple[Array, Array]:
         """``[batch..., in_features]`` -> ``([batch..., in_features], aux_loss [])``."""
         (out, aux_loss), stats = self._run(inputs)
+        self.aux_loss[...] = aux_loss
         self.tokens_per_expert[...] = stats.tokens_per_expert
         self.tokens_dropped[...] = stats.tokens_dropped
         return out, aux_loss

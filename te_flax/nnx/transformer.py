@@ -35,9 +35,11 @@ from te_flax._layers import (
     LayerNormSpec,
     ParamSpec,
 )
+from te_flax._moe import MoEBlockSpec
 from te_flax._transformer import TransformerLayerSpec, TransformerLayerType
 from te_flax.nnx import modules
 from te_flax.nnx._shell import create_param, set_attributes
+from te_flax.nnx.moe import MoEBlock
 
 __all__ = [
     "DotProductAttention",
@@ -372,3 +374,4 @@ _KINDS: dict[type, type[nnx.Module]] = {
     LayerNormMLPSpec: modules.LayerNormMLP,
     MultiHeadAttentionSpec: MultiHeadAttention,
 }
+    MoEBlockSpec: MoEBlock,
