@@ -1,4 +1,4 @@
-"""Kernel (5): the blockwise FP8 GEMM, per-block scales applied inside K (as DeepGEMM does).
+"""The blockwise FP8 GEMM kernel: per-block scales applied inside K (as DeepGEMM does).
 
 ``Float8BlockScaling``'s GEMM multiplies two float8 matrices whose scales change every 128
 elements of K, so no GEMM library call can take them as one scale per operand. XLA's exact form
