@@ -376,6 +376,7 @@ MLP_FROM_LAYER = SharedAttributes(
         ("intermediate_hidden_dropout_dims", "intermediate_dropout_dims"),
         ("kernel_init", "mlp_kernel_init"),
     ),
+)
 MOE_FROM_LAYER = SharedAttributes(
     MoEBlockSpec,
     names=(
@@ -394,7 +395,6 @@ MOE_FROM_LAYER = SharedAttributes(
         ("activation_params", "mlp_activation_params"),
         ("kernel_init", "mlp_kernel_init"),
     ),
-)
 )
 NORM_FROM_LAYER = SharedAttributes(
     LayerNormSpec,
