@@ -363,7 +363,7 @@ _KINDS: dict[type, type[nn.Module]] = {
     LayerNormSpec: modules.LayerNorm,
     LayerNormDenseGeneralSpec: modules.LayerNormDenseGeneral,
     LayerNormMLPSpec: modules.LayerNormMLP,
+    MoEBlockSpec: MoEBlock,
     MultiHeadAttentionSpec: MultiHeadAttention,
     RelativePositionBiasesSpec: RelativePositionBiases,
 }
-    MoEBlockSpec: MoEBlock,

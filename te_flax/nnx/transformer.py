@@ -372,6 +372,6 @@ _KINDS: dict[type, type[nnx.Module]] = {
     LayerNormSpec: modules.LayerNorm,
     LayerNormDenseGeneralSpec: modules.LayerNormDenseGeneral,
     LayerNormMLPSpec: modules.LayerNormMLP,
+    MoEBlockSpec: MoEBlock,
     MultiHeadAttentionSpec: MultiHeadAttention,
 }
-    MoEBlockSpec: MoEBlock,
