@@ -305,14 +305,14 @@ class TransformerLayer(nn.Module, TransformerLayerSpec):
         as in ``DotProductAttention``.
       transpose_batch_sequence: inputs are ``[seq, batch, hidden]`` (default False).
       dtype, param_dtype, recipe: as in the other te_flax modules.
-
-    Example usage::
-
       moe: None (default: the MLP) or ``MoEBlock`` attributes, e.g. ``{"num_experts": 8,
         "num_experts_per_tok": 2}``: a ``MoEBlock`` (named ``mlp``, with the MLP's norm,
         ``mlp_hidden_size`` per expert and ``mlp_activations``) replaces the MLP; give it to
         every n-th layer for a mixture of experts every n layers. Its aux loss is sown
         (``"intermediates"``, ``aux_loss``): add it to the training loss.
+
+    Example usage::
+
       >>> import jax, jax.numpy as jnp
       >>> import te_flax.linen as te_nn
       >>> layer = te_nn.TransformerLayer(hidden_size=32, mlp_hidden_size=64,
