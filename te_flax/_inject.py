@@ -241,7 +241,8 @@ def _handlers() -> list[Handler]:
     if not hasattr(_STATE, "handlers"):
         _STATE.handlers = []
         _STATE.quiet = 0
-    return _STATE.handlers  # type: ignore[no-any-return]
+    handlers: list[Handler] = _STATE.handlers
+    return handlers
 
 
 @contextlib.contextmanager
@@ -263,7 +264,7 @@ def _dispatch(op: str, lhs: Any, rhs: Any, spec: Any, original: Callable[[], Any
     return original() if result is None else result
 
 
-_ORIGINALS = {
+_ORIGINALS: dict[str, Callable[..., Any]] = {
     "dot_general": jax.lax.dot_general,
     "einsum": jnp.einsum,
     "dot": jnp.dot,
@@ -337,12 +338,13 @@ def intercepting(handler: Handler) -> Iterator[None]:
 
 def original(op: str) -> Callable[..., Any]:
     """The product function ``op`` as JAX defines it (never intercepted)."""
-    return _ORIGINALS[op]
+    function: Callable[..., Any] = _ORIGINALS[op]
+    return function
 
 
 def calling_frames(start: int = 2) -> Iterator[Any]:
     """The Python frames of the caller and above: where a product was called from."""
-    frame = sys._getframe(start)
+    frame: Any = sys._getframe(start)
     while frame is not None:
         yield frame
         frame = frame.f_back

@@ -255,7 +255,12 @@ class QuantizedModule(nn.Module):
             return self.module(*args, **kwargs)
 
 
-def _quantize_linen(model: nn.Module, config: _Config, inputs: tuple[Any, ...]) -> nn.Module:
+_Records = dict[tuple[str, Any], _Record]
+
+
+def _quantize_linen(
+    model: nn.Module, config: _Config, inputs: tuple[Any, ...]
+) -> tuple[nn.Module, _Records]:
     quantized = QuantizedModule(model, config)
     session = _Session("linen", config)
     key = jax.random.key(0)
@@ -266,7 +271,7 @@ def _quantize_linen(model: nn.Module, config: _Config, inputs: tuple[Any, ...]) 
             return model.init(rngs, *args)
 
     jax.eval_shape(init, *inputs)
-    return quantized, session.records  # type: ignore[return-value]
+    return quantized, session.records
 
 
 # ----------------------------------------------------------------------------- NNX
@@ -291,7 +296,7 @@ def _quantized_class(cls: type) -> type:
 
         def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
             with _inject.intercepting(_Session("nnx", self._te_flax_config)):
-                return cls.__call__(self, *args, **kwargs)  # type: ignore[operator]
+                return cls.__call__(self, *args, **kwargs)
 
         _QUANTIZED_CLASSES[cls] = type(
             cls.__name__,
@@ -306,8 +311,8 @@ def _first_param_shape(module: nnx.Module) -> tuple[int, ...] | None:
     return tuple(jnp.shape(leaves[0])) if leaves else None
 
 
-def _quantize_nnx(model: nnx.Module, config: _Config, inputs: tuple[Any, ...]) -> Any:
-    modules = dict(nnx.iter_modules(model))
+def _quantize_nnx(model: Any, config: _Config, inputs: tuple[Any, ...]) -> tuple[Any, _Records]:
+    modules: dict[Any, Any] = dict(nnx.iter_modules(model))
     for keys, module in modules.items():
         module._te_flax_path = _path(keys)
         if isinstance(module, nnx.Linear) and module.dot_general is jax.lax.dot_general:
@@ -330,7 +335,7 @@ def _quantize_nnx(model: nnx.Module, config: _Config, inputs: tuple[Any, ...]) -
     for (path, _), record in session.records.items():
         if record.index is None:
             continue
-        owner = by_path[path]
+        owner: Any = by_path[path]
         add_fp8_state(owner, record.recipe, postfix(record.index))
         owner._te_flax_products = max(getattr(owner, "_te_flax_products", 0), record.index + 1)
         if needs_sr_key(record.recipe) and getattr(owner, "sr_rngs", None) is None:
