@@ -249,11 +249,10 @@ class TransformerLayerSpec:
         score_mod_bprop_tensors: Mapping[str, Any] | None = None,
     ) -> Array:
         self.check()
-        if inputs.ndim != 3 or inputs.shape[-1] != self.hidden_size:
+        if inputs.ndim != 3:
             raise ValueError(
-                f"inputs must be [batch, seq, hidden_size={self.hidden_size}] ([seq, batch, "
-                f"hidden_size] with transpose_batch_sequence), got shape {inputs.shape}; set "
-                "hidden_size to the input's last axis"
+                f"inputs must be [batch, seq, hidden] ([seq, batch, hidden] with "
+                f"transpose_batch_sequence), got shape {inputs.shape}; reshape it to three axes"
             )
         if decode and not self.decoder:
             raise ValueError(

@@ -111,3 +111,34 @@ def test_transformer_layer_names_its_sublayers_by_description_type():
     }
     assert children["mlp"].attributes["intermediate_dim"] == 2048
     assert children["attention"].attributes["head_dim"] == 8
+
+
+# ------------------------------------------------------------------ input width != hidden_size
+
+
+def test_transformer_layer_input_width_differs_from_hidden_size_in_linen_and_nnx():
+    """As in TE: hidden_size sets the attention width (head_dim 16 / 4 heads = 4); the
+    output projection and the MLP return the input's width (24); NNX agrees with Linen."""
+    import flax.linen as nn
+    from flax import nnx
+
+    import te_flax.linen as te_nn
+    import te_flax.nnx as te_nnx
+
+    attributes = dict(hidden_size=16, mlp_hidden_size=32, num_attention_heads=4)
+    x = jax.random.normal(jax.random.key(1), (2, 5, 24))
+    layer = te_nn.TransformerLayer(**attributes)
+    variables = nn.meta.unbox(layer.init(jax.random.key(0), x, deterministic=True))
+    out = layer.apply(variables, x, deterministic=True)
+    assert out.shape == x.shape
+    shapes = jax.tree.map(jnp.shape, variables["params"])
+    assert shapes["attention"]["qkv"]["kernel"] == (24, 3, 16)
+    assert shapes["attention"]["out"]["kernel"] == (16, 24)
+    assert shapes["mlp"]["wi_kernel"] == (24, 1, 32)
+    assert shapes["mlp"]["wo_kernel"] == (32, 24)
+
+    module = te_nnx.TransformerLayer(in_features=24, **attributes, rngs=nnx.Rngs(0))
+    nnx.update(module, nnx.State(jax.tree.map(nnx.Param, variables["params"])))
+    np.testing.assert_allclose(module(x, deterministic=True), out, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="build it with in_features"):
+        module(jnp.ones((2, 5, 16)), deterministic=True)

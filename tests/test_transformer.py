@@ -833,8 +833,8 @@ def test_wrong_layer_calls_are_refused_with_the_fix():
         _layer(num_attention_heads=5).init(key, x)
     with pytest.raises(ValueError, match="takes no parameters"):
         _layer(mlp_activations=("gelu",), mlp_activation_params={"limit": 7.0}).init(key, x)
-    with pytest.raises(ValueError, match="hidden_size=32"):
-        _layer().init(key, _inputs((BATCH, SEQ, 16)))
+    with pytest.raises(ValueError, match="reshape it to three axes"):
+        _layer().init(key, _inputs((BATCH * SEQ, 32)))
     with pytest.raises(ValueError, match="needs a mask"):
         _layer(self_attn_mask_type="padding").init(key, x, deterministic=True)
     with pytest.raises(NotImplementedError, match="qkv_layout"):

@@ -280,6 +280,9 @@ class TransformerLayer(nn.Module, TransformerLayerSpec):
 
     Attributes:
       hidden_size (512), mlp_hidden_size (2048), num_attention_heads (8), num_gqa_groups.
+        As in TE, ``hidden_size`` sets the attention width (``head_dim = hidden_size /
+        num_attention_heads``); the input may be wider or narrower, and the output projection
+        and the MLP return the input's width.
       layernorm_type, layernorm_epsilon, zero_centered_gamma: every norm of the layer.
       hidden_dropout (0.1), hidden_dropout_dims: dropout of each block's output.
       attention_dropout (0.1), intermediate_dropout (0.0), intermediate_dropout_dims,
@@ -339,7 +342,8 @@ class TransformerLayer(nn.Module, TransformerLayerSpec):
         score_mod_bprop_tensors: Mapping[str, Any] | None = None,
     ) -> Array:
         """``[batch, seq, hidden_size]`` (``[seq, batch, ..]`` transposed) -> the same."""
-        host = _LinenHost(self, self.children())
+        encoded_features = None if encoded is None else encoded.shape[-1]
+        host = _LinenHost(self, self.children(inputs.shape[-1], encoded_features))
         if self.relative_embedding is not None:
             host.built["relpos_bias"] = self.relative_embedding
         return self.forward(

@@ -300,8 +300,10 @@ class RelativePositionBiases(nnx.Module, RelativePositionBiasesSpec):
 class TransformerLayer(nnx.Module, TransformerLayerSpec):
     """TE's transformer layer (``te_flax.linen.TransformerLayer``, NNX style).
 
-    Built from its attributes alone (``hidden_size`` gives the input size). A DECODER's
-    cross-attention reads ``encoded`` of the same hidden size.
+    Built from its attributes and the input sizes: ``in_features`` (None: ``hidden_size``)
+    and, for a DECODER's cross-attention, ``encoded_features`` (None: ``in_features``). As in
+    TE, ``hidden_size`` sets the attention width (``head_dim = hidden_size /
+    num_attention_heads``) while the output projection and the MLP return ``in_features``.
 
     Example usage::
 
@@ -314,9 +316,18 @@ class TransformerLayer(nnx.Module, TransformerLayerSpec):
       (2, 6, 32)
     """
 
-    def __init__(self, *, rngs: nnx.Rngs, **attributes: Any):
+    def __init__(
+        self,
+        *,
+        in_features: int | None = None,
+        encoded_features: int | None = None,
+        rngs: nnx.Rngs,
+        **attributes: Any,
+    ):
         set_attributes(self, TransformerLayerSpec, attributes, rngs)
-        for name, child in self.children().items():
+        self.in_features = self.hidden_size if in_features is None else in_features
+        self.encoded_features = encoded_features
+        for name, child in self.children(self.in_features, encoded_features).items():
             # TE names the output norm after its switch: the module takes the attribute's place
             # (and keeps its truth value), so that its variables sit where Linen puts them.
             setattr(self, name, nnx.data(_build(child, rngs)))
@@ -339,7 +350,13 @@ class TransformerLayer(nnx.Module, TransformerLayerSpec):
         score_mod_tensors: Mapping[str, Any] | None = None,
         score_mod_bprop_tensors: Mapping[str, Any] | None = None,
     ) -> Array:
-        """``[batch, seq, hidden_size]`` (``[seq, batch, ..]`` transposed) -> the same."""
+        """``[batch, seq, in_features]`` (``[seq, batch, ..]`` transposed) -> the same."""
+        if inputs.shape[-1:] != (self.in_features,):
+            raise ValueError(
+                f"inputs must be [batch, seq, {self.in_features}] (the in_features this "
+                f"TransformerLayer was built with; default hidden_size={self.hidden_size}), got "
+                f"shape {inputs.shape}; build it with in_features=<the input's last axis>"
+            )
         host = _NnxHost(self)
         if self.relative_embedding is not None:
             host = _WithRelativeEmbedding(self)
