@@ -62,7 +62,7 @@ __all__ = [
     "with_logical_constraint",
 ]
 
-# The rule sets shipped with the repository: dp, fsdp, tp, tp_sp, dp_fsdp_tp.
+# The rule sets shipped with the repository: dp, fsdp, tp, tp_sp, dp_fsdp_tp, ep.
 RULES_DIR = Path(__file__).resolve().parent.parent / "configs" / "rules"
 MESH_AXES = ("data", "fsdp", "tensor")
 # The logical axis names of te_flax's default axes and of the examples' activations.

@@ -872,7 +872,7 @@ def test_make_mesh_refuses_unknown_axes_and_wrong_device_counts():
 
 def test_every_shipped_rule_set_loads_and_names_only_mesh_axes():
     names = sorted(path.stem for path in RULES_DIR.glob("*.yaml"))
-    assert names == ["dp", "dp_fsdp_tp", "fsdp", "tp", "tp_sp"]
+    assert names == ["dp", "dp_fsdp_tp", "ep", "fsdp", "tp", "tp_sp"]
     for name in names:
         rules = load_axis_rules(name)
         assert rules == load_axis_rules(RULES_DIR / f"{name}.yaml")
