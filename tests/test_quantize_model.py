@@ -15,8 +15,8 @@ import te_flax
 import te_flax.linen as te_nn
 import te_flax.nnx as te_nnx
 from te_flax import training
-from te_flax.quantize import DelayedScaling
-from tests.helpers import FP8_FORWARD_TOLERANCE
+from te_flax.quantize import DelayedScaling, MXFP8BlockScaling, NVFP4BlockScaling
+from tests.helpers import BLOCK_FORWARD_TOLERANCE, FP8_FORWARD_TOLERANCE
 
 RECIPE = DelayedScaling(amax_history_len=4)
 OWG = "_overwrite_with_gradient"
@@ -289,3 +289,23 @@ def test_scan_over_layers_keeps_one_fp8_state_per_layer():
     )
     assert layer_state["x_amax_history"].shape == (3, 4)
     assert np.all(layer_state["x_amax_history"][:, 0] > 0)
+
+
+def test_block_scaled_recipes_run_through_quantize_model():
+    x = jax.random.normal(jax.random.key(5), (32, 2 * D))
+    errors = {}
+    for recipe in (MXFP8BlockScaling(), NVFP4BlockScaling()):  # NVFP4 rounds stochastically
+        model = te_flax.quantize_model(
+            nnx.Sequential(nnx.Linear(2 * D, 2 * D, rngs=nnx.Rngs(0))), recipe, x
+        )
+        linear = model.layers[0]
+        reference = x @ linear.kernel[...] + linear.bias[...][None]
+        step = nnx.jit(te_nnx.value_and_grad(lambda m, x: jnp.mean(m(x) ** 2)))
+        _, grads = step(model, x)
+        assert np.all(np.isfinite(grads["layers"][0]["kernel"][...]))
+        out = nnx.jit(lambda m, x: m(x))(model, x)
+        errors[type(recipe).__name__] = float(
+            jnp.linalg.norm(out - reference) / jnp.linalg.norm(reference)
+        )
+    assert 0 < errors["MXFP8BlockScaling"] < BLOCK_FORWARD_TOLERANCE["mxfp8"]
+    assert 0 < errors["NVFP4BlockScaling"] < BLOCK_FORWARD_TOLERANCE["nvfp4"]
