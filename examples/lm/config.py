@@ -60,7 +60,7 @@ class TrainConfig:
     eval_every: int = 50  # at most; evaluations also come at least every tenth of the run
     eval_batches: int = 4
     seed: int = 0
-    # "delayed", "current", "mxfp8", "nvfp4" or "none" (BF16)
+    # "delayed", "current", "blockwise", "mxfp8", "nvfp4" or "none" (BF16)
     recipe: str = "delayed"
     amax_history_len: int = 16
     # Stop after this step, keeping the schedule of train.steps (to split a run in parts).
@@ -95,7 +95,7 @@ _CHOICES = {
     "model.activation": ("gelu", "swiglu"),
     "model.frontend": ("linen", "nnx"),
     "model.block": ("handwritten", "te"),
-    "train.recipe": ("delayed", "current", "mxfp8", "nvfp4", "none"),
+    "train.recipe": ("delayed", "current", "blockwise", "mxfp8", "nvfp4", "none"),
 }
 
 

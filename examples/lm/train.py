@@ -37,6 +37,7 @@ import te_flax.nnx as te_nnx
 from te_flax.convert import migrate_fp8_state
 from te_flax.quantize import (
     DelayedScaling,
+    Float8BlockScaling,
     Float8CurrentScaling,
     MXFP8BlockScaling,
     NVFP4BlockScaling,
@@ -86,6 +87,8 @@ def make_recipe(config: Config):
         return DelayedScaling(amax_history_len=t.amax_history_len)
     if t.recipe == "current":
         return Float8CurrentScaling()
+    if t.recipe == "blockwise":
+        return Float8BlockScaling()
     if t.recipe == "mxfp8":
         return MXFP8BlockScaling()
     if t.recipe == "nvfp4":
