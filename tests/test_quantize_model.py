@@ -309,3 +309,41 @@ def test_block_scaled_recipes_run_through_quantize_model():
         )
     assert 0 < errors["MXFP8BlockScaling"] < BLOCK_FORWARD_TOLERANCE["mxfp8"]
     assert 0 < errors["NVFP4BlockScaling"] < BLOCK_FORWARD_TOLERANCE["nvfp4"]
+
+
+class ShardedMLP(nn.Module):
+    """Stock layers whose kernels carry logical axes, as a sharded model's do."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        def init(*axes):
+            return nn.with_logical_partitioning(nn.initializers.lecun_normal(), axes)
+
+        h = nn.Dense(2 * D, use_bias=False, kernel_init=init("embed", "mlp"), name="up")(x)
+        return nn.Dense(D, use_bias=False, kernel_init=init("mlp", "embed"), name="down")(
+            jax.nn.relu(h)
+        )
+
+
+def test_sharded_step_equals_the_one_device_step():
+    x = jax.random.normal(jax.random.key(6), (16, D))
+    model = te_flax.quantize_model(ShardedMLP(), RECIPE, x)
+    loss = jax.jit(training.value_and_grad(lambda v, x: jnp.sum(model.apply(v, x) ** 2)))
+    variables = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), x))
+    expected = loss(variables, x)
+    with te_flax.sharding.use_sharding("dp_fsdp_tp", {"data": 2, "fsdp": 2, "tensor": 2}):
+        rules = nn.get_logical_axis_rules()
+        abstract = jax.eval_shape(model.init, jax.random.key(0), x)
+        shardings = nn.logical_to_mesh_sharding(
+            nn.get_partition_spec(abstract), jax.sharding.get_mesh(), rules
+        )
+        sharded = nn.meta.unbox(jax.jit(model.init, out_shardings=shardings)(jax.random.key(0), x))
+        assert tuple(sharded["params"]["up"]["kernel"].sharding.spec) == ("fsdp", "tensor")
+        result = loss(sharded, x)
+    # The amax is global under jit: the same FP8 state and, up to float32 sums, the same step.
+    jax.tree.map(np.testing.assert_array_equal, result[1][OWG], expected[1][OWG])
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
+        result[1]["params"],
+        expected[1]["params"],
+    )
