@@ -293,7 +293,7 @@ def _grouped_gemm(
     out = _ragged_gemm(
         lhs_data, rhs_data, group_sizes, contract, rhs_group_dims, gemm_dtype, precision
     )
-    if not fp8:
+    if lhs_scale is None or rhs_scale is None:
         return out.astype(out_dtype)
     scale = lhs_scale * rhs_scale  # [G]
     if rhs_group_dims:

@@ -310,7 +310,7 @@ def _check_grouped_shapes(
             "sorted by group"
         )
     try:
-        dims = tuple(tuple(int(d) for d in side) for side in contracting_dims)  # type: ignore[union-attr]
+        dims = tuple(tuple(int(d) for d in side) for side in cast(Any, contracting_dims))
     except (TypeError, ValueError):
         dims = ()
     if dims not in (((1,), (1,)), ((-1,), (1,)), ((1,), (-2,)), ((-1,), (-2,))):
@@ -342,7 +342,7 @@ def _lowering(lowering: object, capacity: object) -> str:
         )
     if lowering == "auto":
         return "capacity" if capacity is not None else "ragged"
-    return cast(str, lowering)
+    return str(lowering)
 
 
 def grouped_dense(
@@ -444,7 +444,7 @@ def grouped_dense(
     # and each per-tensor quantizer one scale per group.
     rows = x.shape[0]
     packed = _grouped.pack_rows(x, group_sizes, rows if capacity is None else int(capacity))
-    config = _Config(
+    dense_config = _Config(
         n_contract=1,
         input_axes=None,
         kernel_axes=None,
@@ -453,6 +453,6 @@ def grouped_dense(
         bias_dtype=None if bias is None else bias.dtype,
     )
     state_axes = jax.tree.map(lambda _: 0, quantizer_set)
-    per_group = jax.vmap(partial(_dense, config), in_axes=(0, 0, 0, state_axes))
+    per_group = jax.vmap(partial(_dense, dense_config), in_axes=(0, 0, 0, state_axes))
     out = per_group(packed, kernel, bias, quantizer_set)  # [G, C, N]
     return _grouped.unpack_rows(out, group_sizes, rows).astype(out_dtype)
