@@ -347,3 +347,27 @@ def test_sharded_step_equals_the_one_device_step():
         result[1]["params"],
         expected[1]["params"],
     )
+
+
+class Reused(nnx.Module):
+    """One layer applied twice (weight sharing): one FP8 state, two uses per step."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.proj = nnx.Linear(D, D, use_bias=False, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for _ in range(2):
+            x = self.proj(x)
+        return x
+
+
+def test_a_reused_call_site_merges_its_state_by_max():
+    x = jax.random.normal(jax.random.key(7), (16, D))
+    model = te_flax.quantize_model(Reused(nnx.Rngs(0)), RECIPE, x)
+    assert model.proj.x_amax_history[...].shape == (4,)  # one state for both uses
+    first = x @ model.proj.kernel[...]
+    step = nnx.jit(te_nnx.value_and_grad(lambda m, x: jnp.sum(m(x)), update_fp8_state=True))
+    step(model, x)
+    # The max of the two uses' amax (x, then the first output), not their sum.
+    expected = max(float(jnp.max(jnp.abs(x))), float(jnp.max(jnp.abs(first))))
+    np.testing.assert_allclose(model.proj.x_amax_history[...][0], expected, rtol=0.07)
