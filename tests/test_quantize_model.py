@@ -371,3 +371,24 @@ def test_a_reused_call_site_merges_its_state_by_max():
     # The max of the two uses' amax (x, then the first output), not their sum.
     expected = max(float(jnp.max(jnp.abs(x))), float(jnp.max(jnp.abs(first))))
     np.testing.assert_allclose(model.proj.x_amax_history[...][0], expected, rtol=0.07)
+
+
+def test_orbax_restores_a_quantized_nnx_model_with_its_fp8_state(tmp_path):
+    import orbax.checkpoint as ocp
+
+    x = jax.random.normal(jax.random.key(8), (16, D))
+    model = te_flax.quantize_model(StockMLP(nnx.Rngs(0)), RECIPE, x)
+    step = nnx.jit(te_nnx.value_and_grad(lambda m, x: jnp.sum(m(x) ** 2), update_fp8_state=True))
+    step(model, x)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "state", nnx.state(model))
+        checkpointer.wait_until_finished()
+        # The abstract model, quantized the same way, gives the tree to restore into.
+        abstract = te_flax.quantize_model(nnx.eval_shape(lambda: StockMLP(nnx.Rngs(0))), RECIPE, x)
+        graphdef, abstract_state = nnx.split(abstract)
+        restored = nnx.merge(graphdef, checkpointer.restore(tmp_path / "state", abstract_state))
+    np.testing.assert_array_equal(restored.up.x_amax_history[...], model.up.x_amax_history[...])
+    assert np.count_nonzero(restored.up.x_amax_history[...]) == 1
+    np.testing.assert_array_equal(
+        nnx.jit(lambda m, x: m(x))(restored, x), nnx.jit(lambda m, x: m(x))(model, x)
+    )
