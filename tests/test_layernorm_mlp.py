@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from functools import partial
 
 import flax.linen as nn
@@ -137,17 +138,33 @@ def te_mlp(x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, quantizer_sets=No
     return layernorm_mlp(x, gamma, beta, [kernel_1, kernel_2], [bias_1, bias_2], **options)
 
 
-def loss_and_grads(function, inputs, *extra, argnums=None):
-    """Value, output and gradients of ``sum(function(...) * cotangent)`` for every array input."""
+# The jitted steps of loss_and_grads by function: a function called again (a loop over
+# training steps) reuses its compiled step instead of tracing and compiling it again.
+_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _step(function, argnums):
+    def loss(cotangent, *all_args):
+        out = function(*all_args)
+        return jnp.sum(out.astype(F32) * cotangent), out
+
+    steps = _STEPS.setdefault(function, {})
+    if argnums not in steps:
+        shifted = tuple(index + 1 for index in argnums)  # after the cotangent
+        steps[argnums] = jax.jit(jax.value_and_grad(loss, shifted, has_aux=True))
+    return steps[argnums]
+
+
+def loss_and_grads(function, inputs, *extra, differentiate_extra=True):
+    """Value, output and gradients of ``sum(function(...) * cotangent)`` for every array input
+    (and the ``extra`` arguments unless ``differentiate_extra`` is False)."""
     args = [inputs[name] for name in NAMES]
     present = tuple(i for i, a in enumerate(args) if a is not None)
-    argnums = present + tuple(range(len(args), len(args) + len(extra)))
-
-    def loss(*all_args):
-        out = function(*all_args)
-        return jnp.sum(out.astype(F32) * inputs["cotangent"]), out
-
-    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums, has_aux=True))(*args, *extra)
+    argnums = present
+    if differentiate_extra:
+        argnums += tuple(range(len(args), len(args) + len(extra)))
+    step = _step(function, argnums)
+    (_, out), grads = step(inputs["cotangent"], *args, *extra)
     named = dict(zip((NAMES[i] for i in present), grads[: len(present)], strict=True))
     return out, named, grads[len(present) :]
 
@@ -270,13 +287,19 @@ def test_fp8_matches_fake_quant_reference_over_steps(recipe, activation_type):
         lambda *a: reference_mlp(*a, **options), inputs
     )
     sets = QuantizerFactory.create_set(2, fp8_recipe=recipe)
+
+    # Defined once: the three steps reuse one compiled step each (the scales are arguments).
+    def fp8_mlp(*args):
+        return te_mlp(*args[:-1], quantizer_sets=args[-1], **options)
+
+    def fake_quant_mlp(*args):
+        return reference_mlp(*args[:-1], scales=args[-1], formats=formats, **options)
+
     for _ in range(3):
         scales = _scales_used(sets, recipe)
-        out, grads, (new_sets,) = loss_and_grads(
-            lambda *a: te_mlp(*a[:-1], quantizer_sets=a[-1], **options), inputs, sets
-        )
+        out, grads, (new_sets,) = loss_and_grads(fp8_mlp, inputs, sets)
         expected_out, expected_grads, _ = loss_and_grads(
-            partial(reference_mlp, scales=scales, formats=formats, **options), inputs
+            fake_quant_mlp, inputs, scales, differentiate_extra=False
         )
         # Same scales, same roundings: only summation order differs (a rounding boundary may
         # flip for a handful of elements).
@@ -304,17 +327,15 @@ def test_delayed_state_of_both_sets_follows_the_recipe():
         (amax_of(y), amax_of(inputs["kernel_1"]), amax_of(inputs["cotangent"])),
         (amax_of(activated), amax_of(inputs["kernel_2"]), amax_of(d_h)),
     )
+
+    def fp8_mlp(*args):
+        return te_mlp(
+            *args[:-1], quantizer_sets=args[-1], activation_type=activation_type,
+            norm_type="layernorm",
+        )  # fmt: skip
+
     for step in range(4):
-        _, _, (new_sets,) = loss_and_grads(
-            lambda *a: te_mlp(
-                *a[:-1],
-                quantizer_sets=a[-1],
-                activation_type=activation_type,
-                norm_type="layernorm",
-            ),
-            inputs,
-            sets,
-        )
+        _, _, (new_sets,) = loss_and_grads(fp8_mlp, inputs, sets)
         for gemm in range(2):
             old = (sets[gemm].x, sets[gemm].kernel, sets[gemm].dgrad)
             new = (new_sets[gemm].x, new_sets[gemm].kernel, new_sets[gemm].dgrad)
