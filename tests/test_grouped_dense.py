@@ -17,6 +17,7 @@ import pytest
 from te_flax.dense import dense, grouped_dense, grouped_quantizer_set
 from te_flax.quantize import (
     DelayedScaling,
+    Float8BlockScaling,
     Float8CurrentScaling,
     MXFP8BlockScaling,
     NVFP4BlockScaling,
@@ -308,3 +309,37 @@ def test_capacity_lowering_with_the_quantize_kernel():
             results.append(step(kernel, state))
     for with_kernel, without in zip(*map(jax.tree.leaves, results), strict=True):
         np.testing.assert_array_equal(with_kernel, without)
+
+
+def test_blockwise_matches_a_loop_of_dense():
+    """Float8BlockScaling (128-wide tiles, 128x128 kernel blocks) on both lowerings: groups of
+    whole 128-row tiles, so each group's tiles are the ones dense makes of its rows."""
+    rows, width, sizes = 384, 128, (128, 0, 128)
+    keys = jax.random.split(jax.random.key(1), 3)
+    x = normal(keys[0], (rows, width))
+    kernel = normal(keys[1], (GROUPS, width, width), scale=width**-0.5)
+    cotangent = normal(keys[2], (rows, width))
+    state = QuantizerFactory.create_set(fp8_recipe=Float8BlockScaling())
+
+    def loop(x, kernel):
+        out = jnp.concatenate(
+            [
+                dense(x[:128], kernel[0], quantizer_set=state),
+                dense(x[128:256], kernel[2], quantizer_set=state),
+                jnp.zeros((128, width), x.dtype),
+            ]
+        )
+        return jnp.sum(out * cotangent)
+
+    expected = jax.jit(jax.value_and_grad(loop, argnums=(0, 1)))(x, kernel)
+    for lowering in LOWERINGS:
+
+        def loss(x, kernel, lowering=lowering):
+            out = grouped_dense(
+                x, kernel, jnp.array(sizes, jnp.int32), quantizer_set=state, lowering=lowering
+            )
+            return jnp.sum(out * cotangent)
+
+        actual = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, kernel)
+        for got, want in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+            assert_close(got, want, 1e-3, lowering)
