@@ -7,7 +7,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
@@ -92,7 +91,7 @@ def _loss(model: nnx.Module, tokens: jax.Array) -> jax.Array:
     )
 
 
-def test_stock_nnx_gpt_selects_projections_and_experts_and_trains():
+def test_stock_nnx_gpt_selects_projections_and_experts():
     model = GPT(nnx.Rngs(0))
     reference = nnx.jit(lambda m, t: m(t))(model, TOKENS)
     with pytest.warns(te_flax.QuantizeModelNote, match="batch dimensions"):
@@ -109,16 +108,7 @@ def test_stock_nnx_gpt_selects_projections_and_experts_and_trains():
     # A chain of FP8 GEMMs to the output (0.080 measured with two blocks): twice one GEMM's bound.
     assert 0 < error < 2 * FP8_FORWARD_TOLERANCE
 
-    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-
-    @nnx.jit
-    def step(model, optimizer, tokens):
-        return te_nnx.train_step(model, optimizer, _loss, tokens)
-
-    losses = [float(step(model, optimizer, TOKENS)) for _ in range(2)]
-    assert losses[-1] < losses[0]
-    history = model.blocks[0].moe.x_1_amax_history[...]
-    assert np.count_nonzero(history) == 2  # one amax per step
+    # Training and FP8 state updates: the tests below and examples/stock_nnx.
 
 
 class StockMLP(nnx.Module):
