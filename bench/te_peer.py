@@ -1,0 +1,500 @@
+"""TransformerEngine as a peer: te_flax's and TE's layers compiled for the same H100, side by side.
+
+Runs in the environment ``scripts/parity`` builds (TransformerEngine 2.20.2's JAX package and its
+CUDA extension on a CPU host), with TE's CUDA custom calls on::
+
+    NVTE_JAX_CUSTOM_CALLS=true XLA_FLAGS=--xla_gpu_enable_triton_gemm=false \\
+        PYTHONPATH=. .venv-te/bin/te-python -m bench.te_peer [--hidden 2048 ...]
+
+Each layer's training step (loss, gradients of the variables and the input) is compiled
+deviceless for the H100 of ``tests/data`` by both libraries, without FP8 and with delayed
+scaling; te_flax with its Pallas kernels (``auto``) and with the XLA stages. From the optimized
+HLO it reads every entry instruction's bytes (operands read once, results written once, as
+``te_flax._hlo`` counts them), the GEMMs and the other kernels. The step time is a MODEL, not a
+measurement: every non-GEMM kernel ``bytes / HBM bandwidth + 2 us``, the GEMMs together
+``max(flops / peak, GEMM bytes / HBM bandwidth) + 2 us`` each, with the layer's GEMM flops
+(the same GEMMs in both libraries). Also the wall time to trace and lower, and to compile.
+Writes ``bench/RESULTS_te_peer.md``. Not part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_TRITON_OFF = "--xla_gpu_enable_triton_gemm=false"
+if _TRITON_OFF not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_TRITON_OFF}".strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+RESULTS = Path(__file__).with_name("RESULTS_te_peer.md")
+TARGET_CONFIG = Path(__file__).parents[1] / "tests" / "data" / "h100_sxm.gpu_target_config.txtpb"
+# H100 SXM: dense tensor-core peaks and HBM3 bandwidth (NVIDIA's datasheet), a launch cost.
+PEAK_FLOPS = {"bf16": 989e12, "fp8": 1979e12}
+HBM_BYTES_PER_S = 3.35e12
+LAUNCH_S = 2e-6
+LAYERS = ("DenseGeneral", "LayerNormDenseGeneral", "LayerNormMLP", "TransformerLayer")
+VARIANTS = ("TE", "te_flax kernels", "te_flax XLA stages")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    tokens: int  # batch x seq
+    seq: int
+    hidden: int
+    mlp: int
+    heads: int
+
+    @property
+    def batch(self) -> int:
+        return self.tokens // self.seq
+
+
+def gemm_flops(layer: str, s: Shape) -> tuple[float, float]:
+    """(projection, attention) GEMM flops of a training step: forward, dgrad and wgrad.
+
+    The projections are the layer's dense GEMMs (FP8 under a recipe); the attention's batched
+    score and value products stay in bf16 in both libraries."""
+    dense = {
+        "DenseGeneral": s.hidden * s.mlp,
+        "LayerNormDenseGeneral": s.hidden * s.mlp,
+        "LayerNormMLP": 3 * s.hidden * s.mlp,  # gated wi (2 x) and wo
+        "TransformerLayer": 4 * s.hidden * s.hidden + 3 * s.hidden * s.mlp,
+    }[layer]
+    attention = 4 * s.tokens * s.seq * s.hidden if layer == "TransformerLayer" else 0
+    return 3 * 2 * s.tokens * dense, 3 * attention
+
+
+# ----------------------------------------------------------------------------- the two libraries
+
+
+def _te_deviceless() -> None:
+    """Lets TE's CUDA primitives be traced without a driver: its few runtime queries answered
+    here (compute capability 90, no fused-attention backend, four streams, one-byte workspaces;
+    a workspace is scratch memory and changes no operand). TE's CUDA custom calls are switched
+    on (the environment's interpreter wrapper switches them off for the parity suite)."""
+    os.environ["NVTE_JAX_CUSTOM_CALLS"] = "true"
+    import transformer_engine.jax  # noqa: F401
+    import transformer_engine_jax as tej
+
+    tej.get_device_compute_capability = lambda gpu_id=0: 90
+    tej.get_fused_attn_backend = lambda *a, **k: (
+        tej.NVTE_Fused_Attn_Backend.NVTE_No_Backend,
+        "no GPU",
+    )
+    tej.get_num_compute_streams = lambda *a, **k: 4
+    queries = [
+        "get_norm_fwd_workspace_sizes",
+        "get_norm_bwd_workspace_sizes",
+        "get_dbias_quantize_workspace_sizes",
+        "get_dact_dbias_quantize_workspace_sizes",
+    ]
+    for query in queries:
+        setattr(tej, query, lambda *a, **k: (((1,), tej.DType.kByte),))
+    names = [*queries, "get_device_compute_capability", "get_fused_attn_backend"]
+    names.append("get_num_compute_streams")
+    for module_name, module in list(sys.modules.items()):
+        if (
+            module_name.startswith("transformer_engine")
+            and module is not None
+            and module is not tej
+        ):
+            for name in names:
+                bound = getattr(module, name, None)
+                if callable(bound) and getattr(bound, "__module__", None) in (
+                    "transformer_engine_jax",
+                    None,
+                ):
+                    setattr(module, name, getattr(tej, name))
+
+
+def _module(library, layer: str, s: Shape, fp8_recipe):
+    """The layer from ``library`` (TE's ``transformer_engine.jax.flax`` or ``te_flax.linen``)."""
+    common = dict(dtype=jnp.bfloat16)  # TE: the parameters' and the computation's dtype
+    if library.__name__.startswith("te_flax"):  # the same bf16 parameters
+        common.update(recipe=fp8_recipe, param_dtype=jnp.bfloat16)
+    if layer == "DenseGeneral":
+        return library.DenseGeneral(features=s.mlp, **common)
+    if layer == "LayerNormDenseGeneral":
+        return library.LayerNormDenseGeneral(features=s.mlp, layernorm_type="rmsnorm", **common)
+    if layer == "LayerNormMLP":
+        return library.LayerNormMLP(
+            intermediate_dim=s.mlp,
+            activations=("silu", "linear"),
+            layernorm_type="rmsnorm",
+            **common,
+        )
+    return library.TransformerLayer(
+        hidden_size=s.hidden,
+        mlp_hidden_size=s.mlp,
+        num_attention_heads=s.heads,
+        layernorm_type="rmsnorm",
+        mlp_activations=("silu", "linear"),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        self_attn_mask_type="causal",
+        enable_relative_embedding=False,
+        **common,
+    )
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Apply:
+    model: object
+    layer: str
+
+    def __call__(self, variables, x):
+        kwargs = {"deterministic": True} if self.layer == "TransformerLayer" else {}
+        out = self.model.apply(variables, x, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def compile_step(variant: str, layer: str, s: Shape, recipe: str) -> dict:
+    """Trace, lower and compile one training step for the H100; its HLO and timings."""
+    import contextlib
+
+    import flax.linen as nn
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(
+        platform="cuda", target_config=TARGET_CONFIG.read_text(), topology="1x1x1"
+    )
+    sharding = jax.sharding.NamedSharding(
+        topologies.make_mesh(topology, (1,), ("x",)), jax.sharding.PartitionSpec()
+    )
+    if variant == "TE":
+        import transformer_engine.jax as te
+        import transformer_engine.jax.flax as library
+        from transformer_engine.common import recipe as te_recipes
+
+        fp8 = te_recipes.DelayedScaling() if recipe == "delayed" else None
+        context = te.autocast(enabled=fp8 is not None, recipe=fp8)
+        model = _module(library, layer, s, None)
+    else:
+        import te_flax.linen as library
+        from te_flax._kernels import pallas_kernels
+        from te_flax.quantize import DelayedScaling
+
+        model = _module(library, layer, s, DelayedScaling() if recipe == "delayed" else None)
+        switch = "auto" if variant == "te_flax kernels" else "0"
+        context = pallas_kernels(switch, assume_gpu=True)
+    x = jax.ShapeDtypeStruct((s.batch, s.seq, s.hidden), jnp.bfloat16, sharding=sharding)
+    apply = _Apply(model, layer)
+
+    def loss(variables, x):
+        return jnp.mean(jnp.square(apply(variables, x).astype(jnp.float32)))
+
+    with context if context is not None else contextlib.nullcontext():
+        start = time.perf_counter()
+        variables = jax.eval_shape(lambda x: nn.meta.unbox(model.init(jax.random.key(0), x)), x)
+        variables = jax.tree.map(
+            lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+            variables,
+        )
+        lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(variables, x)
+        traced = time.perf_counter() - start
+        start = time.perf_counter()
+        compiled = lowered.compile()
+        compile_s = time.perf_counter() - start
+    return {"hlo": compiled.as_text(), "trace_s": traced, "compile_s": compile_s}
+
+
+# ----------------------------------------------------------------------------- reading the HLO
+
+
+def _is_gemm(instruction: str) -> bool:
+    """cuBLAS GEMMs (te_flax's, and TE's in XLA) and TE's own GEMM custom call; every other
+    custom call (TE's norm, activation and quantize kernels) is described as ``GEMM <target>``
+    by ``te_flax._hlo``."""
+    if instruction == "FP8 GEMM":
+        return True
+    target = instruction.removeprefix("GEMM ").lower()
+    return instruction.startswith("GEMM ") and ("gemm" in target or "matmul" in target)
+
+
+def summarize(hlo_text: str, layer: str, s: Shape, recipe: str) -> dict:
+    """Bytes of the GEMMs and of every other kernel, the kernel count and the modelled time."""
+    from te_flax._hlo import entry_rows, shape_bytes
+
+    rows = entry_rows(hlo_text)
+    for row in rows:  # without a GEMM's workspace (TE's GEMM returns its own, as a byte array)
+        if _is_gemm(row["instruction"]):
+            row["bytes"] -= sum(
+                shape_bytes(w) for w in re.findall(r"[su]8\[[0-9,]*\]", row["result"])
+            )
+    gemms = [r for r in rows if _is_gemm(r["instruction"])]
+    others = [r for r in rows if not _is_gemm(r["instruction"])]
+    projection, attention = gemm_flops(layer, s)
+    peak = PEAK_FLOPS["fp8" if recipe == "delayed" else "bf16"]
+    gemm_bytes = sum(r["bytes"] for r in gemms)
+    gemm_s = max(projection / peak + attention / PEAK_FLOPS["bf16"], gemm_bytes / HBM_BYTES_PER_S)
+    other_s = sum(r["bytes"] / HBM_BYTES_PER_S + LAUNCH_S for r in others)
+    top = sorted(others, key=lambda r: -r["bytes"])[:5]
+    return {
+        "gemms": len(gemms),
+        "kernels": len(others),
+        "gemm_bytes": gemm_bytes,
+        "other_bytes": sum(r["bytes"] for r in others),
+        "model_s": gemm_s + LAUNCH_S * len(gemms) + other_s,
+        "top": [(r["instruction"], r["result"], r["bytes"]) for r in top],
+    }
+
+
+# ----------------------------------------------------------------------------- model level
+
+
+MODEL_HEADING = "## Model level"
+MODEL_LAYOUTS = {
+    "1 GPU": ("dp", {}),
+    "8 GPUs fsdp": ("fsdp", {"fsdp": 8}),
+    "8 GPUs tp": ("tp", {"tensor": 8}),
+}
+
+
+def model_step(s: Shape, layout: str, switch: str, recipe: str) -> dict:
+    """Two te_flax TransformerLayers, one training step on 1 or 8 deviceless H100s."""
+    import flax.linen as nn
+    from jax.experimental import topologies
+
+    import te_flax.linen as te_nn
+    from te_flax._kernels import pallas_kernels
+    from te_flax.quantize import DelayedScaling
+    from te_flax.sharding import load_axis_rules, make_mesh
+
+    rule_set, mesh_shape = MODEL_LAYOUTS[layout]
+    devices = 8 if mesh_shape else 1
+    topology = topologies.get_topology_desc(
+        platform="cuda", target_config=TARGET_CONFIG.read_text(), topology=f"1x1x{devices}"
+    )
+    mesh = make_mesh(mesh_shape, devices=topology.devices)
+    rules = load_axis_rules(rule_set)
+    fp8_recipe = DelayedScaling() if recipe == "delayed" else None
+
+    class Two(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(2):
+                layer = _module(te_nn, "TransformerLayer", s, fp8_recipe)
+                x = _output(layer(x, deterministic=True))
+            return x
+
+    model = Two()
+    shape = jax.ShapeDtypeStruct((s.batch, s.seq, s.hidden), jnp.bfloat16)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules), pallas_kernels(switch, assume_gpu=True):
+        boxed = jax.eval_shape(lambda x: model.init(jax.random.key(0), x), shape)
+        shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
+        variables = jax.tree.map(
+            lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+            jax.tree.map(
+                lambda leaf: leaf.value if isinstance(leaf, nn.Partitioned) else leaf,
+                boxed,
+                is_leaf=lambda leaf: isinstance(leaf, nn.Partitioned),
+            ),
+            shardings,
+        )
+        x_sharding = jax.sharding.NamedSharding(
+            mesh, nn.logical_to_mesh_axes(("batch", None, None), rules)
+        )
+        x = jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=x_sharding)
+
+        def loss(variables, x):
+            return jnp.mean(jnp.square(_output(model.apply(variables, x)).astype(jnp.float32)))
+
+        start = time.perf_counter()
+        lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(variables, x)
+        compiled = lowered.compile()
+        elapsed = time.perf_counter() - start
+    hlo_text = compiled.as_text()
+    # Every Pallas kernel call: in a partitioned program a kernel's call does not carry its name
+    # in the op_name that te_flax._hlo.kernel_names reads.
+    pallas = sum('"__gpu$xla.gpu.triton"' in line for line in hlo_text.splitlines())
+
+    summary = summarize(hlo_text, "TransformerLayer", s, recipe)  # bytes per device
+    # Each device runs 1/devices of the GEMM flops (tokens or features split).
+    projection, attention = gemm_flops("TransformerLayer", s)
+    peak = PEAK_FLOPS["fp8" if recipe == "delayed" else "bf16"]
+    gemm_s = 2 * (projection / peak + attention / PEAK_FLOPS["bf16"]) / devices
+    other_s = summary["other_bytes"] / HBM_BYTES_PER_S + LAUNCH_S * summary["kernels"]
+    return {
+        **summary,
+        "pallas": pallas,
+        "model_s": max(gemm_s, summary["gemm_bytes"] / HBM_BYTES_PER_S)
+        + LAUNCH_S * summary["gemms"]
+        + other_s,
+        "compile_s": elapsed,
+    }
+
+
+def _output(result):
+    return result[0] if isinstance(result, tuple) else result
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def _gb(value: float) -> str:
+    return f"{value / 1e9:.3f}"
+
+
+def _ratios(te: dict, ours: list[dict], key: str) -> str:
+    return "; ".join(f"{o[key] / te[key]:.2f}" for o in ours)
+
+
+def report(results: dict, shapes: list[Shape], command: str) -> str:
+    lines = [
+        "# te_flax beside TransformerEngine 2.20.2: deviceless H100 training steps",
+        "",
+        f"Command: `{command}`",
+        "",
+        "Bytes are read from the optimized H100 programs (every entry instruction's operands",
+        "read once and results written once). The time is a MODEL, not a GPU measurement:",
+        f"non-GEMM kernels bytes / {HBM_BYTES_PER_S / 1e12:.2f} TB/s + 2 us each; the GEMMs",
+        "max(flops / peak, bytes / bandwidth) + 2 us each (peaks: BF16 989, FP8 1979 TFLOP/s,",
+        "dense), with the layer's analytic GEMM flops. SwiGLU MLPs, RMSNorm, bf16 activations",
+        "and parameters; delayed scaling is each library's DelayedScaling().",
+        "",
+    ]
+    for s in shapes:
+        lines += [
+            f"## tokens {s.tokens} (seq {s.seq}), hidden {s.hidden}, MLP {s.mlp}, heads {s.heads}",
+            "",
+            "| layer | recipe | variant | kernels (non-GEMM) | GEMMs | non-GEMM GB | GEMM GB | "
+            "model ms | trace s | compile s |",
+            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for (shape, layer, recipe, variant), r in results.items():
+            if shape != s or "error" in r:
+                continue
+            lines.append(
+                f"| {layer} | {recipe} | {variant} | {r['kernels']} | {r['gemms']} | "
+                f"{_gb(r['other_bytes'])} | {_gb(r['gemm_bytes'])} | {r['model_s'] * 1e3:.3f} | "
+                f"{r['trace_s']:.2f} | {r['compile_s']:.2f} |"
+            )
+        lines += ["", "te_flax / TE (kernels; XLA stages):", ""]
+        lines += ["| layer | recipe | non-GEMM bytes | model time | trace+compile |"]
+        lines += ["| --- | --- | ---: | ---: | ---: |"]
+        for layer in LAYERS:
+            for recipe in ("none", "delayed"):
+                te = results.get((s, layer, recipe, "TE"))
+                ours = [results.get((s, layer, recipe, v)) for v in VARIANTS[1:]]
+                if not te or "error" in te or any(not o or "error" in o for o in ours):
+                    continue
+                ratio = partial(_ratios, te, ours)
+                total = "; ".join(
+                    f"{(o['trace_s'] + o['compile_s']) / (te['trace_s'] + te['compile_s']):.2f}"
+                    for o in ours
+                )
+                lines.append(
+                    f"| {layer} | {recipe} | {ratio('other_bytes')} | {ratio('model_s')} | "
+                    f"{total} |"
+                )
+        lines += ["", "Largest non-GEMM instructions (FP8, delayed):", ""]
+        for (shape, layer, recipe, variant), r in results.items():
+            if shape != s or recipe != "delayed" or "error" in r:
+                continue
+            tops = ", ".join(f"{name} {result} {b / 1e6:.0f} MB" for name, result, b in r["top"])
+            lines.append(f"- {layer}, {variant}: {tops}")
+        errors = [
+            f"- {layer} {recipe} {variant}: {r['error']}"
+            for (shape, layer, recipe, variant), r in results.items()
+            if shape == s and "error" in r
+        ]
+        if errors:
+            lines += ["", "Not compiled:", "", *errors]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def model_report(s: Shape, command: str) -> str:
+    lines = [
+        MODEL_HEADING + ": two TransformerLayers, one step, per device",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"tokens {s.tokens} (seq {s.seq}), hidden {s.hidden}, MLP {s.mlp}, heads {s.heads}; "
+        "te_flax FP8 (delayed) and BF16, kernels (auto) and XLA stages (0). Time: the MODEL "
+        "above, the GEMM flops split over the devices; collectives are not modelled.",
+        "",
+        "| layout | recipe | kernels | Pallas kernels | non-GEMM GB | model ms | FP8/BF16 "
+        "| compile s |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for layout in MODEL_LAYOUTS:
+        for switch in ("auto", "0"):
+            bf16 = model_step(s, layout, switch, "none")
+            fp8 = model_step(s, layout, switch, "delayed")
+            for recipe, r in (("none", bf16), ("delayed", fp8)):
+                speedup = bf16["model_s"] / fp8["model_s"] if recipe == "delayed" else 1.0
+                lines.append(
+                    f"| {layout} | {recipe} | {switch} | {r['pallas']} | "
+                    f"{_gb(r['other_bytes'])} | {r['model_s'] * 1e3:.3f} | {speedup:.2f}x | "
+                    f"{r['compile_s']:.1f} |"
+                )
+                print(lines[-1], flush=True)
+    return "\n".join([*lines, ""])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden", type=int, nargs="+", default=[2048])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--layers", nargs="+", default=list(LAYERS))
+    parser.add_argument(
+        "--model", action="store_true", help="te_flax alone: two TransformerLayers, 1 and 8 GPUs"
+    )
+    args = parser.parse_args(argv)
+    command = "python -m bench.te_peer " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.model:
+        s = Shape(args.tokens, args.seq, args.hidden[0], 4 * args.hidden[0], args.hidden[0] // 128)
+        text = RESULTS.read_text() if RESULTS.exists() else ""
+        text = text.split(MODEL_HEADING)[0].rstrip() + "\n\n" if text else ""
+        RESULTS.write_text(text + model_report(s, command.strip()))
+        return
+    _te_deviceless()
+    shapes = [
+        Shape(args.tokens, args.seq, hidden, 4 * hidden, max(hidden // 128, 1))
+        for hidden in args.hidden
+    ]
+    results = {}
+    for s in shapes:
+        for layer in args.layers:
+            for recipe in ("none", "delayed"):
+                for variant in VARIANTS:
+                    key = (s, layer, recipe, variant)
+                    try:
+                        compiled = compile_step(variant, layer, s, recipe)
+                    except Exception as error:  # a layer one library cannot compile: reported
+                        results[key] = {"error": f"{type(error).__name__}: {error}"[:300]}
+                        print(layer, recipe, variant, results[key]["error"], flush=True)
+                        continue
+                    results[key] = {
+                        **summarize(compiled["hlo"], layer, s, recipe),
+                        "trace_s": compiled["trace_s"],
+                        "compile_s": compiled["compile_s"],
+                    }
+                    r = results[key]
+                    print(
+                        f"{layer} {recipe} {variant}: {_gb(r['other_bytes'])} GB non-GEMM, "
+                        f"{r['model_s'] * 1e3:.3f} ms model, "
+                        f"{r['trace_s']:.1f}+{r['compile_s']:.1f} s",
+                        flush=True,
+                    )
+    text = report(results, shapes, command.strip())
+    if RESULTS.exists() and MODEL_HEADING in RESULTS.read_text():
+        text = text.rstrip() + "\n\n" + MODEL_HEADING + RESULTS.read_text().split(MODEL_HEADING)[1]
+    RESULTS.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
