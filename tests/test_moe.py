@@ -87,7 +87,14 @@ def test_capacity_drops_and_counts():
     assert_close(y, jax.jit(_reference)(PARAMS, X, kept_topk), 2e-5)
 
 
-@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling()])
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        DelayedScaling(amax_history_len=4),
+        pytest.param(Float8CurrentScaling(), marks=pytest.mark.slow),
+    ],
+    ids=["delayed", "current"],
+)
 def test_fp8_one_state_per_expert(recipe):
     layer = te_nn.MoEBlock(**ATTRIBUTES, recipe=recipe)
     variables = jax.jit(layer.init)(jax.random.key(0), X)

@@ -56,7 +56,8 @@ def _compare(single, sharded, tolerance):
             assert relative_error(actual, expected) <= tolerance, name
 
 
-@pytest.mark.parametrize("ways", [pytest.param(2, marks=pytest.mark.slow), 4, 8])
+# 8 ways (and 4 x 2 with FP8 below) in the quick suite; 2 and 4 ways among the slow tests.
+@pytest.mark.parametrize("ways", [pytest.param(w, marks=pytest.mark.slow) for w in (2, 4)] + [8])
 def test_expert_parallel_equals_one_device(ways):
     layer = _layer()
     variables = jax.jit(layer.init)(jax.random.key(0), X)
