@@ -19,10 +19,17 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from te_flax._hlo import parse_collectives
-from te_flax._kernels import activation_grad_operand, pallas_kernels
+from te_flax._kernels import activation_grad_operand, pallas_kernels, tiled_quantize_operand
 from te_flax._kernels.partition import mesh_partitioned
 from te_flax.layernorm_dense import layernorm_dense
-from te_flax.quantize import DelayedScaling, Float8CurrentScaling, QuantizerFactory
+from te_flax.quantize import (
+    LEADING,
+    TRAILING,
+    DelayedScaling,
+    Float8CurrentScaling,
+    QuantizerFactory,
+)
+from te_flax.quantize.quantizers import quantize_operand
 from te_flax.sharding import make_mesh
 from tests.helpers import normal
 
@@ -167,3 +174,26 @@ def test_activation_grad_kernel_per_shard_with_bias():
         actual = jax.jit(prepared)(grad, pre, quantizer)
     _assert_equal(actual, expected)
     assert actual.bias is not None and actual.bias.shape == (2, FEATURES)
+
+
+def test_vmapped_kernel_on_a_mesh_runs_the_xla_stage():
+    # Dense's stages run under vmap over groups: the kernels' partitioning rule has no batching
+    # rule, so on a mesh the XLA stage quantizes each group (the same float8 data).
+    quantizer = QuantizerFactory.create_set(fp8_recipe=RECIPES["delayed"]).kernel
+    groups = normal(jax.random.key(2), (2, HIDDEN, FEATURES))
+    uses = (TRAILING, LEADING)
+
+    def quantized(groups):
+        def one(kernel):
+            def xla_stage():
+                return quantize_operand(kernel, quantizer, kernel.dtype, 1, uses)
+
+            return tiled_quantize_operand(kernel, quantizer, 1, uses, xla_stage)[0].data
+
+        return jax.vmap(one)(groups)
+
+    with pallas_kernels("1"):
+        expected = jax.jit(quantized)(groups)
+    with jax.set_mesh(_mesh()), pallas_kernels("1"):
+        actual = jax.jit(quantized)(groups)
+    _assert_equal(actual, expected)

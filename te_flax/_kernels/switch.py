@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 import jax
 from jax import lax
+from jax._src.interpreters.batching import BatchTracer  # no public name in JAX 0.10
 
 from te_flax._kernels.partition import mesh_partitioned
 
@@ -112,6 +113,13 @@ def _partitioned_without_rule() -> bool:
     return _cuda_devices() > 1
 
 
+def _batched_on_mesh(args: tuple[Any, ...]) -> bool:
+    """True for operands batched by ``vmap`` in a program partitioned over a mesh: the kernels'
+    partitioning rule (``custom_partitioning``) has no batching rule, so the XLA stage runs."""
+    batched = any(isinstance(leaf, BatchTracer) for leaf in jax.tree.leaves(args))
+    return batched and mesh_partitioned()
+
+
 def dispatch(
     name: str,
     kernel: Callable[..., T],
@@ -131,7 +139,7 @@ def dispatch(
     than the XLA fusions they replace in a whole training step.
     """
     selected = mode()
-    if selected == "0" or not supported:
+    if selected == "0" or not supported or _batched_on_mesh(args):
         return fallback(*args)
     if selected == "auto":
         on_gpu_host = bool(_assume_gpu and _assume_gpu[-1]) or _cuda_devices() > 0
