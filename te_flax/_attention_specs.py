@@ -32,9 +32,9 @@ from te_flax._composite import (
     normal_fan_in,
     positive_int,
     rate,
-    refuse,
 )
 from te_flax._layers import DenseGeneralSpec, LayerNormDenseGeneralSpec, ParamSpec
+from te_flax._packing import SequenceDescriptor, padding_mask, segment_ids_and_pos
 from te_flax.quantize import Recipe
 from te_flax.sharding import with_logical_constraint
 
@@ -73,7 +73,25 @@ def _scaled_init(kernel_init: Initializer, scale: float) -> Initializer:
 
 # ---------------------------------------------------------------------------- DotProductAttention
 
-_PACKED_LAYOUTS = ("bs3hd", "bshd_bs2hd", "bshd_bshd_bshd")
+# TE's layouts -> how the tensors are laid out: thd is bshd with several documents per row.
+_LAYOUTS = {
+    "bs3hd": "bs3hd",
+    "bshd_bs2hd": "bshd_bs2hd",
+    "bshd_bshd_bshd": "bshd_bshd_bshd",
+    "t3hd": "bs3hd",
+    "thd_t2hd": "bshd_bs2hd",
+    "thd_thd_thd": "bshd_bshd_bshd",
+}
+_CP_STRATEGIES = ("DEFAULT", "ALL_GATHER", "RING")
+# A sequence descriptor adds its documents' mask to the mask type.
+_WITH_PADDING = {
+    "no_mask": "padding",
+    "padding": "padding",
+    "causal": "padding_causal",
+    "padding_causal": "padding_causal",
+    "causal_bottom_right": "padding_causal_bottom_right",
+    "padding_causal_bottom_right": "padding_causal_bottom_right",
+}
 
 
 @dataclasses.dataclass
@@ -119,30 +137,45 @@ class DotProductAttentionSpec:
         rate(self.attention_dropout, "attention_dropout")
         attn.canonical_mask_type(self.attn_mask_type)
         attn.canonical_softmax_type(self.softmax_type)
-        if self.qkv_layout.lower() not in _PACKED_LAYOUTS:
-            raise NotImplementedError(
-                f"{owner}.qkv_layout={self.qkv_layout!r} is not supported by te_flax; use one of "
-                f"{_PACKED_LAYOUTS} (sequence packing, the thd layouts: pad the sequences and "
-                "pass a padding mask instead)"
+        if self.qkv_layout.lower() not in _LAYOUTS:
+            raise ValueError(
+                f"{owner}.qkv_layout={self.qkv_layout!r} is not a TransformerEngine layout; use "
+                f"one of {sorted(_LAYOUTS)} (thd: packed documents, same shapes as bshd)"
             )
-        refuse(
-            owner,
-            "max_segments_per_seq",
-            self.max_segments_per_seq,
-            1,
-            "sequence packing is not supported: pad the sequences and use a padding mask",
+        if self.max_segments_per_seq is not None:
+            positive_int(self.max_segments_per_seq, "max_segments_per_seq")
+        strategy = str(
+            getattr(self.context_parallel_strategy, "name", self.context_parallel_strategy)
         )
-        cp = "context parallelism is not supported: shard the sequence with the tp_sp rule set"
-        refuse(owner, "context_parallel_axis", self.context_parallel_axis, "", cp)
-        refuse(
-            owner,
-            "context_parallel_causal_load_balanced",
-            self.context_parallel_causal_load_balanced,
-            False,
-            cp,
-        )
-        refuse(owner, "context_parallel_strategy", str(self.context_parallel_strategy).upper(),
-                "DEFAULT", cp)  # fmt: skip
+        if strategy.upper() not in _CP_STRATEGIES:
+            raise ValueError(
+                f"{owner}.context_parallel_strategy must be one of {_CP_STRATEGIES}, got "
+                f"{self.context_parallel_strategy!r}"
+            )
+        if not isinstance(self.context_parallel_axis, str):
+            raise TypeError(
+                f"{owner}.context_parallel_axis must be a mesh axis name (str, '' for none), got "
+                f"{self.context_parallel_axis!r}"
+            )
+
+    def context_parallel_size(self) -> int:
+        """The size of the context-parallel mesh axis (1 without one, or outside a mesh).
+
+        Context parallelism over more than one device is not built yet: the arguments
+        MaxText passes are accepted and change nothing while the axis has size 1.
+        """
+        axis = self.context_parallel_axis
+        mesh = jax.sharding.get_abstract_mesh()
+        if not axis or mesh.empty or axis not in mesh.axis_names:
+            return 1
+        size = int(mesh.shape[axis])
+        if size > 1:
+            raise NotImplementedError(
+                f"DotProductAttention.context_parallel_axis={axis!r} has {size} devices; "
+                "context parallelism across devices is not supported by te_flax yet: shard the "
+                "sequence with the tp_sp rule set, or give the context axis size 1"
+            )
+        return size
 
     def children(self) -> dict[str, Child]:
         return {}
@@ -161,16 +194,24 @@ class DotProductAttentionSpec:
         query: Array,
         key: Array | None,
         value: Array | None,
-        mask: Array | None = None,
+        mask: Array | SequenceDescriptor | None = None,
         bias: Array | None = None,
         *,
         deterministic: bool = False,
         q_offset: Array | int = 0,
         score_mod_tensors: Mapping[str, Any] | None = None,
         score_mod_bprop_tensors: Mapping[str, Any] | None = None,
+        sequence_descriptor: Array | SequenceDescriptor | None = None,
     ) -> Array | tuple[Array, Array]:
         self.check()
-        layout = self.qkv_layout.lower()
+        self.context_parallel_size()
+        if sequence_descriptor is not None:
+            if mask is not None:
+                raise ValueError(
+                    "pass the mask or the sequence_descriptor, not both (TE's call takes one)"
+                )
+            mask = sequence_descriptor
+        layout = _LAYOUTS[self.qkv_layout.lower()]
         if layout == "bs3hd":  # query is [b, s, 3, h, d]
             query, key, value = (query[..., i, :, :] for i in range(3))
         elif layout == "bshd_bs2hd" and key is not None:  # key is [b, s, 2, h, d]
@@ -196,13 +237,20 @@ class DotProductAttentionSpec:
         if not deterministic and self.attention_dropout > 0:
             dropout_rng = host.rng(self.dropout_rng_name)
         offsets = {spec.name: host.param(spec) for spec in self.param_specs()}
+        mask_type = self.attn_mask_type
+        if isinstance(mask, SequenceDescriptor):
+            # Documents: a key of another document (or padding) is masked out, as a padding
+            # mask; causality and windows then apply within each document.
+            ids, _ = segment_ids_and_pos(mask, query.shape[1], key.shape[1])
+            mask = padding_mask(ids)
+            mask_type = _WITH_PADDING[attn.canonical_mask_type(mask_type)]
         out = attn.dot_product_attention(
             query,
             key,
             value,
             mask,
             bias,
-            attn_mask_type=self.attn_mask_type,
+            attn_mask_type=mask_type,
             attn_bias_type=self.attn_bias_type,
             scale_factor=self.scale_factor,
             window_size=self.window_size,
@@ -398,7 +446,7 @@ class MultiHeadAttentionSpec:
         host: Host,
         inputs_q: Array,
         inputs_kv: Array,
-        mask: Array | None,
+        mask: Array | SequenceDescriptor | None,
         bias: Array | None,
         *,
         self_attention: bool,
@@ -453,8 +501,13 @@ class MultiHeadAttentionSpec:
             if not created:  # creating it sizes the cache (e.g. init): attend the input itself
                 step = slots, kv_cache.check_step(slots, key)
                 offset = step[1]
-        if self.enable_rotary_pos_emb:  # positions count from the cache index when decoding
-            query, key = self._rotate(query, offset), self._rotate(key, offset)
+        if self.enable_rotary_pos_emb and isinstance(mask, SequenceDescriptor):
+            # Packed documents: positions restart at each document (segment_pos).
+            _, (q_pos, kv_pos) = segment_ids_and_pos(mask, query.shape[1], key.shape[1])
+            query, key = self._rotate(query, q_pos), self._rotate(key, kv_pos)
+        elif self.enable_rotary_pos_emb:  # positions count from the cache index when decoding
+            offset_positions = jnp.arange(query.shape[1]) + offset
+            query, key = self._rotate(query, offset_positions), self._rotate(key, offset_positions)
         if step is not None:
             key, value, bias = kv_cache.write_step(step[0], key, value, bias, step[1])
         query, key, value = (
@@ -480,8 +533,7 @@ class MultiHeadAttentionSpec:
         out = checkpoint_name(host.layer("out")(context), "out_proj")
         return out.astype(inputs_q.dtype), ln_out if self.return_layernorm_output else None
 
-    def _rotate(self, x: Array, offset: Array | int) -> Array:
-        positions = jnp.arange(x.shape[1]) + offset
+    def _rotate(self, x: Array, positions: Array) -> Array:
         return attn.rotary_pos_emb(
             x, self.rotary_pos_emb_windows, False, self.rotary_pos_emb_group_method, positions
         )

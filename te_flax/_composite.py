@@ -99,13 +99,6 @@ class Host(Protocol):
         ...
 
 
-def refuse(owner: str, option: str, value: object, default: object, instead: str) -> None:
-    if value != default:
-        raise NotImplementedError(
-            f"{owner}.{option}={value!r} is not supported by te_flax; {instead}"
-        )
-
-
 def positive_int(value: object, name: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")

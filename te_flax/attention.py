@@ -51,16 +51,26 @@ import numpy as np
 from jax import Array, lax
 
 from te_flax import _validation as check
+from te_flax._context_parallel import (
+    ReorderStrategy,
+    inverse_reorder_causal_load_balancing,
+    reorder_causal_load_balancing,
+)
+from te_flax._packing import SequenceDescriptor
 
 __all__ = [
     "BIAS_TYPES",
     "MASK_TYPES",
     "SOFTMAX_TYPES",
+    "ReorderStrategy",
+    "SequenceDescriptor",
     "canonical_bias_type",
     "canonical_mask_type",
     "canonical_softmax_type",
     "dot_product_attention",
+    "inverse_reorder_causal_load_balancing",
     "relative_position_buckets",
+    "reorder_causal_load_balancing",
     "rotary_pos_emb",
 ]
 
@@ -223,8 +233,9 @@ def dot_product_attention(
       query: ``[batch, q_len, heads, head_dim]``.
       key, value: ``[batch, kv_len, kv_heads, head_dim]``; ``heads`` must be a multiple of
         ``kv_heads`` (query head ``n`` reads key/value head ``n // (heads // kv_heads)``).
-      mask: True (or nonzero) = masked out, broadcastable to ``[batch, 1, q_len, kv_len]``;
-        needed by the padding mask types, ignored by the others.
+      mask: True (or nonzero) = masked out, broadcastable to ``[batch, 1, q_len, kv_len]``
+        (TE's rank-5 ``[batch, 1, 1, q_len, kv_len]`` too); needed by the padding mask types,
+        ignored by the others.
       bias: broadcastable to ``[batch, heads, q_len, kv_len]``, or None.
       attn_mask_type, attn_bias_type, window_size: see the module docstring.
       scale_factor: multiplies the logits (default ``1 / sqrt(head_dim)``).
@@ -281,6 +292,8 @@ def dot_product_attention(
             f"attn_mask_type={mask_type!r} needs a mask ([batch, 1, q_len, kv_len], True = "
             "masked out); pass one, or use 'causal' / 'no_mask'"
         )
+    if mask is not None and mask.ndim == 5 and mask.shape[1:3] == (1, 1):
+        mask = mask[:, 0]  # TE's rank-5 form [batch, 1, 1, q_len, kv_len]
     if mask is not None and "padding" in mask_type:
         if not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.integer)):
             raise TypeError(
@@ -621,8 +634,8 @@ def rotary_pos_emb(
       windows: the ``(min, max)`` timescales.
       transpose_batch_sequence: the sequence axis is axis 0 rather than axis 1.
       group_method: ``"consecutive"`` or ``"alternate"``.
-      positions: integer positions ``[seq]`` (default ``0 .. seq - 1``), e.g. offset by a
-        decoding cache index.
+      positions: integer positions ``[seq]`` or ``[batch, seq]`` (default ``0 .. seq - 1``),
+        e.g. offset by a decoding cache index, or restarting at each packed document.
     """
     head_dim = x.shape[-1]
     if head_dim % 2:
@@ -639,10 +652,15 @@ def rotary_pos_emb(
         positions = jnp.arange(x.shape[seq_axis])
     fraction = 2 * np.arange(head_dim // 2) / head_dim
     timescale = jnp.asarray(low * (high / low) ** fraction, jnp.float32)  # [head_dim / 2]
-    angle = positions.astype(jnp.float32)[:, None] / timescale[None, :]  # [seq, head_dim / 2]
-    # Broadcast over every axis but the sequence and the features.
+    turns = positions.astype(jnp.float32)[..., None]  # [(batch,) seq, 1]
+    angle = turns / timescale.reshape((1,) * positions.ndim + (-1,))
+    # angle: [(batch,) seq, head_dim / 2]
+    # Broadcast over every axis but the (batch,) sequence and the features.
     shape = [1] * x.ndim
     shape[seq_axis], shape[-1] = x.shape[seq_axis], head_dim // 2
+    if positions.ndim == 2:  # per-row positions, e.g. restarting at each packed document
+        shape[1 - seq_axis] = positions.shape[0]
+        angle = jnp.swapaxes(angle, 0, 1) if transpose_batch_sequence else angle
     sin, cos = jnp.sin(angle).reshape(shape), jnp.cos(angle).reshape(shape)
     # Split the features into the two members of each rotated pair.
     pairs = "(two half)" if method == "alternate" else "(half two)"

@@ -23,6 +23,7 @@ from omegaconf.errors import ConfigKeyError
 
 import te_flax
 import te_flax.activation
+import te_flax.attention
 import te_flax.collective
 import te_flax.linen as te_nn
 import te_flax.nnx as te_nnx
@@ -376,6 +377,23 @@ CASES = [
                                                        transpose_batch_sequence=False),
                              QKV, QKV, QKV),
          ValueError, r"but head_dim=16", r"set head_dim to the input's last axis"),
+    case("attention-segment-shape",
+         lambda: te_nn.DotProductAttention(head_dim=8, num_attention_heads=4).apply(
+             {}, jnp.ones((2, 4, 4, 8), F32), jnp.ones((2, 4, 4, 8), F32),
+             jnp.ones((2, 4, 4, 8), F32),
+             sequence_descriptor=te_flax.attention.SequenceDescriptor.from_segment_ids_and_pos(
+                 jnp.ones((2, 5), jnp.int32), jnp.zeros((2, 5), jnp.int32))),
+         ValueError, r"^segment_ids must be \[batch, seq\] with seq 4",
+         r"the tensors' sequence axis"),
+    case("attention-segment-pos-missing",
+         lambda: te_flax.attention.SequenceDescriptor.from_segment_ids_and_pos(
+             jnp.ones((2, 4), jnp.int32)),
+         ValueError, r"^from_segment_ids_and_pos needs segment_pos", r"pass \[0, 1, 0, 1, 2\]"),
+    case("attention-reorder-length",
+         lambda: te_flax.attention.reorder_causal_load_balancing(
+             jnp.ones((2, 6, 4), F32), te_flax.attention.ReorderStrategy.DualChunkSwap, 2, 1),
+         ValueError, r"divisible by 2 x cp_size = 4; got cp_size=2 and length 6",
+         r"pad the sequence to a multiple of 4"),
     case("linen-mha-rank-2",
          lambda: _linen_init(te_nn.MultiHeadAttention(head_dim=8, num_attention_heads=4),
                              jnp.ones((4, 32), F32), jnp.ones((4, 32), F32)),

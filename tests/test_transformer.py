@@ -802,11 +802,11 @@ def test_nnx_scan_over_stacked_layers_equals_the_linen_scan():
         (
             lambda: (
                 te_nn.DotProductAttention(
-                    head_dim=8, num_attention_heads=4, context_parallel_axis="cp"
+                    head_dim=8, num_attention_heads=4, context_parallel_strategy="ulysses"
                 ),
                 None,
             ),
-            "context_parallel_axis.*tp_sp",
+            "context_parallel_strategy must be one of",
         ),
         (lambda: _mha(num_heads=4), "num_heads.*num_attention_heads"),
         (lambda: _mha(num_gqa_groups=3), "multiple of num_gqa_groups"),
@@ -837,8 +837,8 @@ def test_wrong_layer_calls_are_refused_with_the_fix():
         _layer().init(key, _inputs((BATCH * SEQ, 32)))
     with pytest.raises(ValueError, match="needs a mask"):
         _layer(self_attn_mask_type="padding").init(key, x, deterministic=True)
-    with pytest.raises(NotImplementedError, match="qkv_layout"):
-        te_nn.DotProductAttention(head_dim=8, num_attention_heads=4, qkv_layout="thd_thd_thd").init(
+    with pytest.raises(ValueError, match="qkv_layout"):
+        te_nn.DotProductAttention(head_dim=8, num_attention_heads=4, qkv_layout="sbhd").init(
             key, jnp.ones((2, 4, 4, 8))
         )
 

@@ -39,6 +39,7 @@ from te_flax._layers import (
     ParamSpec,
 )
 from te_flax._moe import MoEBlockSpec
+from te_flax._packing import SequenceDescriptor
 from te_flax._transformer import TransformerLayerSpec, TransformerLayerType
 from te_flax.linen import modules
 from te_flax.linen._shell import create_param
@@ -118,8 +119,13 @@ class DotProductAttention(nn.Module, DotProductAttentionSpec):
         (a padding query), gets probability 0, as in TE.
       dtype: the compute dtype (None: the inputs').
 
-    Context parallelism and sequence packing (``thd`` layouts, ``max_segments_per_seq``) are
-    refused with an error.
+    Packed documents: pass a ``te_flax.attention.SequenceDescriptor`` as the mask (or as
+    ``sequence_descriptor=``, TE's name) with a ``thd`` layout (same shapes as ``bshd``); a
+    query then attends only keys of its own document (causality and windows within it). The
+    ``MultiHeadAttention`` and ``TransformerLayer`` masks accept one too, and their rotary
+    positions restart at each document. Context-parallel arguments (MaxText's
+    ``context_parallel_axis="context"``, ...) are accepted while that mesh axis has size 1;
+    across devices they are refused.
 
     Example usage::
 
@@ -145,6 +151,7 @@ class DotProductAttention(nn.Module, DotProductAttentionSpec):
         deterministic: bool = False,
         score_mod_tensors: Mapping[str, Any] | None = None,
         score_mod_bprop_tensors: Mapping[str, Any] | None = None,
+        sequence_descriptor: Array | SequenceDescriptor | None = None,
     ) -> Array | tuple[Array, Array]:
         """``[batch, seq, heads, head_dim]`` (per ``qkv_layout``) -> the query's shape, and
         the per-head max logit ``[heads]`` with ``return_max_logit``."""
@@ -158,6 +165,7 @@ class DotProductAttention(nn.Module, DotProductAttentionSpec):
             deterministic=deterministic,
             score_mod_tensors=score_mod_tensors,
             score_mod_bprop_tensors=score_mod_bprop_tensors,
+            sequence_descriptor=sequence_descriptor,
         )
 
 

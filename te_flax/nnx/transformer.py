@@ -36,6 +36,7 @@ from te_flax._layers import (
     ParamSpec,
 )
 from te_flax._moe import MoEBlockSpec
+from te_flax._packing import SequenceDescriptor
 from te_flax._transformer import TransformerLayerSpec, TransformerLayerType
 from te_flax.nnx import modules
 from te_flax.nnx._shell import create_param, set_attributes
@@ -157,6 +158,7 @@ class DotProductAttention(nnx.Module, DotProductAttentionSpec):
         deterministic: bool = False,
         score_mod_tensors: Mapping[str, Any] | None = None,
         score_mod_bprop_tensors: Mapping[str, Any] | None = None,
+        sequence_descriptor: Array | SequenceDescriptor | None = None,
     ) -> Array | tuple[Array, Array]:
         """``[batch, seq, heads, head_dim]`` (per ``qkv_layout``) -> the query's shape, and
         the per-head max logit ``[heads]`` with ``return_max_logit``."""
@@ -170,6 +172,7 @@ class DotProductAttention(nnx.Module, DotProductAttentionSpec):
             deterministic=deterministic,
             score_mod_tensors=score_mod_tensors,
             score_mod_bprop_tensors=score_mod_bprop_tensors,
+            sequence_descriptor=sequence_descriptor,
         )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 pytest.importorskip(
@@ -54,3 +55,64 @@ def test_transformer_layer_input_width_other_than_hidden_size(parity_results):
     }
     for what, error in errors.items():
         assert error <= TOLERANCE, f"{what}: {error:.2e}"
+
+
+@pytest.mark.parametrize(
+    "strategy, cp_size", [("DualChunkSwap", 2), ("DualChunkSwap", 4), ("Striped", 4)]
+)
+def test_causal_load_balancing_reorders_as_te(strategy, cp_size):
+    from transformer_engine.jax import attention as te_attention
+
+    from te_flax import attention
+
+    x = jnp.arange(2 * 16 * 3).reshape(2, 16, 3)
+    ours = attention.reorder_causal_load_balancing(
+        x, attention.ReorderStrategy[strategy], cp_size, 1
+    )
+    theirs = te_attention.reorder_causal_load_balancing(
+        x, te_attention.ReorderStrategy[strategy], cp_size, 1
+    )
+    np.testing.assert_array_equal(ours, theirs)
+    back = te_attention.inverse_reorder_causal_load_balancing(
+        theirs, te_attention.ReorderStrategy[strategy], cp_size, 1
+    )
+    np.testing.assert_array_equal(
+        attention.inverse_reorder_causal_load_balancing(
+            ours, attention.ReorderStrategy[strategy], cp_size, 1
+        ),
+        back,
+    )
+
+
+def test_packed_attention_equals_te_segment_ids(parity_results):
+    """te_flax's packed attention against TE's pure-JAX attention (its CPU path takes masks,
+    not descriptors) given the mask the segments stand for (TE's rank-5 uint8 form)."""
+    from te_flax.attention import SequenceDescriptor
+
+    ids = jnp.asarray([[1, 1, 1, 2, 2, 2, 2, 0], [1, 1, 1, 1, 1, 2, 2, 0]], jnp.int32)
+    pos = jnp.asarray([[0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 2, 3, 4, 0, 1, 0]], jnp.int32)
+    attributes = dict(
+        head_dim=8, num_attention_heads=2, qkv_layout="thd_thd_thd", max_segments_per_seq=2,
+        attn_mask_type="padding_causal", transpose_batch_sequence=False,
+    )  # fmt: skip
+    keys = jax.random.split(jax.random.key(3), 3)
+    q, k, v = (jax.random.normal(key, (2, 8, 2, 8)) for key in keys)
+    same = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] > 0)
+    # TE's pure-JAX path takes a padding_causal mask as it is given (its fused path adds the
+    # causal part itself): the mask TE gets carries the causality too.
+    causal = jnp.tril(jnp.ones((8, 8), jnp.bool_))
+    mask = jnp.logical_not(same & causal)[:, None, None].astype(jnp.uint8)  # [b, 1, 1, q, kv]
+    theirs = ref.TE.DotProductAttention(**attributes).apply(
+        {}, q, k, v, mask[:, 0], deterministic=True
+    )
+    ours = te_nn.DotProductAttention(**attributes).apply(
+        {}, q, k, v, SequenceDescriptor.from_segment_ids_and_pos(ids, pos), deterministic=True
+    )
+    valid = (ids > 0)[..., None, None]
+    error = ref.relative_error(jnp.where(valid, ours, 0.0), jnp.where(valid, theirs, 0.0))
+    parity_results[("DotProductAttention packed (segment ids)", "none")] = {
+        "output": error,
+        "parameter gradients": 0.0,
+        "FP8 state": 0.0,
+    }
+    assert error <= TOLERANCE

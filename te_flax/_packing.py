@@ -1,0 +1,154 @@
+"""Sequence packing: TransformerEngine's ``SequenceDescriptor`` and the masks it stands for.
+
+Several documents packed into one row of ``[batch, seq, ...]`` (TE's ``thd`` layouts: the same
+shapes as ``bshd``, several segments per row) must not see each other: a query attends a key only
+when both carry the same nonzero segment id (0 is padding), and rotary positions restart at each
+document (``segment_pos``). A ``SequenceDescriptor`` gives the segments in one of TE's three
+forms; ``segment_ids_and_pos`` turns any of them into ``([batch, seq] ids, [batch, seq]
+positions)`` for queries and keys, and ``padding_mask`` into TE's boolean mask (True: masked).
+Causal masks and sliding windows then apply within a document unchanged, since its tokens are
+contiguous and its positions count up one by one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+__all__ = ["SequenceDescriptor", "padding_mask", "segment_ids_and_pos"]
+
+Pair = tuple[Array, Array]
+
+
+def _pair(value: Any, name: str) -> Pair:
+    if isinstance(value, tuple):
+        if len(value) != 2:
+            raise ValueError(
+                f"{name} must be one array (queries and keys alike) or a (query, key/value) "
+                f"pair, got a tuple of {len(value)}"
+            )
+        return jnp.asarray(value[0]), jnp.asarray(value[1])
+    value = jnp.asarray(value)
+    return value, value
+
+
+@jax.tree_util.register_pytree_node_class
+class SequenceDescriptor:
+    """The sequences of a batch, in TransformerEngine's forms (same names and meanings).
+
+    - ``from_seqlens(seqlens)``: one sequence per row, ``seqlens`` ``[batch]`` tokens from the
+      start, the rest padding.
+    - ``from_seqlens_and_offsets(seqlens, seq_offsets)``: packed rows, ``seqlens`` ``[batch,
+      max_segments]`` and ``seq_offsets`` ``[batch, max_segments + 1]`` (unused entries -1).
+    - ``from_segment_ids_and_pos(segment_ids, segment_pos)``: ``[batch, seq]`` segment ids
+      (from 1; 0 is padding) and the position of each token within its segment.
+
+    Each takes one array for queries and keys alike or a ``(query, key/value)`` pair.
+    """
+
+    def __init__(
+        self,
+        seqlens: Pair | None = None,
+        seq_offsets: Pair | None = None,
+        segment_ids: Pair | None = None,
+        segment_pos: Pair | None = None,
+    ):
+        empty = (jnp.zeros(0), jnp.zeros(0))
+        self.seqlens = empty if seqlens is None else seqlens
+        self.seq_offsets = empty if seq_offsets is None else seq_offsets
+        self.segment_ids = empty if segment_ids is None else segment_ids
+        self.segment_pos = empty if segment_pos is None else segment_pos
+
+    def tree_flatten(self) -> tuple[tuple[Pair, Pair, Pair, Pair], None]:
+        return (self.seqlens, self.seq_offsets, self.segment_ids, self.segment_pos), None
+
+    @classmethod
+    def tree_unflatten(cls, aux_data: None, children: Any) -> SequenceDescriptor:
+        del aux_data
+        return cls(*children)
+
+    @classmethod
+    def from_seqlens(cls, seqlens: Array | Pair) -> SequenceDescriptor:
+        return cls(seqlens=_pair(seqlens, "seqlens"))
+
+    @classmethod
+    def from_seqlens_and_offsets(
+        cls, seqlens: Array | Pair, seq_offsets: Array | Pair
+    ) -> SequenceDescriptor:
+        return cls(seqlens=_pair(seqlens, "seqlens"), seq_offsets=_pair(seq_offsets, "seq_offsets"))
+
+    @classmethod
+    def from_segment_ids_and_pos(
+        cls, segment_ids: Array | Pair, segment_pos: Array | Pair | None = None
+    ) -> SequenceDescriptor:
+        if segment_pos is None:
+            raise ValueError(
+                "from_segment_ids_and_pos needs segment_pos (each token's position within its "
+                "segment), as in TransformerEngine; e.g. for ids [1, 1, 2, 2, 2] pass "
+                "[0, 1, 0, 1, 2]"
+            )
+        return cls(
+            segment_ids=_pair(segment_ids, "segment_ids"),
+            segment_pos=_pair(segment_pos, "segment_pos"),
+        )
+
+
+def _from_seqlens(seqlens: Array, offsets: Array | None, length: int) -> tuple[Array, Array]:
+    """Segment ids and positions ``[batch, length]`` of ``seqlens`` (and offsets)."""
+    tokens = jnp.arange(length)  # [s]
+    if offsets is None:  # one sequence per row, from the start
+        seqlens = jnp.reshape(seqlens, (-1, 1))  # [b, 1]
+        ids = (tokens[None, :] < seqlens).astype(jnp.int32)
+        return ids, jnp.broadcast_to(tokens, ids.shape)
+    count = seqlens.shape[-1]
+    tokens = tokens[None, None, :]  # [1, 1, s]
+    starts = offsets[:, :count, None]  # [b, n, 1]
+    ends = starts + jnp.maximum(seqlens, 0)[:, :, None]
+    inside = (tokens >= starts) & (tokens < ends) & (seqlens[:, :, None] > 0)  # [b, n, s]
+    number = jnp.arange(1, count + 1, dtype=jnp.int32)[None, :, None]
+    ids = jnp.sum(jnp.where(inside, number, 0), axis=1)  # [b, s]
+    pos = jnp.sum(jnp.where(inside, tokens - starts, 0), axis=1)
+    return ids.astype(jnp.int32), pos.astype(jnp.int32)
+
+
+def segment_ids_and_pos(
+    descriptor: SequenceDescriptor, q_len: int, kv_len: int
+) -> tuple[Pair, Pair]:
+    """``((q ids, kv ids), (q positions, kv positions))``, each ``[batch, len]`` int32."""
+    q_ids, kv_ids = descriptor.segment_ids
+    if q_ids.size + kv_ids.size:
+        q_pos, kv_pos = descriptor.segment_pos
+        ids, pos = (q_ids, kv_ids), (q_pos, kv_pos)
+        for name, pair in (("segment_ids", ids), ("segment_pos", pos)):
+            for array, length in zip(pair, (q_len, kv_len), strict=True):
+                if array.ndim != 2 or array.shape[1] != length:
+                    raise ValueError(
+                        f"{name} must be [batch, seq] with seq {length} (the tensors' sequence "
+                        f"axis), got shape {array.shape}"
+                    )
+        return (
+            tuple(a.astype(jnp.int32) for a in ids),  # type: ignore[return-value]
+            tuple(a.astype(jnp.int32) for a in pos),
+        )
+    q_lens, kv_lens = descriptor.seqlens
+    if q_lens.size + kv_lens.size == 0:
+        raise ValueError(
+            "an empty SequenceDescriptor; build it with SequenceDescriptor.from_seqlens, "
+            "from_seqlens_and_offsets or from_segment_ids_and_pos"
+        )
+    q_offsets, kv_offsets = descriptor.seq_offsets
+    packed = q_offsets.size + kv_offsets.size > 0
+    q = _from_seqlens(q_lens, q_offsets if packed else None, q_len)
+    kv = _from_seqlens(kv_lens, kv_offsets if packed else None, kv_len)
+    return (q[0], kv[0]), (q[1], kv[1])
+
+
+def padding_mask(ids: Pair) -> Array:
+    """TE's mask ``[batch, 1, q, kv]`` (True: masked out): keys of another document or padding."""
+    q_ids, kv_ids = ids
+    same = q_ids[:, :, None] == kv_ids[:, None, :]  # [b, q, kv]
+    valid = (q_ids[:, :, None] > 0) & (kv_ids[:, None, :] > 0)
+    return jnp.logical_not(same & valid)[:, None]
