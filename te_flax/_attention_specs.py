@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import Array
 from jax.ad_checkpoint import checkpoint_name
 
+from te_flax import _context_parallel as cp
 from te_flax import _kv_cache as kv_cache
 from te_flax import attention as attn
 from te_flax._composite import (
@@ -82,7 +83,6 @@ _LAYOUTS = {
     "thd_t2hd": "bshd_bs2hd",
     "thd_thd_thd": "bshd_bshd_bshd",
 }
-_CP_STRATEGIES = ("DEFAULT", "ALL_GATHER", "RING")
 # A sequence descriptor adds its documents' mask to the mask type.
 _WITH_PADDING = {
     "no_mask": "padding",
@@ -144,14 +144,7 @@ class DotProductAttentionSpec:
             )
         if self.max_segments_per_seq is not None:
             positive_int(self.max_segments_per_seq, "max_segments_per_seq")
-        strategy = str(
-            getattr(self.context_parallel_strategy, "name", self.context_parallel_strategy)
-        )
-        if strategy.upper() not in _CP_STRATEGIES:
-            raise ValueError(
-                f"{owner}.context_parallel_strategy must be one of {_CP_STRATEGIES}, got "
-                f"{self.context_parallel_strategy!r}"
-            )
+        cp.canonical_cp_strategy(self.context_parallel_strategy)
         if not isinstance(self.context_parallel_axis, str):
             raise TypeError(
                 f"{owner}.context_parallel_axis must be a mesh axis name (str, '' for none), got "
@@ -159,23 +152,97 @@ class DotProductAttentionSpec:
             )
 
     def context_parallel_size(self) -> int:
-        """The size of the context-parallel mesh axis (1 without one, or outside a mesh).
-
-        Context parallelism over more than one device is not built yet: the arguments
-        MaxText passes are accepted and change nothing while the axis has size 1.
-        """
+        """The size of the context-parallel mesh axis (1 without one, or outside a mesh)."""
         axis = self.context_parallel_axis
         mesh = jax.sharding.get_abstract_mesh()
         if not axis or mesh.empty or axis not in mesh.axis_names:
             return 1
-        size = int(mesh.shape[axis])
-        if size > 1:
-            raise NotImplementedError(
-                f"DotProductAttention.context_parallel_axis={axis!r} has {size} devices; "
-                "context parallelism across devices is not supported by te_flax yet: shard the "
-                "sequence with the tp_sp rule set, or give the context axis size 1"
+        return int(mesh.shape[axis])
+
+    def _context_parallel(
+        self,
+        query: Array,
+        key: Array,
+        value: Array,
+        mask: Array | None,
+        bias: Array | None,
+        ids: tuple[Array, Array] | None,
+        dropout_rng: Array | None,
+        q_offset: Array | int,
+        sink: Array | None,
+    ) -> Array:
+        """The attention with the sequence sharded over ``context_parallel_axis``."""
+        mask_type = attn.canonical_mask_type(self.attn_mask_type)
+        given = {
+            "a bias": bias is not None,
+            "attention dropout": dropout_rng is not None,
+            "a mask array (pass a SequenceDescriptor)": ids is None and "padding" in mask_type,
+            "a bottom-right causal mask": mask_type.endswith("bottom_right"),
+            "a decoding offset": not (isinstance(q_offset, int) and q_offset == 0),
+            "score_mod": self.score_mod is not None,
+            "return_max_logit": self.return_max_logit,
+        }
+        unsupported = [name for name, present in given.items() if present]
+        if unsupported:
+            raise ValueError(
+                f"DotProductAttention with context parallelism over "
+                f"{self.context_parallel_axis!r} ({self.context_parallel_size()} devices) "
+                f"supports the no_mask / causal / padding masks of a SequenceDescriptor, "
+                f"sliding windows and softmax sinks; got {', '.join(unsupported)}: drop "
+                "them, or give the context axis size 1"
             )
-        return size
+        del mask
+        scale = self.scale_factor
+        return cp.context_parallel_attention(
+            query,
+            key,
+            value,
+            axis=self.context_parallel_axis,
+            strategy=cp.canonical_cp_strategy(self.context_parallel_strategy),
+            load_balanced=self.context_parallel_causal_load_balanced,
+            segment_ids=ids,
+            causal="causal" in mask_type,
+            window=attn._check_window(self.window_size),
+            scale=1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale),
+            sink=sink,
+        )
+
+    def _one_device(
+        self,
+        query: Array,
+        key: Array,
+        value: Array,
+        mask: Array | None,
+        bias: Array | None,
+        mask_type: str,
+        dropout_rng: Array | None,
+        q_offset: Array | int,
+        offsets: dict[str, Array],
+        score_mod_tensors: Mapping[str, Any] | None,
+        score_mod_bprop_tensors: Mapping[str, Any] | None,
+    ) -> Array | tuple[Array, Array]:
+        return attn.dot_product_attention(
+            query,
+            key,
+            value,
+            mask,
+            bias,
+            attn_mask_type=mask_type,
+            attn_bias_type=self.attn_bias_type,
+            scale_factor=self.scale_factor,
+            window_size=self.window_size,
+            dropout_rate=self.attention_dropout,
+            dropout_rng=dropout_rng,
+            q_offset=q_offset,
+            implementation=self.implementation,
+            score_mod=self.score_mod,
+            score_mod_bprop=self.score_mod_bprop,
+            score_mod_tensors=score_mod_tensors,
+            score_mod_bprop_tensors=score_mod_bprop_tensors,
+            return_max_logit=self.return_max_logit,
+            softmax_type=self.softmax_type,
+            softmax_offset=offsets.get("softmax_offset"),
+        )
 
     def children(self) -> dict[str, Child]:
         return {}
@@ -204,7 +271,6 @@ class DotProductAttentionSpec:
         sequence_descriptor: Array | SequenceDescriptor | None = None,
     ) -> Array | tuple[Array, Array]:
         self.check()
-        self.context_parallel_size()
         if sequence_descriptor is not None:
             if mask is not None:
                 raise ValueError(
@@ -238,37 +304,29 @@ class DotProductAttentionSpec:
             dropout_rng = host.rng(self.dropout_rng_name)
         offsets = {spec.name: host.param(spec) for spec in self.param_specs()}
         mask_type = self.attn_mask_type
+        ids = None
         if isinstance(mask, SequenceDescriptor):
             # Documents: a key of another document (or padding) is masked out, as a padding
             # mask; causality and windows then apply within each document.
             ids, _ = segment_ids_and_pos(mask, query.shape[1], key.shape[1])
             mask = padding_mask(ids)
             mask_type = _WITH_PADDING[attn.canonical_mask_type(mask_type)]
-        out = attn.dot_product_attention(
-            query,
-            key,
-            value,
-            mask,
-            bias,
-            attn_mask_type=mask_type,
-            attn_bias_type=self.attn_bias_type,
-            scale_factor=self.scale_factor,
-            window_size=self.window_size,
-            dropout_rate=self.attention_dropout,
-            dropout_rng=dropout_rng,
-            q_offset=q_offset,
-            implementation=self.implementation,
-            score_mod=self.score_mod,
-            score_mod_bprop=self.score_mod_bprop,
-            score_mod_tensors=score_mod_tensors,
-            score_mod_bprop_tensors=score_mod_bprop_tensors,
-            return_max_logit=self.return_max_logit,
-            softmax_type=self.softmax_type,
-            softmax_offset=offsets.get("softmax_offset"),
-        )
-        max_logit = None
-        if isinstance(out, tuple):
-            out, max_logit = out
+        if self.context_parallel_size() > 1:
+            attn._check_qkv(query, key, value)
+            sink = attn._sink_logit(
+                attn.canonical_softmax_type(self.softmax_type),
+                offsets.get("softmax_offset"),
+                query.shape[2],
+            )
+            result: Array | tuple[Array, Array] = self._context_parallel(
+                query, key, value, mask, bias, ids, dropout_rng, q_offset, sink
+            )
+        else:
+            result = self._one_device(
+                query, key, value, mask, bias, mask_type, dropout_rng, q_offset, offsets,
+                score_mod_tensors, score_mod_bprop_tensors,
+            )  # fmt: skip
+        out, max_logit = result if isinstance(result, tuple) else (result, None)
         out = checkpoint_name(out, self.context_checkpoint_name)
         if self.transpose_batch_sequence:
             out = jnp.swapaxes(out, 0, 1)

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import enum
 
+import einops
+import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import Array
+from jax import Array, lax
+from jax.sharding import PartitionSpec as P
 
 __all__ = [
     "ReorderStrategy",
@@ -91,3 +94,183 @@ def inverse_reorder_causal_load_balancing(
     """Undoes ``reorder_causal_load_balancing`` (the same arguments)."""
     order = _order(strategy, cp_size, tensor.shape[seq_dim], stripe_size)
     return jnp.take(tensor, jnp.asarray(np.argsort(order)), axis=seq_dim)
+
+
+# ------------------------------------------------------------------- attention across devices
+
+# TE's CPStrategy names (any case; TE also spells ALL_GATHER as ALLGATHER). DEFAULT: all-gather.
+CP_STRATEGIES = ("DEFAULT", "ALL_GATHER", "ALLGATHER", "RING")
+
+
+def canonical_cp_strategy(strategy: object) -> str:
+    """``"ALL_GATHER"`` or ``"RING"`` (DEFAULT is the all-gather) from TE's names or enum."""
+    name = str(getattr(strategy, "name", strategy)).strip().upper()
+    if name not in CP_STRATEGIES:
+        raise ValueError(
+            f"context_parallel_strategy must be one of {CP_STRATEGIES} (any case, or TE's "
+            f"CPStrategy), got {strategy!r}"
+        )
+    return "RING" if name == "RING" else "ALL_GATHER"
+
+
+def token_order(cp_size: int, length: int, load_balanced: bool) -> np.ndarray:
+    """The original position of each token of a ``length`` sequence as it is laid out.
+
+    Load-balanced inputs are in ``DualChunkSwap`` order (what ``reorder_causal_load_balancing``
+    makes), so device ``r``'s tokens are chunks ``r`` and ``2 cp - 1 - r``; causal masks and
+    windows compare these positions, not the tensor's indices.
+    """
+    if load_balanced:
+        return _order(ReorderStrategy.DualChunkSwap, cp_size, length, None)
+    if length % cp_size:
+        raise ValueError(
+            f"context parallelism over {cp_size} devices needs a sequence length divisible by "
+            f"{cp_size}, got {length}: pad the sequence to a multiple of {cp_size}"
+        )
+    return np.arange(length)
+
+
+def _block_keep(
+    q_tok: Array,
+    q_ids: Array,
+    kv_tok: Array,
+    kv_ids: Array,
+    causal: bool,
+    window: tuple[int, int] | None,
+) -> Array:
+    """``[batch, 1, q, kv]`` True where a query attends a key: the same nonzero segment, and
+    (by original positions) causal and within the window."""
+    keep = (q_ids[:, :, None] == kv_ids[:, None, :]) & (q_ids[:, :, None] > 0)
+    query, key = q_tok[None, :, None], kv_tok[None, None, :]
+    if causal:
+        keep = keep & (key <= query)
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            keep = keep & (key >= query - left)
+        if right >= 0:
+            keep = keep & (key <= query + right)
+    return keep[:, None]
+
+
+def context_parallel_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    *,
+    axis: str,
+    strategy: str,
+    load_balanced: bool,
+    segment_ids: tuple[Array, Array] | None,
+    causal: bool,
+    window: tuple[int, int] | None,
+    scale: float,
+    sink: Array | None,
+) -> Array:
+    """Attention with the sequence sharded over the mesh axis ``axis`` (TE's context parallelism).
+
+    ``query``, ``key``, ``value`` are the global ``[batch, seq, heads, head_dim]`` tensors (in
+    DualChunkSwap order when ``load_balanced``), run under ``shard_map`` over ``axis`` only (the
+    other mesh axes stay automatic); each device keeps its ``seq / cp`` queries and
+
+    * ``"ALL_GATHER"``: gathers every key and value (and their segment ids and positions) and
+      runs the one-device attention on its queries; autodiff turns the gathers into
+      reduce-scatters of the key and value gradients.
+    * ``"RING"``: passes its key/value block round the ring with ``ppermute``, ``cp`` steps,
+      combining the blocks with an online softmax (running maximum and sum in float32);
+      backward is autodiff of the loop.
+
+    Masks are computed from the tokens' original positions and segment ids, so the result is
+    the one-device attention's (``segment_ids``: ``(q ids, kv ids)`` ``[batch, len]``, 0 for
+    padding; None: one document). ``sink`` is the softmax's sink logit ``[1, heads, 1, 1]``.
+    """
+    from te_flax import attention as attn
+
+    cp_size = int(jax.sharding.get_abstract_mesh().shape[axis])
+    batch, q_len = query.shape[:2]
+    kv_len = key.shape[1]
+    q_tok = jnp.asarray(token_order(cp_size, q_len, load_balanced), jnp.int32)
+    kv_tok = jnp.asarray(token_order(cp_size, kv_len, load_balanced), jnp.int32)
+    if segment_ids is None:
+        segment_ids = (jnp.ones((batch, q_len), jnp.int32), jnp.ones((batch, kv_len), jnp.int32))
+    q_ids, kv_ids = segment_ids
+    heads = query.shape[2]
+    sink_arg = jnp.zeros((1, heads, 1, 1), jnp.float32) if sink is None else sink
+    sink_arg = jnp.broadcast_to(sink_arg, (1, heads, 1, 1))
+
+    def local(
+        q: Array, k: Array, v: Array, q_tok: Array, kv_tok: Array, q_ids: Array, kv_ids: Array,
+        sink_logit: Array,
+    ) -> Array:  # fmt: skip
+        sink_or_none = None if sink is None else sink_logit
+        if strategy == "ALL_GATHER":
+            k, v, kv_ids = (lax.all_gather(t, axis, axis=1, tiled=True) for t in (k, v, kv_ids))
+            kv_tok = lax.all_gather(kv_tok, axis, axis=0, tiled=True)
+            keep = _block_keep(q_tok, q_ids, kv_tok, kv_ids, causal, window)
+            out, _ = attn._xla_attention(q, k, v, keep, None, scale, None, sink=sink_or_none)
+            return out
+        block = (k, v, kv_tok, kv_ids)
+        return _ring(q, block, q_tok, q_ids, causal, window, scale, sink_or_none, axis, cp_size)
+
+    seq = P(None, axis)
+    tok = P(axis)
+    return jax.shard_map(
+        local,
+        in_specs=(seq, seq, seq, tok, tok, seq, seq, P()),
+        out_specs=seq,
+        axis_names={axis},
+    )(query, key, value, q_tok, kv_tok, q_ids, kv_ids, sink_arg)
+
+
+def _ring(
+    q: Array,
+    block: tuple[Array, Array, Array, Array],
+    q_tok: Array,
+    q_ids: Array,
+    causal: bool,
+    window: tuple[int, int] | None,
+    scale: float,
+    sink: Array | None,
+    axis: str,
+    cp_size: int,
+) -> Array:
+    """Ring attention on one device: ``block`` = its (keys, values, key positions, key ids),
+    passed on to the next device after each step; online softmax in float32."""
+    from te_flax.attention import _logits
+
+    kv_heads = block[0].shape[2]
+    grouped = einops.rearrange(q, "b q (k g) d -> b q k g d", k=kv_heads)
+    batch, q_len, heads = q.shape[:3]
+    # Running max, sum and weighted values; the sink is one more logit every row starts with.
+    if sink is None:
+        row_max = jnp.full((batch, heads, q_len), -jnp.inf, jnp.float32)
+        row_sum = jnp.zeros((batch, heads, q_len), jnp.float32)
+    else:
+        # exp(sink - max) with the max held constant: 1, with the sink's gradient.
+        start = sink[..., 0] - lax.stop_gradient(sink[..., 0])
+        row_max = jnp.broadcast_to(lax.stop_gradient(sink[..., 0]), (batch, heads, q_len))
+        row_sum = jnp.broadcast_to(jnp.exp(start), (batch, heads, q_len))
+    acc = jnp.zeros((batch, heads, q_len, q.shape[3]), jnp.float32)
+    to_next = [(rank, (rank + 1) % cp_size) for rank in range(cp_size)]
+    for step in range(cp_size):
+        k, v, kv_tok, kv_ids = block
+        keep = _block_keep(q_tok, q_ids, kv_tok, kv_ids, causal, window)
+        logits = _logits(grouped, k)  # [b, kv_heads, group, q, kv] float32
+        logits = einops.rearrange(logits, "b k g q s -> b (k g) q s") * jnp.float32(scale)
+        logits = jnp.where(keep, logits, -jnp.inf)
+        # The result does not depend on the running max: no gradient through it.
+        new_max = lax.stop_gradient(jnp.maximum(row_max, jnp.max(logits, axis=-1)))
+        shift = jnp.where(jnp.isfinite(new_max), new_max, jnp.float32(0.0))
+        correction = jnp.exp(row_max - shift)
+        probs = jnp.exp(logits - shift[..., None])  # masked: exp(-inf) = 0
+        row_sum = row_sum * correction + jnp.sum(probs, axis=-1)
+        probs = einops.rearrange(probs.astype(v.dtype), "b (k g) q s -> b k g q s", k=kv_heads)
+        weighted = jnp.einsum("bkgqs,bskd->bkgqd", probs, v, preferred_element_type=jnp.float32)
+        acc = acc * correction[..., None] + einops.rearrange(weighted, "b k g q d -> b (k g) q d")
+        row_max = new_max
+        if step + 1 < cp_size:
+            k, v, kv_tok, kv_ids = (lax.ppermute(t, axis, to_next) for t in block)
+            block = (k, v, kv_tok, kv_ids)
+    # A query that sees no key (padding) gets zeros, as on one device.
+    out = jnp.where(row_sum[..., None] > 0, acc / jnp.maximum(row_sum, 1e-30)[..., None], 0.0)
+    return einops.rearrange(out, "b h q d -> b q h d").astype(q.dtype)
