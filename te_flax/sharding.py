@@ -65,6 +65,8 @@ __all__ = [
 # The rule sets shipped with the repository: dp, fsdp, tp, tp_sp, dp_fsdp_tp, ep.
 RULES_DIR = Path(__file__).resolve().parent.parent / "configs" / "rules"
 MESH_AXES = ("data", "fsdp", "tensor")
+# Axes a mesh has only when asked for: "context" shards the sequence for context parallelism.
+OPTIONAL_MESH_AXES = ("context",)
 # The logical axis names of te_flax's default axes and of the examples' activations.
 LOGICAL_AXES = (
     "batch", "length", "embed", "mlp", "act", "heads", "kv", "qkv", "vocab", "layers",
@@ -227,7 +229,8 @@ def load_axis_rules(rule_set: str | Path) -> tuple[tuple[str, str | tuple[str, .
         raise ValueError(f"{path}: expected 'rules: [[logical_name, mesh_axes], ...]'")
     rules = [(name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in entries]
     for name, axes in rules:
-        wrong = [a for a in (axes if isinstance(axes, tuple) else (axes,)) if a not in MESH_AXES]
+        named = axes if isinstance(axes, tuple) else (axes,)
+        wrong = [a for a in named if a not in MESH_AXES + OPTIONAL_MESH_AXES]
         if axes is not None and wrong:
             raise ValueError(
                 f"{path}: the rule [{name!r}, {axes!r}] names mesh axes {wrong}, but te_flax "
@@ -246,15 +249,18 @@ def make_mesh(
     """A mesh with ``AxisType.Auto`` axes, e.g. ``make_mesh({"data": 2, "fsdp": 2, "tensor": 2})``.
 
     Axes of ``data``, ``fsdp`` and ``tensor`` that ``shape`` leaves out get size 1, so every
-    shipped rule set applies to every mesh. The product must equal the number of devices used
+    shipped rule set applies to every mesh; a ``context`` axis (context parallelism, the ``cp``
+    rule set) is added when ``shape`` names it. The product must equal the number of devices used
     (all of ``jax.devices()`` by default).
     """
-    unknown = sorted(set(shape) - set(MESH_AXES))
+    unknown = sorted(set(shape) - set(MESH_AXES + OPTIONAL_MESH_AXES))
     if unknown:
         raise ValueError(
-            f"unknown mesh axes {unknown}; the axes are {MESH_AXES}: use only those in mesh_shape"
+            f"unknown mesh axes {unknown}; the axes are {MESH_AXES + OPTIONAL_MESH_AXES}: use "
+            "only those in mesh_shape"
         )
-    sizes = tuple(shape.get(axis, 1) for axis in MESH_AXES)
+    names = MESH_AXES + tuple(axis for axis in OPTIONAL_MESH_AXES if axis in shape)
+    sizes = tuple(shape.get(axis, 1) for axis in names)
     if not all(
         isinstance(s, int | np.integer) and not isinstance(s, bool) and s >= 1 for s in sizes
     ):
@@ -269,13 +275,11 @@ def make_mesh(
         total *= size
     if total != len(devices):
         raise ValueError(
-            f"mesh {dict(zip(MESH_AXES, sizes, strict=True))} has {total} devices, "
+            f"mesh {dict(zip(names, sizes, strict=True))} has {total} devices, "
             f"not {len(devices)}; choose mesh_shape sizes whose product is {len(devices)}, or "
             "pass those devices"
         )
-    return jax.make_mesh(
-        sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
-    )
+    return jax.make_mesh(sizes, names, axis_types=(AxisType.Auto,) * len(names), devices=devices)
 
 
 @contextlib.contextmanager
@@ -330,8 +334,8 @@ class MeshResource:
       fsdp_resource: fully sharded data parallelism: the batch, and each kernel's embed axis.
       pp_resource: pipeline parallelism: accepted; te_flax has no pipeline schedule, so it
         maps no axis.
-      cp_resource: context parallelism: TE's ``SEQLEN_CP_AXES`` only (te_flax's attention
-        has no context parallelism).
+      cp_resource: context parallelism: TE's ``SEQLEN_CP_AXES`` only (the attention takes its
+        axis as ``DotProductAttention(context_parallel_axis=...)``).
       ep_resource: expert parallelism: the experts axis (te_flax's ``exp``).
     """
 

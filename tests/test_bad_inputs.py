@@ -72,6 +72,15 @@ def _linen_init(module: nn.Module, *inputs) -> None:
     module.init(KEY, *inputs)
 
 
+def _context_parallel_apply(qkv, **call):
+    """DotProductAttention across a context axis of 2 devices (sequence not load balanced)."""
+    attention = te_nn.DotProductAttention(
+        head_dim=8, num_attention_heads=4, context_parallel_axis="context"
+    )
+    with sharding.use_sharding("cp", {"data": 4, "context": 2}):
+        return attention.apply({}, qkv, qkv, qkv, **call)
+
+
 def _rngs() -> nnx.Rngs:
     return nnx.Rngs(0)
 
@@ -394,6 +403,20 @@ CASES = [
              jnp.ones((2, 6, 4), F32), te_flax.attention.ReorderStrategy.DualChunkSwap, 2, 1),
          ValueError, r"divisible by 2 x cp_size = 4; got cp_size=2 and length 6",
          r"pad the sequence to a multiple of 4"),
+    case("attention-cp-strategy",
+         lambda: te_nn.DotProductAttention(
+             head_dim=8, num_attention_heads=4, context_parallel_strategy="ulysses"
+         ).apply({}, QKV, QKV, QKV),
+         ValueError, r"^context_parallel_strategy must be one of .*got 'ulysses'",
+         r"any case, or TE's CPStrategy"),
+    case("attention-cp-length",
+         lambda: _context_parallel_apply(QKV[:, :3]),
+         ValueError, r"context parallelism over 2 devices needs a sequence length divisible",
+         r"pad the sequence to a multiple of 2"),
+    case("attention-cp-unsupported",
+         lambda: _context_parallel_apply(QKV, bias=jnp.zeros((1, 4, 4, 4), F32)),
+         ValueError, r"^DotProductAttention with context parallelism over 'context' .*got a bias",
+         r"drop them, or give the context axis size 1"),
     case("linen-mha-rank-2",
          lambda: _linen_init(te_nn.MultiHeadAttention(head_dim=8, num_attention_heads=4),
                              jnp.ones((4, 32), F32), jnp.ones((4, 32), F32)),

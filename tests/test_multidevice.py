@@ -872,13 +872,13 @@ def test_make_mesh_refuses_unknown_axes_and_wrong_device_counts():
 
 def test_every_shipped_rule_set_loads_and_names_only_mesh_axes():
     names = sorted(path.stem for path in RULES_DIR.glob("*.yaml"))
-    assert names == ["dp", "dp_fsdp_tp", "ep", "fsdp", "tp", "tp_sp"]
+    assert names == ["cp", "dp", "dp_fsdp_tp", "ep", "fsdp", "tp", "tp_sp"]
     for name in names:
         rules = load_axis_rules(name)
         assert rules == load_axis_rules(RULES_DIR / f"{name}.yaml")
         for logical, mesh_axes in rules:
             axes = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes or ())
-            assert set(axes) <= {"data", "fsdp", "tensor"}, (name, logical)
+            assert set(axes) <= {"data", "fsdp", "tensor", "context"}, (name, logical)
     assert dict(load_axis_rules("dp_fsdp_tp"))["batch"] == ("data", "fsdp")
     assert dict(load_axis_rules("tp_sp"))["length"] == "tensor"
 

@@ -1,0 +1,162 @@
+"""Context parallelism: DotProductAttention with the sequence sharded over a ``context`` mesh
+axis (the all-gather and ring strategies, causal load balancing, packing) equals one device.
+
+Small shapes on the 8 CPU devices; each case compiles one jitted loss-and-gradient function.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import te_flax.linen as te_nn
+from te_flax.attention import (
+    ReorderStrategy,
+    SequenceDescriptor,
+    inverse_reorder_causal_load_balancing,
+    reorder_causal_load_balancing,
+)
+from te_flax.sharding import load_axis_rules, make_mesh
+
+BATCH, SEQ, HEADS, HEAD_DIM = 2, 32, 2, 8
+SWAP = ReorderStrategy.DualChunkSwap
+
+
+def _qkv() -> tuple[jax.Array, ...]:
+    keys = jax.random.split(jax.random.key(0), 3)
+    return tuple(jax.random.normal(k, (BATCH, SEQ, HEADS, HEAD_DIM)) for k in keys)
+
+
+def _packed() -> SequenceDescriptor:
+    """Three documents per row, the second row ending in padding (id 0)."""
+    ids = np.ones((BATCH, SEQ), np.int32)
+    ids[:, 10:], ids[:, 25:], ids[1, 29:] = 2, 3, 0
+    starts = np.array([0, 10, 25])
+    pos = np.arange(SEQ) - starts[np.searchsorted(starts, np.arange(SEQ), side="right") - 1]
+    pos = np.broadcast_to(pos, ids.shape)
+    return SequenceDescriptor.from_segment_ids_and_pos(jnp.asarray(ids), jnp.asarray(pos))
+
+
+def _loss_and_grads(module, cp_size, balanced, packed):
+    """``(output, grads of (params, q, k, v))`` of a fixed weighted sum of the output, with the
+    inputs reordered for load balancing (and the output put back) when ``balanced``."""
+    weights = jnp.sin(jnp.arange(BATCH * SEQ * HEADS * HEAD_DIM, dtype=jnp.float32))
+    weights = weights.reshape(BATCH, SEQ, HEADS, HEAD_DIM)
+
+    def reorder(x):
+        return reorder_causal_load_balancing(x, SWAP, cp_size, 1) if balanced else x
+
+    def loss(params, q, k, v):
+        descriptor = None
+        if packed:
+            ids, pos = _packed().segment_ids[0], _packed().segment_pos[0]
+            descriptor = SequenceDescriptor.from_segment_ids_and_pos(reorder(ids), reorder(pos))
+        out = module.apply(params, *(reorder(t) for t in (q, k, v)), sequence_descriptor=descriptor)
+        if balanced:
+            out = inverse_reorder_causal_load_balancing(out, SWAP, cp_size, 1)
+        return jnp.sum(out * weights), out
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+    params = {}
+    if module.softmax_type == "learnable":  # a nonzero sink, so that its gradient is tested
+        params = jax.tree.map(lambda p: p + 0.3, module.init(jax.random.key(1), *_qkv()))
+    (_, out), grads = step(params, *_qkv())
+    return out, grads
+
+
+def _mesh(cp_size: int) -> jax.sharding.Mesh:
+    return make_mesh({"data": 8 // cp_size, "context": cp_size})
+
+
+def _relative(a, b) -> float:
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def _module(strategy: str, balanced: bool, **attributes):
+    return te_nn.DotProductAttention(
+        head_dim=HEAD_DIM,
+        num_attention_heads=HEADS,
+        context_parallel_axis="context",
+        context_parallel_strategy=strategy,
+        context_parallel_causal_load_balanced=balanced,
+        **attributes,
+    )
+
+
+@pytest.mark.parametrize(
+    "cp_size, strategy, balanced, packed, attributes",
+    [
+        (8, "all_gather", True, False, {}),
+        (8, "ring", True, True, {}),
+        (2, "ring", False, False, {"window_size": (5, 0)}),
+        (4, "all_gather", False, False, {"softmax_type": "learnable"}),
+    ],
+    ids=["8-all-gather", "8-ring-packed", "2-ring-window", "4-all-gather-sink"],
+)
+def test_context_parallel_equals_one_device(cp_size, strategy, balanced, packed, attributes):
+    """Outputs and the gradients of q, k, v (and the sink) within 1e-5 relative L2."""
+    module = _module(strategy, balanced, **attributes)
+    expected = _loss_and_grads(module, 1, False, packed)  # no mesh: one device
+    with jax.set_mesh(_mesh(cp_size)):
+        got = _loss_and_grads(module, cp_size, balanced, packed)
+    for ours, theirs in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        assert _relative(ours, theirs) <= 1e-5
+    if packed:  # the padding queries of row 1 get zero output and zero gradient
+        np.testing.assert_array_equal(got[0][1, 29:], 0.0)
+        np.testing.assert_array_equal(got[1][1][1, 29:], 0.0)
+
+
+@pytest.mark.parametrize(
+    "strategy, collective", [("all_gather", "all-gather"), ("ring", "collective-permute")]
+)
+def test_the_strategies_communicate_as_named(strategy, collective):
+    """All-gather gathers K/V (no permutes); the ring passes them on, 3 steps for 4 devices."""
+    q, k, v = _qkv()
+    module = _module(strategy, True)
+    with jax.set_mesh(_mesh(4)):
+        hlo = jax.jit(lambda q, k, v: module.apply({}, q, k, v)).lower(q, k, v).compile().as_text()
+    assert collective in hlo
+    other = "collective-permute" if strategy == "all_gather" else "all-gather"
+    assert other not in hlo
+    if strategy == "ring":  # k, v and their positions and ids: 4 tensors x 3 steps
+        assert hlo.count("collective-permute-start(") + hlo.count("collective-permute(") == 12
+
+
+def test_a_context_axis_of_size_one_changes_nothing():
+    q, k, v = _qkv()
+    module = _module("ring", True)
+    expected = module.apply({}, q, k, v)
+    with jax.set_mesh(_mesh(1)):
+        hlo = jax.jit(lambda q, k, v: module.apply({}, q, k, v)).lower(q, k, v)
+        np.testing.assert_allclose(hlo.compile()(q, k, v), expected, rtol=1e-6, atol=1e-6)
+    assert "collective-permute" not in hlo.as_text()
+
+
+def test_transformer_layer_under_the_cp_rule_set_equals_one_device():
+    """The cp rule set shards the activations' sequence over the context axis."""
+    layer = te_nn.TransformerLayer(
+        hidden_size=16, mlp_hidden_size=32, num_attention_heads=2, hidden_dropout=0.0,
+        attention_dropout=0.0, self_attn_mask_type="causal",
+    )  # fmt: skip
+    x = jax.random.normal(jax.random.key(2), (BATCH, SEQ, 16))
+    params = layer.init(jax.random.key(3), x)
+    expected = layer.apply(params, x)
+    rules = load_axis_rules("cp")
+    assert dict(rules)["length"] == "context"
+    with jax.set_mesh(_mesh(4)), nn.logical_axis_rules(rules):
+        out = jax.jit(layer.apply)(params, x)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_context_parallel_inputs_are_refused_with_the_fix():
+    q, k, v = _qkv()
+    with jax.set_mesh(_mesh(4)):
+        with pytest.raises(ValueError, match=r"divisible by 2 x cp_size = 8; got cp_size=4"):
+            _module("ring", True).apply({}, q[:, :28], k[:, :28], v[:, :28])
+        with pytest.raises(ValueError, match=r"got a bias: drop them"):
+            _module("ring", True).apply({}, q, k, v, bias=jnp.zeros((1, HEADS, SEQ, SEQ)))
+    with pytest.raises(ValueError, match=r"context_parallel_strategy must be one of"):
+        _module("ulysses", True).apply({}, q, k, v)
