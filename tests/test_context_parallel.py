@@ -62,7 +62,7 @@ def _loss_and_grads(module, cp_size, balanced, packed):
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
     params = {}
     if module.softmax_type == "learnable":  # a nonzero sink, so that its gradient is tested
-        params = jax.tree.map(lambda p: p + 0.3, module.init(jax.random.key(1), *_qkv()))
+        params = jax.tree.map(lambda p: p + 0.3, jax.jit(module.init)(jax.random.key(1), *_qkv()))
     (_, out), grads = step(params, *_qkv())
     return out, grads
 
@@ -142,8 +142,8 @@ def test_transformer_layer_under_the_cp_rule_set_equals_one_device():
         attention_dropout=0.0, self_attn_mask_type="causal",
     )  # fmt: skip
     x = jax.random.normal(jax.random.key(2), (BATCH, SEQ, 16))
-    params = layer.init(jax.random.key(3), x)
-    expected = layer.apply(params, x)
+    params = jax.jit(layer.init)(jax.random.key(3), x)
+    expected = jax.jit(layer.apply)(params, x)
     rules = load_axis_rules("cp")
     assert dict(rules)["length"] == "context"
     with jax.set_mesh(_mesh(4)), nn.logical_axis_rules(rules):
@@ -160,3 +160,26 @@ def test_bad_context_parallel_inputs_are_refused_with_the_fix():
             _module("ring", True).apply({}, q, k, v, bias=jnp.zeros((1, HEADS, SEQ, SEQ)))
     with pytest.raises(ValueError, match=r"context_parallel_strategy must be one of"):
         _module("ulysses", True).apply({}, q, k, v)
+
+
+def test_example_lm_flag_runs_its_attention_across_the_context_axis():
+    """rules=cp mesh.context=4 model.context_parallel=ring: the example GPT's mesh gets a
+    context axis, its attention passes K/V round it, and its logits are one device's."""
+    from examples.lm.config import DEFAULT_CONFIG, load_config
+    from examples.lm.model_linen import GPT
+    from examples.lm.train import _mesh
+    from tests.helpers import TINY_LM
+
+    flags = ["rules=cp", "mesh.data=2", "mesh.context=4", "model.context_parallel=ring"]
+    config = load_config(DEFAULT_CONFIG, [*TINY_LM, "model.layers=1", *flags])
+    mesh = _mesh(config)
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 1, "context": 4}
+    model = GPT(config.model)
+    tokens = jax.random.randint(jax.random.key(5), (2, config.train.seq_len), 0, 256)
+    variables = nn.meta.unbox(jax.jit(model.init)(jax.random.key(6), tokens))
+    expected = jax.jit(model.apply)(variables, tokens)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(load_axis_rules(config.rules)):
+        compiled = jax.jit(model.apply).lower(variables, tokens).compile()
+        logits = compiled(variables, tokens)
+    assert "collective-permute" in compiled.as_text()
+    assert _relative(logits, expected) < 1e-2  # bf16 activations

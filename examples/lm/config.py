@@ -45,6 +45,9 @@ class ModelConfig:
     # "handwritten": te_flax's FP8 layers composed by hand; "te": TE's TransformerLayer
     # (needs d_model = heads * head_dim, as TE derives the head size from them).
     block: str = "handwritten"
+    # Context parallelism over mesh.context (the handwritten Linen blocks' attention):
+    # "all_gather" or "ring" (TE's CPStrategy).
+    context_parallel: str = "all_gather"
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
 
 
@@ -69,11 +72,13 @@ class TrainConfig:
 
 @dataclasses.dataclass
 class MeshConfig:
-    """Sizes of the (data, fsdp, tensor) mesh axes; their product is the number of devices."""
+    """Sizes of the (data, fsdp, tensor) mesh axes, and of a context axis for context
+    parallelism (with rules=cp); their product is the number of devices."""
 
     data: int = 1
     fsdp: int = 1
     tensor: int = 1
+    context: int = 1
 
 
 @dataclasses.dataclass
@@ -87,7 +92,7 @@ class Config:
     # a BF16 or current-scaling checkpoint, or the reverse) instead of refusing it.
     resume_migrate_fp8: bool = False
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
-    # A logical-axis rule set of configs/rules (dp, fsdp, tp, tp_sp, dp_fsdp_tp) or a YAML path.
+    # A logical-axis rule set of configs/rules (dp, fsdp, tp, tp_sp, dp_fsdp_tp, cp) or a path.
     rules: str = "dp"
 
 
@@ -95,6 +100,7 @@ _CHOICES = {
     "model.activation": ("gelu", "swiglu"),
     "model.frontend": ("linen", "nnx"),
     "model.block": ("handwritten", "te"),
+    "model.context_parallel": ("all_gather", "ring"),
     "train.recipe": ("delayed", "current", "blockwise", "mxfp8", "nvfp4", "none"),
 }
 
@@ -114,7 +120,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         if value not in choices:
             raise ValueError(f"{key}={value!r} is not one of {choices}; use one of those")
     positive = ("train.steps", "train.batch", "train.seq_len", "model.layers", "train.eval_every")
-    positive += ("mesh.data", "mesh.fsdp", "mesh.tensor")
+    positive += ("mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.context")
     for key in positive:
         if OmegaConf.select(config, key) < 1:
             raise ValueError(

@@ -1,7 +1,8 @@
 """The example GPT in Flax Linen, written with te_flax layers the way a user would.
 
 Pre-norm decoder blocks: attention whose QKV projection is one ``LayerNormDenseGeneral`` with
-``features=(3, heads, head_dim)``, ``te_flax.attention.dot_product_attention``, an output
+``features=(3, heads, head_dim)``, ``DotProductAttention`` (across the ``context`` mesh axis
+with ``mesh.context`` and ``rules=cp``: context parallelism), an output
 ``DenseGeneral``, then a ``LayerNormMLP`` subclass that adds its own residual. The blocks are
 stacked with ``nn.scan``, each layer with its own parameters and FP8 state. With
 ``model.moe.experts`` each block's MLP is a ``MoEBlock`` (with its pre-norm), whose aux loss and
@@ -19,7 +20,6 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 import te_flax.linen as te_nn
-from te_flax.attention import dot_product_attention
 from te_flax.training import OVERWRITE_WITH_GRADIENT
 
 from .config import ModelConfig
@@ -69,7 +69,15 @@ class Attention(nn.Module):
             name="qkv",
         )(x)  # [batch, seq, 3, heads, head_dim]
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [batch, seq, heads, head_dim]
-        attended = dot_product_attention(q, k, v, attn_mask_type="causal")
+        # Across the "context" mesh axis when the mesh has one (mesh.context), else one device.
+        attended = te_nn.DotProductAttention(
+            head_dim=c.head_dim,
+            num_attention_heads=c.heads,
+            attn_mask_type="causal",
+            context_parallel_axis="context",
+            context_parallel_strategy=c.context_parallel,
+            name="core",
+        )(q, k, v)
         return te_nn.DenseGeneral(
             features=c.d_model,
             axis=(-2, -1),

@@ -196,6 +196,8 @@ def _loss(frontend, variables, tokens, targets):
 
 def _mesh(config: Config) -> jax.sharding.Mesh:
     shape = dataclasses.asdict(config.mesh)
+    if shape["context"] == 1 and config.rules != "cp":
+        del shape["context"]  # the (data, fsdp, tensor) mesh of the other rule sets
     n = int(np.prod(list(shape.values())))
     if n > jax.device_count():
         raise ValueError(f"mesh {shape} needs {n} devices but {jax.device_count()} are available")
