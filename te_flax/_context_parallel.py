@@ -17,6 +17,7 @@ reorders the tokens before sharding so that every device holds early and late to
 from __future__ import annotations
 
 import enum
+from functools import partial
 
 import einops
 import jax
@@ -204,7 +205,8 @@ def context_parallel_attention(
     ) -> Array:  # fmt: skip
         sink_or_none = None if sink is None else sink_logit
         if strategy == "ALL_GATHER":
-            k, v, kv_ids = (lax.all_gather(t, axis, axis=1, tiled=True) for t in (k, v, kv_ids))
+            k, v = (_gather_keys(t, axis) for t in (k, v))
+            kv_ids = lax.all_gather(kv_ids, axis, axis=1, tiled=True)
             kv_tok = lax.all_gather(kv_tok, axis, axis=0, tiled=True)
             keep = _block_keep(q_tok, q_ids, kv_tok, kv_ids, causal, window)
             out, _ = attn._xla_attention(q, k, v, keep, None, scale, None, sink=sink_or_none)
@@ -220,6 +222,25 @@ def context_parallel_attention(
         out_specs=seq,
         axis_names={axis},
     )(query, key, value, q_tok, kv_tok, q_ids, kv_ids, sink_arg)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gather_keys(x: Array, axis: str) -> Array:
+    """All-gathers the sequence (axis 1) of a key or value block; its gradient is summed over
+    the devices (a reduce-scatter) in float32, then rounded to ``x``'s dtype once."""
+    return lax.all_gather(x, axis, axis=1, tiled=True)
+
+
+def _gather_keys_forward(x: Array, axis: str) -> tuple[Array, None]:
+    return _gather_keys(x, axis), None
+
+
+def _gather_keys_backward(axis: str, _: None, grad: Array) -> tuple[Array]:
+    summed = lax.psum_scatter(grad.astype(jnp.float32), axis, scatter_dimension=1, tiled=True)
+    return (summed.astype(grad.dtype),)
+
+
+_gather_keys.defvjp(_gather_keys_forward, _gather_keys_backward)
 
 
 def _ring(

@@ -125,6 +125,28 @@ def test_the_strategies_communicate_as_named(strategy, collective):
         assert hlo.count("collective-permute-start(") + hlo.count("collective-permute(") == 12
 
 
+def test_bf16_all_gather_gradients_are_summed_in_float32():
+    """The key/value gradients' reduce-scatter runs in float32 (a bf16 one does not even
+    compile on the CPU): bf16 gradients within bf16 rounding of one device's."""
+    q, k, v = (t.astype(jnp.bfloat16) for t in _qkv())
+    module = _module("all_gather", True)
+
+    def grads(cp_size):
+        def loss(k, v):
+            k, v = (reorder_causal_load_balancing(t, SWAP, cp_size, 1) for t in (k, v))
+            out = module.apply({}, reorder_causal_load_balancing(q, SWAP, cp_size, 1), k, v)
+            return jnp.sum(out.astype(jnp.float32) ** 2)
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))(k, v)
+
+    expected = grads(1)
+    with jax.set_mesh(_mesh(2)):
+        got = grads(2)
+    for ours, theirs in zip(got, expected, strict=True):
+        assert ours.dtype == jnp.bfloat16
+        assert _relative(ours.astype(jnp.float32), theirs.astype(jnp.float32)) < 1e-2
+
+
 def test_a_context_axis_of_size_one_changes_nothing():
     q, k, v = _qkv()
     module = _module("ring", True)
