@@ -123,9 +123,10 @@ class DotProductAttention(nn.Module, DotProductAttentionSpec):
     ``sequence_descriptor=``, TE's name) with a ``thd`` layout (same shapes as ``bshd``); a
     query then attends only keys of its own document (causality and windows within it). The
     ``MultiHeadAttention`` and ``TransformerLayer`` masks accept one too, and their rotary
-    positions restart at each document. Context-parallel arguments (MaxText's
-    ``context_parallel_axis="context"``, ...) are accepted while that mesh axis has size 1;
-    across devices they are refused.
+    positions restart at each document. Context parallelism: with ``context_parallel_axis``
+    naming a mesh axis of two or more devices the sequence is split over it (TE's
+    ``"all_gather"`` or ``"ring"`` strategy, inputs in DualChunkSwap order with
+    ``context_parallel_causal_load_balanced``); see docs/attention.md.
 
     Example usage::
 
