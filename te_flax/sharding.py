@@ -62,7 +62,7 @@ __all__ = [
     "with_logical_constraint",
 ]
 
-# The rule sets shipped with the repository: dp, fsdp, tp, tp_sp, dp_fsdp_tp, ep.
+# The rule sets shipped with the repository: dp, fsdp, tp, tp_sp, dp_fsdp_tp, ep, cp.
 RULES_DIR = Path(__file__).resolve().parent.parent / "configs" / "rules"
 MESH_AXES = ("data", "fsdp", "tensor")
 # Axes a mesh has only when asked for: "context" shards the sequence for context parallelism.
