@@ -178,8 +178,8 @@ def context_parallel_attention(
       runs the one-device attention on its queries; autodiff turns the gathers into
       reduce-scatters of the key and value gradients.
     * ``"RING"``: passes its key/value block round the ring with ``ppermute``, ``cp`` steps,
-      combining the blocks with an online softmax (running maximum and sum in float32);
-      backward is autodiff of the loop.
+      combining the blocks with an online softmax (running maximum and sum in float32),
+      skipping a block none of its queries attends; backward is autodiff of the loop.
 
     Masks are computed from the tokens' original positions and segment ids, so the result is
     the one-device attention's (``segment_ids``: ``(q ids, kv ids)`` ``[batch, len]``, 0 for
@@ -273,9 +273,12 @@ def _ring(
         row_sum = jnp.broadcast_to(jnp.exp(start), (batch, heads, q_len))
     acc = jnp.zeros((batch, heads, q_len, q.shape[3]), jnp.float32)
     to_next = [(rank, (rank + 1) % cp_size) for rank in range(cp_size)]
-    for step in range(cp_size):
-        k, v, kv_tok, kv_ids = block
-        keep = _block_keep(q_tok, q_ids, kv_tok, kv_ids, causal, window)
+
+    def attend(
+        state: tuple[Array, Array, Array], k: Array, v: Array, keep: Array
+    ) -> tuple[Array, Array, Array]:
+        """One block into the running (max, sum, weighted values)."""
+        row_max, row_sum, acc = state
         logits = _logits(grouped, k)  # [b, kv_heads, group, q, kv] float32
         logits = einops.rearrange(logits, "b k g q s -> b (k g) q s") * jnp.float32(scale)
         logits = jnp.where(keep, logits, -jnp.inf)
@@ -288,10 +291,24 @@ def _ring(
         probs = einops.rearrange(probs.astype(v.dtype), "b (k g) q s -> b k g q s", k=kv_heads)
         weighted = jnp.einsum("bkgqs,bskd->bkgqd", probs, v, preferred_element_type=jnp.float32)
         acc = acc * correction[..., None] + einops.rearrange(weighted, "b k g q d -> b (k g) q d")
-        row_max = new_max
+        return new_max, row_sum, acc
+
+    # Every device's state varies over the axis (the blocks do), whatever it starts from.
+    state = tuple(lax.pcast(t, (axis,), to="varying") for t in (row_max, row_sum, acc))
+    for step in range(cp_size):
+        k, v, kv_tok, kv_ids = block
+        keep = _block_keep(q_tok, q_ids, kv_tok, kv_ids, causal, window)
+        if step == 0:  # a device's own block, which holds the diagonal
+            state = attend(state, k, v, keep)
+        else:  # a block no query attends (causal, windows, other documents) is skipped
+            state = lax.cond(
+                jnp.any(keep), lambda s, k, v, keep: attend(s, k, v, keep),
+                lambda s, k, v, keep: s, state, k, v, keep,
+            )  # fmt: skip
         if step + 1 < cp_size:
             k, v, kv_tok, kv_ids = (lax.ppermute(t, axis, to_next) for t in block)
             block = (k, v, kv_tok, kv_ids)
+    row_max, row_sum, acc = state
     # A query that sees no key (padding) gets zeros, as on one device.
     out = jnp.where(row_sum[..., None] > 0, acc / jnp.maximum(row_sum, 1e-30)[..., None], 0.0)
     return einops.rearrange(out, "b h q d -> b q h d").astype(q.dtype)

@@ -123,6 +123,8 @@ def test_the_strategies_communicate_as_named(strategy, collective):
     assert other not in hlo
     if strategy == "ring":  # k, v and their positions and ids: 4 tensors x 3 steps
         assert hlo.count("collective-permute-start(") + hlo.count("collective-permute(") == 12
+        # The blocks after a device's own are attended only when some query sees them.
+        assert hlo.count("conditional(") == 3
 
 
 def test_bf16_all_gather_gradients_are_summed_in_float32():
