@@ -192,6 +192,7 @@ def context_parallel_attention(
     kv_len = key.shape[1]
     q_tok = jnp.asarray(token_order(cp_size, q_len, load_balanced), jnp.int32)
     kv_tok = jnp.asarray(token_order(cp_size, kv_len, load_balanced), jnp.int32)
+    packed = segment_ids is not None
     if segment_ids is None:
         segment_ids = (jnp.ones((batch, q_len), jnp.int32), jnp.ones((batch, kv_len), jnp.int32))
     q_ids, kv_ids = segment_ids
@@ -212,7 +213,11 @@ def context_parallel_attention(
             out, _ = attn._xla_attention(q, k, v, keep, None, scale, None, sink=sink_or_none)
             return out
         block = (k, v, kv_tok, kv_ids)
-        return _ring(q, block, q_tok, q_ids, causal, window, scale, sink_or_none, axis, cp_size)
+        # Load balanced causal blocks are all partly attended: no block to skip.
+        skip = not load_balanced or window is not None or packed
+        return _ring(
+            q, block, q_tok, q_ids, causal, window, scale, sink_or_none, axis, cp_size, skip
+        )
 
     seq = P(None, axis)
     tok = P(axis)
@@ -254,9 +259,11 @@ def _ring(
     sink: Array | None,
     axis: str,
     cp_size: int,
+    skip: bool,
 ) -> Array:
     """Ring attention on one device: ``block`` = its (keys, values, key positions, key ids),
-    passed on to the next device after each step; online softmax in float32."""
+    passed on to the next device after each step; online softmax in float32. With ``skip``,
+    a block no query attends is skipped at run time."""
     from te_flax.attention import _logits
 
     kv_heads = block[0].shape[2]
@@ -298,7 +305,7 @@ def _ring(
     for step in range(cp_size):
         k, v, kv_tok, kv_ids = block
         keep = _block_keep(q_tok, q_ids, kv_tok, kv_ids, causal, window)
-        if step == 0:  # a device's own block, which holds the diagonal
+        if step == 0 or not skip:  # a device's own block holds the diagonal
             state = attend(state, k, v, keep)
         else:  # a block no query attends (causal, windows, other documents) is skipped
             state = lax.cond(
