@@ -349,7 +349,7 @@ def results_index(out: Path) -> list[str]:
     for path in sorted(out.glob("RESULTS_*.md")):
         text = path.read_text().splitlines()
         title = next((line.lstrip("# ").strip() for line in text if line.startswith("#")), "")
-        lines.append(f"- [{path.name}]({path.name})" + (f": {title}" if title else ""))
+        lines.append(f"- `bench/{path.name}`" + (f": {title}" if title else ""))
     return lines
 
 

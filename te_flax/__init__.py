@@ -1,8 +1,8 @@
 """te_flax: FP8 training layers for Flax Linen and NNX, with TransformerEngine's JAX API.
 
 The functional ops live in ``te_flax.layernorm``, ``te_flax.dense`` and
-``te_flax.layernorm_dense``; recipes and quantizer state in ``te_flax.quantize``. ``quantize_model`` runs a model written
-with Flax's own layers in FP8.
+``te_flax.layernorm_dense``; recipes and quantizer state in ``te_flax.quantize``.
+``quantize_model`` runs a model written with Flax's own layers in FP8.
 """
 
 import importlib.metadata

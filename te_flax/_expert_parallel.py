@@ -53,7 +53,9 @@ def _axes(logical: str) -> tuple[str, ...]:
     mesh = jax.sharding.get_abstract_mesh()
     if not rules or mesh.empty:
         return ()
-    entry = logical_to_mesh_axes((logical,), rules)[0]
+    spec = logical_to_mesh_axes((logical,), rules)
+    assert spec is not None, "rules are active, so the logical axes map to a spec"
+    entry = spec[0]
     if entry is None:
         return ()
     names = (entry,) if isinstance(entry, str) else tuple(entry)

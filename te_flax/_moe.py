@@ -258,13 +258,14 @@ class MoEBlockSpec(_Norm):
             precision=lax.Precision.HIGHEST,
         )  # [T, H] x [H, E] -> [T, E]
         k = self.num_experts_per_tok
-        grouped = self.num_groups is not None and self.group_topk is not None
+        num_groups, group_topk = self.num_groups, self.group_topk
+        grouped = num_groups is not None and group_topk is not None
         probs, routing_map = fused_topk_with_score_function(
             logits,
             k,
             use_pre_softmax=self.use_pre_softmax,
-            num_groups=self.num_groups if grouped else -1,
-            group_topk=self.group_topk if grouped else -1,
+            num_groups=num_groups if num_groups is not None and grouped else -1,
+            group_topk=group_topk if group_topk is not None and grouped else -1,
             scaling_factor=self.scaling_factor,
             score_function=self.score_function,
             expert_bias=params.get("expert_bias"),

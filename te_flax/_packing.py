@@ -20,10 +20,8 @@ from jax import Array
 
 __all__ = ["SequenceDescriptor", "padding_mask", "segment_ids_and_pos"]
 
-Pair = tuple[Array, Array]
 
-
-def _pair(value: Any, name: str) -> Pair:
+def _pair(value: Any, name: str) -> tuple[Array, Array]:
     if isinstance(value, tuple):
         if len(value) != 2:
             raise ValueError(
@@ -51,10 +49,10 @@ class SequenceDescriptor:
 
     def __init__(
         self,
-        seqlens: Pair | None = None,
-        seq_offsets: Pair | None = None,
-        segment_ids: Pair | None = None,
-        segment_pos: Pair | None = None,
+        seqlens: tuple[Array, Array] | None = None,
+        seq_offsets: tuple[Array, Array] | None = None,
+        segment_ids: tuple[Array, Array] | None = None,
+        segment_pos: tuple[Array, Array] | None = None,
     ):
         empty = (jnp.zeros(0), jnp.zeros(0))
         self.seqlens = empty if seqlens is None else seqlens
@@ -62,7 +60,7 @@ class SequenceDescriptor:
         self.segment_ids = empty if segment_ids is None else segment_ids
         self.segment_pos = empty if segment_pos is None else segment_pos
 
-    def tree_flatten(self) -> tuple[tuple[Pair, Pair, Pair, Pair], None]:
+    def tree_flatten(self) -> tuple[tuple[tuple[Array, Array], ...], None]:
         return (self.seqlens, self.seq_offsets, self.segment_ids, self.segment_pos), None
 
     @classmethod
@@ -71,18 +69,20 @@ class SequenceDescriptor:
         return cls(*children)
 
     @classmethod
-    def from_seqlens(cls, seqlens: Array | Pair) -> SequenceDescriptor:
+    def from_seqlens(cls, seqlens: Array | tuple[Array, Array]) -> SequenceDescriptor:
         return cls(seqlens=_pair(seqlens, "seqlens"))
 
     @classmethod
     def from_seqlens_and_offsets(
-        cls, seqlens: Array | Pair, seq_offsets: Array | Pair
+        cls, seqlens: Array | tuple[Array, Array], seq_offsets: Array | tuple[Array, Array]
     ) -> SequenceDescriptor:
         return cls(seqlens=_pair(seqlens, "seqlens"), seq_offsets=_pair(seq_offsets, "seq_offsets"))
 
     @classmethod
     def from_segment_ids_and_pos(
-        cls, segment_ids: Array | Pair, segment_pos: Array | Pair | None = None
+        cls,
+        segment_ids: Array | tuple[Array, Array],
+        segment_pos: Array | tuple[Array, Array] | None = None,
     ) -> SequenceDescriptor:
         if segment_pos is None:
             raise ValueError(
@@ -116,7 +116,7 @@ def _from_seqlens(seqlens: Array, offsets: Array | None, length: int) -> tuple[A
 
 def segment_ids_and_pos(
     descriptor: SequenceDescriptor, q_len: int, kv_len: int
-) -> tuple[Pair, Pair]:
+) -> tuple[tuple[Array, Array], tuple[Array, Array]]:
     """``((q ids, kv ids), (q positions, kv positions))``, each ``[batch, len]`` int32."""
     q_ids, kv_ids = descriptor.segment_ids
     if q_ids.size + kv_ids.size:
@@ -146,7 +146,7 @@ def segment_ids_and_pos(
     return (q[0], kv[0]), (q[1], kv[1])
 
 
-def padding_mask(ids: Pair) -> Array:
+def padding_mask(ids: tuple[Array, Array]) -> Array:
     """TE's mask ``[batch, 1, q, kv]`` (True: masked out): keys of another document or padding."""
     q_ids, kv_ids = ids
     same = q_ids[:, :, None] == kv_ids[:, None, :]  # [b, q, kv]

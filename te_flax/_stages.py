@@ -336,7 +336,9 @@ def _blockwise_gemm(lhs: BlockScaledTensor, rhs: BlockScaledTensor, out_dtype: D
     form. The kernel takes one scale per row and chunk of each operand (a 128x128-block
     weight's scale grid repeated over its rows, 1/128 of its float8 bytes)."""
 
-    def kernel(l_data, l_scale, r_data, r_scale, *, interpret: bool) -> Array:
+    def kernel(
+        l_data: Array, l_scale: Array, r_data: Array, r_scale: Array, *, interpret: bool
+    ) -> Array:
         l_scale = block_scaling.expand_tile_rows(l_scale, l_data.shape[0])
         r_scale = block_scaling.expand_tile_rows(r_scale, r_data.shape[0])
         return blockwise_gemm_kernel(

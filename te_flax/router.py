@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import math
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +49,10 @@ class RoutingMapFormat(enum.IntEnum):
     BITMAP_U8 = 1
 
 
-def _enum(value: object, kind: type[enum.IntEnum], what: str) -> enum.IntEnum:
+_E = TypeVar("_E", bound=enum.IntEnum)
+
+
+def _enum(value: object, kind: type[_E], what: str) -> _E:
     if isinstance(value, kind):
         return value
     if isinstance(value, int) and not isinstance(value, bool):

@@ -109,7 +109,7 @@ def _build(child: Child, rngs: nnx.Rngs) -> nnx.Module:
         return MultiHeadAttention(
             query_features, in_kv_features=kv_features, **attributes, rngs=rngs
         )
-    return _KINDS[kind](in_features, **attributes, rngs=rngs)
+    return _KINDS[kind](in_features, **attributes, rngs=rngs)  # type: ignore[call-arg]
 
 
 def _own_params(module: nnx.Module, specs: list[ParamSpec], rngs: nnx.Rngs) -> None:

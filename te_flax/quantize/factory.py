@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Literal, overload
+from typing import Any, Literal, cast, overload
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +82,7 @@ class QuantizerFactory:
         """
         _check_count(n_quantizers, "n_quantizers")
         _check_scaling_mode(scaling_mode)
+        assert isinstance(scaling_mode, ScalingMode)  # checked above; narrows the type
         _check_layout(q_layout)
         _refuse_groups(n_groups, "create")
         if checkpoint_name is not None:
@@ -338,7 +339,7 @@ def _recipe_set_maker(recipe: Recipe | None, meta_set: QuantizeMetaSet | None) -
         if meta_set is None or not isinstance(recipe, DelayedScaling):
             return qs
         x, kernel, grad = (
-            _with_delayed_state(q, meta, "quantize_meta_set")
+            _with_delayed_state(cast(DelayedScaleQuantizer, q), meta, "quantize_meta_set")
             for q, meta in zip((qs.x, qs.kernel, qs.dgrad), metas, strict=True)
         )
         return dataclasses.replace(qs, x=x, kernel=kernel, dgrad=grad)
@@ -379,7 +380,7 @@ def _quantizer(
             f"{where}: {mode} quantizes to {' or '.join(sorted(map(str, compatible)))}, got "
             f"{jnp.dtype(q_dtype)}"
         )
-    allowed = _DELAYED_KWARGS if mode is ScalingMode.DELAYED_TENSOR_SCALING else ()
+    allowed: tuple[str, ...] = _DELAYED_KWARGS if mode is ScalingMode.DELAYED_TENSOR_SCALING else ()
     allowed = _NVFP4_KWARGS if mode.is_nvfp4_scaling else allowed
     unknown = sorted(set(kwargs) - set(allowed))
     if unknown:

@@ -455,4 +455,5 @@ def quantize_operand(
         if split is None:
             raise AssertionError("a block-scaled quantization needs the contraction split")
         return quantizer.quantize(x, split, uses)
-    return quantizer.quantize(x, split, uses)
+    # Only block-scaled quantizers need the split; the per-tensor ones take None.
+    return quantizer.quantize(x, split, uses)  # type: ignore[arg-type]

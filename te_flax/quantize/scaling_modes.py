@@ -155,8 +155,11 @@ def recipe_scaling_modes(
     if isinstance(recipe, MXFP8BlockScaling):
         return (ScalingMode.MXFP8_1D_SCALING,) * 3
     if isinstance(recipe, Float8BlockScaling):
-        dims = (recipe.x_block_scaling_dim, recipe.w_block_scaling_dim)
-        dims += (recipe.grad_block_scaling_dim,)
+        dims = (
+            recipe.x_block_scaling_dim,
+            recipe.w_block_scaling_dim,
+            recipe.grad_block_scaling_dim,
+        )
         by_dim = {1: ScalingMode.FP8_1D_BLOCK_SCALING, 2: ScalingMode.FP8_2D_BLOCK_SCALING}
         x, kernel, grad = (by_dim[dim] for dim in dims)
         return x, kernel, grad
