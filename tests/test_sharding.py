@@ -420,6 +420,9 @@ def test_mesh_resource_context_and_refusals():
 
 
 def test_global_shard_guard_of_none_makes_none_active():
-    with global_shard_guard(MeshResource(dp_resource="data")), global_shard_guard(None):
-        with pytest.raises(ValueError, match="no MeshResource is active"):
-            global_mesh_resource()
+    with (
+        global_shard_guard(MeshResource(dp_resource="data")),
+        global_shard_guard(None),
+        pytest.raises(ValueError, match="no MeshResource is active"),
+    ):
+        global_mesh_resource()
