@@ -1,0 +1,47 @@
+"""The example GPT's scanned, rematerialized FP8 training step on XLA:GPU (deviceless H100).
+
+``bench.model.compile_gpt_step`` compiles the example's ``train_step`` (te_flax's
+``value_and_grad``, AdamW through ``apply_gradients``) for the H100 of ``tests/gpu_target.py``
+with its blocks under ``nn.scan`` and each under ``nn.remat``, written with te_flax's layers or
+with Flax's own FP8 ops (``bench.flax_model.FlaxBlock``). ``bench.model.modelled`` counts the
+GEMMs the step executes: a scanned body's once per layer.
+
+Per layer a step runs 15 FP8 GEMMs: the four projections forward (QKV, output, MLP in, MLP
+out), three of them again in the backward loop's recomputation (the MLP's output projection is
+not recomputed: its result only feeds the residual sum), and dgrad and wgrad of each (8). The
+three other GEMMs are the tied byte embedding's output projection (forward, dgrad, wgrad),
+which the example keeps in higher precision. cuDNN's fused attention runs three times per
+layer: forward, recomputed forward, backward.
+"""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the gpu-compile extra (jax[cuda12])")
+
+from bench.model import compile_gpt_step, modelled
+from tests.gpu_target import h100_sharding
+
+pytestmark = pytest.mark.gpu_compile
+
+HIDDEN = 256  # two 128-wide heads, MLP 1024
+
+
+@pytest.mark.parametrize(("impl", "layers"), [("te_flax", 2), ("flax", 3)])
+def test_scanned_remat_step_runs_every_projection_gemm_in_fp8(impl, layers):
+    h100_sharding()  # asserts the deviceless compile's XLA flags
+    # Flax's own nn.LayerNorm promotes bf16 with float32 implicitly (refused by the suite's
+    # strict promotion); te_flax's layers run under it.
+    promotion = "standard" if impl == "flax" else "strict"
+    with jax.numpy_dtype_promotion(promotion):
+        hlo_text, _ = compile_gpt_step(HIDDEN, True, impl, layers=layers, batch=2, seq=128)
+    figures = modelled(hlo_text, HIDDEN)
+    counts = {k: figures[k] for k in ("fp8_gemms", "gemms", "attention_calls")}
+    assert counts == {
+        "fp8_gemms": 15 * layers,
+        "gemms": 15 * layers + 3,
+        "attention_calls": 3 * layers,
+    }, counts
+    assert (figures["kernels"] > 0) == (impl == "te_flax"), figures["kernels"]
