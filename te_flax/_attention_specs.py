@@ -34,6 +34,7 @@ from te_flax._composite import (
     positive_int,
     rate,
 )
+from te_flax._fp8_attention import AttentionQuantizers, attention_recipe
 from te_flax._layers import DenseGeneralSpec, LayerNormDenseGeneralSpec, ParamSpec
 from te_flax._packing import SequenceDescriptor, padding_mask, segment_ids_and_pos
 from te_flax.quantize import Recipe
@@ -122,6 +123,7 @@ class DotProductAttentionSpec:
     score_mod_bprop: attn.ScoreMod | None = None
     return_max_logit: bool = False
     implementation: str | None = None
+    recipe: Recipe | None = None
 
     def check(self) -> None:
         owner = "DotProductAttention"
@@ -150,6 +152,11 @@ class DotProductAttentionSpec:
                 f"{owner}.context_parallel_axis must be a mesh axis name (str, '' for none), got "
                 f"{self.context_parallel_axis!r}"
             )
+
+    def fp8_recipe(self) -> Recipe | None:
+        """The recipe of FP8 attention: ``recipe`` (else the active ``te_flax.autocast`` one)
+        when its ``fp8_dpa`` is True; None: the attention runs in high precision."""
+        return attention_recipe(self.recipe)
 
     def context_parallel_size(self) -> int:
         """The size of the context-parallel mesh axis (1 without one, or outside a mesh)."""
@@ -220,6 +227,7 @@ class DotProductAttentionSpec:
         offsets: dict[str, Array],
         score_mod_tensors: Mapping[str, Any] | None,
         score_mod_bprop_tensors: Mapping[str, Any] | None,
+        quantizers: AttentionQuantizers | None,
     ) -> Array | tuple[Array, Array]:
         return attn.dot_product_attention(
             query,
@@ -242,6 +250,7 @@ class DotProductAttentionSpec:
             return_max_logit=self.return_max_logit,
             softmax_type=self.softmax_type,
             softmax_offset=offsets.get("softmax_offset"),
+            quantizers=quantizers,
         )
 
     def children(self) -> dict[str, Child]:
@@ -269,7 +278,10 @@ class DotProductAttentionSpec:
         score_mod_tensors: Mapping[str, Any] | None = None,
         score_mod_bprop_tensors: Mapping[str, Any] | None = None,
         sequence_descriptor: Array | SequenceDescriptor | None = None,
+        quantizers: AttentionQuantizers | None = None,
     ) -> Array | tuple[Array, Array]:
+        """The attention; ``quantizers``: the FP8 attention's quantizer sets, made by the shell
+        from its FP8 state when ``fp8_recipe()`` is not None (None: high precision)."""
         self.check()
         if sequence_descriptor is not None:
             if mask is not None:
@@ -312,6 +324,14 @@ class DotProductAttentionSpec:
             mask = padding_mask(ids)
             mask_type = _WITH_PADDING[attn.canonical_mask_type(mask_type)]
         if self.context_parallel_size() > 1:
+            if quantizers is not None:
+                raise ValueError(
+                    f"FP8 attention (recipe {self.fp8_recipe()} with fp8_dpa=True) is not built "
+                    f"for context parallelism (context_parallel_axis="
+                    f"{self.context_parallel_axis!r}, {self.context_parallel_size()} devices): "
+                    "the ring and all-gather attention run in high precision. Use a recipe with "
+                    "fp8_dpa=False (the projections stay FP8), or give the context axis size 1"
+                )
             attn._check_qkv(query, key, value)
             sink = attn._sink_logit(
                 attn.canonical_softmax_type(self.softmax_type),
@@ -324,7 +344,7 @@ class DotProductAttentionSpec:
         else:
             result = self._one_device(
                 query, key, value, mask, bias, mask_type, dropout_rng, q_offset, offsets,
-                score_mod_tensors, score_mod_bprop_tensors,
+                score_mod_tensors, score_mod_bprop_tensors, quantizers,
             )  # fmt: skip
         out, max_logit = result if isinstance(result, tuple) else (result, None)
         out = checkpoint_name(out, self.context_checkpoint_name)
@@ -512,6 +532,7 @@ class MultiHeadAttentionSpec:
         decode: bool,
         score_mod_tensors: Mapping[str, Any] | None = None,
         score_mod_bprop_tensors: Mapping[str, Any] | None = None,
+        quantizers: AttentionQuantizers | None = None,
     ) -> tuple[Array, Array | None]:
         self.check()
         for name, x in (("inputs_q", inputs_q), ("inputs_kv", inputs_kv)):
@@ -582,6 +603,7 @@ class MultiHeadAttentionSpec:
             q_offset=offset,
             score_mod_tensors=score_mod_tensors,
             score_mod_bprop_tensors=score_mod_bprop_tensors,
+            quantizers=quantizers,
         )  # [b, s, heads, head_dim]
         assert not isinstance(context, tuple), "the projections' attention returns no max logit"
         if self.transpose_batch_sequence:
@@ -613,6 +635,7 @@ ATTENTION_FROM_MHA = SharedAttributes(
         "score_mod",
         "score_mod_bprop",
         "implementation",
+        "recipe",
     ),
 )
 

@@ -56,6 +56,7 @@ from te_flax._context_parallel import (
     inverse_reorder_causal_load_balancing,
     reorder_causal_load_balancing,
 )
+from te_flax._fp8_attention import AttentionQuantizers, fp8_context, fp8_logits
 from te_flax._packing import SequenceDescriptor
 
 __all__ = [
@@ -226,6 +227,7 @@ def dot_product_attention(
     return_max_logit: bool = False,
     softmax_type: str = "vanilla",
     softmax_offset: Array | None = None,
+    quantizers: AttentionQuantizers | None = None,
 ) -> Array | tuple[Array, Array]:
     """``softmax(q.k * scale + bias, masked) . v`` per head, with GQA.
 
@@ -259,6 +261,9 @@ def dot_product_attention(
         can attend to nothing; a fully masked row then gives zeros. Runs on the XLA attention.
       softmax_offset: the learned sink logit of each head, broadcastable to ``[1, heads, 1,
         1]`` (TE's ``softmax_offset`` parameter), for ``softmax_type="learnable"`` only.
+      quantizers: FP8 attention (a recipe's ``fp8_dpa``): the quantizer sets of the two
+        attention GEMMs, ``q . k`` and ``p . v`` (see ``te_flax._fp8_attention``); None
+        (default): high precision. Runs on the XLA attention.
 
     Returns:
       ``[batch, q_len, heads, head_dim]`` in the dtype of ``query``; with
@@ -287,6 +292,14 @@ def dot_product_attention(
             "score_mod, return_max_logit and the softmax types with a sink run on the XLA "
             "attention only; use implementation='xla' or None"
         )
+    if quantizers is not None and implementation == "cudnn":
+        raise ValueError(
+            "FP8 attention (a recipe with fp8_dpa=True) runs on the XLA attention, whose two "
+            "GEMMs take float8 operands: jax has no public entry to cuDNN's FP8 fused "
+            "attention. Use implementation='xla' or None, or leave fp8_dpa=False for cuDNN's "
+            "16-bit flash attention"
+        )
+    xla_only = xla_only or quantizers is not None
     if "padding" in mask_type and mask is None:
         raise ValueError(
             f"attn_mask_type={mask_type!r} needs a mask ([batch, 1, q_len, kv_len], True = "
@@ -351,7 +364,7 @@ def dot_product_attention(
     if top_left_causal:
         keep = _and(keep, _keep_mask(None, True, q_len, kv_len, window, 0))
     out, max_logit = _xla_attention(
-        query, key, value, keep, bias, scale, dropout, modify, return_max_logit, sink
+        query, key, value, keep, bias, scale, dropout, modify, return_max_logit, sink, quantizers
     )
     if max_logit is None:
         return out
@@ -533,9 +546,11 @@ def _xla_attention(
     score_mod: Callable[[Array], Array] | None = None,
     return_max_logit: bool = False,
     sink: Array | None = None,
+    quantizers: AttentionQuantizers | None = None,
 ) -> tuple[Array, Array | None]:
     """Attention as plain XLA ops: float32 logits and softmax, optional probability dropout;
     returns the output and, with ``return_max_logit``, the per-head maximum logit ``[heads]``.
+    With ``quantizers`` the two GEMMs take float8 operands (FP8 attention).
 
     The maths of ``jax.nn.dot_product_attention``'s XLA path, written with explicit dtypes:
     jax's own promotes the 16-bit inputs implicitly and pins a dot algorithm whose lowering
@@ -544,7 +559,10 @@ def _xla_attention(
     kv_heads = key.shape[2]
     # [batch, q, heads, d] -> [batch, q, kv_heads, group, d]: query head n = k * group + g.
     grouped = einops.rearrange(query, "b q (k g) d -> b q k g d", k=kv_heads)
-    logits = _logits(grouped, key)  # [batch, kv_heads, group, q, kv], float32
+    if quantizers is None:
+        logits = _logits(grouped, key)  # [batch, kv_heads, group, q, kv], float32
+    else:
+        logits = fp8_logits(grouped, key, quantizers.qk)
     logits = einops.rearrange(logits, "b k g q s -> b (k g) q s") * jnp.float32(scale)
     if score_mod is not None:  # where cuDNN's graph applies TE's: scaled, before bias and masks
         logits = score_mod(logits)
@@ -576,8 +594,13 @@ def _xla_attention(
         rate, rng = dropout
         kept = jax.random.bernoulli(rng, 1.0 - rate, probs.shape)
         probs = jnp.where(kept, probs / jnp.float32(1.0 - rate), jnp.float32(0.0))
-    probs = einops.rearrange(probs.astype(value.dtype), "b (k g) q s -> b k g q s", k=kv_heads)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, value)  # [batch, q, kv_heads, group, d]
+    if quantizers is None:
+        probs = probs.astype(value.dtype)
+    probs = einops.rearrange(probs, "b (k g) q s -> b k g q s", k=kv_heads)
+    if quantizers is None:
+        out = jnp.einsum("bkgqs,bskd->bqkgd", probs, value)  # [batch, q, kv_heads, group, d]
+    else:  # the float32 probabilities quantized directly (no 16-bit rounding first)
+        out = fp8_context(probs, value, quantizers.pv)
     return einops.rearrange(out, "b q k g d -> b q (k g) d"), max_logit
 
 

@@ -143,8 +143,8 @@ REFUSED = [
     (lambda: DelayedScaling(backward_override="fp8"), ValueError, r"must be None, 'high_prec"),
     (lambda: DelayedScaling(amax_compute_algo="mean"), ValueError, r"or a function of the amax"),
     (lambda: DelayedScaling(scaling_factor_compute_algo=2.0), TypeError, r"None or a function"),
-    (lambda: DelayedScaling(fp8_dpa=True), ValueError, r"attention .* runs in high precision"),
-    (lambda: Float8CurrentScaling(fp8_mha=True), ValueError, r"runs in high precision"),
+    (lambda: DelayedScaling(fp8_mha=True), ValueError, r"FP8 multi-head attention .* does not"),
+    (lambda: Float8CurrentScaling(fp8_mha=True), ValueError, r"Leave fp8_mha=False"),
     (lambda: Float8CurrentScaling(use_power_2_scales=1), TypeError, r"must be a bool"),
     (lambda: Float8CurrentScaling(fp8_gemm_fprop=True), TypeError, r"must be a te_flax\.quant"),
     (
@@ -154,7 +154,7 @@ REFUSED = [
     ),
     (lambda: MXFP8BlockScaling(margin=1), ValueError, r"take no margin"),
     (lambda: MXFP8BlockScaling(enable_2d_quantization=True), ValueError, r"1x32 blocks"),
-    (lambda: MXFP8BlockScaling(fp8_dpa=True), ValueError, r"FP8 attention"),
+    (lambda: MXFP8BlockScaling(fp8_dpa=True), ValueError, r"FP8 attention, which te_flax builds"),
     (lambda: MXFP8BlockScaling(backward_override="dequantized"), ValueError, r"not implemented"),
     (lambda: NVFP4BlockScaling(row_scaled_activation=True), ValueError, r"one tensor scale per"),
     (lambda: NVFP4BlockScaling(nvfp4_4over6="all"), ValueError, r"4-over-6 .* not implement"),
@@ -162,7 +162,8 @@ REFUSED = [
     (lambda: NVFP4BlockScaling(nvfp4_4over6_err_mode="L1"), ValueError, r"'MAE', 'MSE'"),
     (lambda: NVFP4BlockScaling(fp8_format=Format.HYBRID), ValueError, r"must be\s+Format\.E4M3"),
     (lambda: NVFP4BlockScaling(disable_rht=1), TypeError, r"disable_rht=\.\.\.\) must be a bool"),
-    (lambda: NVFP4BlockScaling(fp8_mha=True), ValueError, r"FP8 attention"),
+    (lambda: NVFP4BlockScaling(fp8_mha=True), ValueError, r"FP8 multi-head attention"),
+    (lambda: NVFP4BlockScaling(fp8_dpa=True), ValueError, r"per-tensor scaling only"),
     (lambda: NVFP4BlockScaling(backward_override="dequantized"), ValueError, r"not implemented"),
 ]
 

@@ -6,7 +6,9 @@
 rel_embedding``, ...). They are built from te_flax's FP8 layers: the QKV projection is one
 ``LayerNormDenseGeneral``, the output projection a ``DenseGeneral``, the MLP a
 ``LayerNormMLP``, each with its own FP8 state under the recipe of ``recipe=`` or the active
-``te_flax.autocast``. The attention itself (``te_flax.attention``) is not quantized.
+``te_flax.autocast``. The attention itself (``te_flax.attention``) is quantized only under a
+recipe with ``fp8_dpa=True`` (its two GEMMs' FP8 state then lives beside the projections', in
+the attention module: ``{x,kernel,grad}_qk_*`` and ``{x,kernel,grad}_pv_*``).
 
 As everywhere in te_flax, ``dtype`` is the compute dtype (None: the input's) and
 ``param_dtype`` the storage dtype (TE's ``dtype``). Masks are TE's: ``True`` masks a position
@@ -30,6 +32,7 @@ from te_flax._attention_specs import (
     RelativePositionBiasesSpec,
 )
 from te_flax._composite import Child, DropoutSpec
+from te_flax._fp8_attention import AttentionQuantizers, attention_quantizers
 from te_flax._kv_cache import CacheSlots
 from te_flax._layers import (
     DenseGeneralSpec,
@@ -42,6 +45,7 @@ from te_flax._moe import MoEBlockSpec
 from te_flax._packing import SequenceDescriptor
 from te_flax._transformer import TransformerLayerSpec, TransformerLayerType
 from te_flax.linen import modules
+from te_flax.linen._base import fp8_variables
 from te_flax.linen._shell import create_param
 from te_flax.linen.moe import MoEBlock
 
@@ -83,6 +87,15 @@ class _LinenHost:
         return CacheSlots(key, value, index), created
 
 
+def _fp8_attention(module: nn.Module, spec: DotProductAttentionSpec) -> AttentionQuantizers | None:
+    """FP8 attention's quantizer sets, its delayed-scaling state the variables of ``module``
+    (created on first use), or None when the recipe has no ``fp8_dpa``."""
+    recipe = spec.fp8_recipe()
+    if recipe is None:
+        return None
+    return attention_quantizers(recipe, lambda postfix: fp8_variables(module, recipe, postfix))
+
+
 class DotProductAttention(nn.Module, DotProductAttentionSpec):
     """Scaled dot-product attention: ``softmax(q.k * scale + bias, masked) . v`` per head.
 
@@ -118,6 +131,11 @@ class DotProductAttention(nn.Module, DotProductAttentionSpec):
         ``te_flax.attention``. A masked position, and every position of a fully masked row
         (a padding query), gets probability 0, as in TE.
       dtype: the compute dtype (None: the inputs').
+      recipe: the FP8 recipe (None: the active ``te_flax.autocast`` one). The attention is
+        FP8 only when its ``fp8_dpa`` is True (``DelayedScaling`` or ``Float8CurrentScaling``):
+        queries, keys, values and probabilities in e4m3, the gradients of the output and the
+        scores in e5m2 (``Format.HYBRID``); delayed scaling keeps the state
+        ``{x,kernel,grad}_qk_*`` and ``{x,kernel,grad}_pv_*`` (see docs/attention.md).
 
     Packed documents: pass a ``te_flax.attention.SequenceDescriptor`` as the mask (or as
     ``sequence_descriptor=``, TE's name) with a ``thd`` layout (same shapes as ``bshd``); a
@@ -167,6 +185,7 @@ class DotProductAttention(nn.Module, DotProductAttentionSpec):
             score_mod_tensors=score_mod_tensors,
             score_mod_bprop_tensors=score_mod_bprop_tensors,
             sequence_descriptor=sequence_descriptor,
+            quantizers=_fp8_attention(self, self),
         )
 
 
@@ -245,6 +264,7 @@ class MultiHeadAttention(nn.Module, MultiHeadAttentionSpec):
             decode=decode,
             score_mod_tensors=score_mod_tensors,
             score_mod_bprop_tensors=score_mod_bprop_tensors,
+            quantizers=_fp8_attention(self, self._attention()),
         )
 
 

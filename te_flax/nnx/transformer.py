@@ -27,6 +27,12 @@ from te_flax._attention_specs import (
     RelativePositionBiasesSpec,
 )
 from te_flax._composite import Child, DropoutSpec
+from te_flax._fp8_attention import (
+    FP8_ATTENTION_POSTFIXES,
+    AttentionQuantizers,
+    attention_quantizers,
+)
+from te_flax._fp8_state import fresh_state
 from te_flax._kv_cache import CacheSlots
 from te_flax._layers import (
     DenseGeneralSpec,
@@ -39,7 +45,8 @@ from te_flax._moe import MoEBlockSpec
 from te_flax._packing import SequenceDescriptor
 from te_flax._transformer import TransformerLayerSpec, TransformerLayerType
 from te_flax.nnx import modules
-from te_flax.nnx._shell import create_param, set_attributes
+from te_flax.nnx._fp8_meta import Fp8Meta
+from te_flax.nnx._shell import NnxShell, create_param, set_attributes
 from te_flax.nnx.moe import MoEBlock
 
 __all__ = [
@@ -118,6 +125,24 @@ def _own_params(module: nnx.Module, specs: list[ParamSpec], rngs: nnx.Rngs) -> N
         setattr(module, spec.name, create_param(spec, rngs, jnp.float32))
 
 
+def _own_fp8_attention_state(module: nnx.Module, spec: DotProductAttentionSpec) -> None:
+    """FP8 attention's delayed-scaling state (``Fp8Meta``), as the Linen host's variables."""
+    for postfix in FP8_ATTENTION_POSTFIXES:
+        for name, value in fresh_state(spec.fp8_recipe(), postfix).items():
+            setattr(module, name, Fp8Meta(value))
+
+
+def _fp8_attention(module: nnx.Module, spec: DotProductAttentionSpec) -> AttentionQuantizers | None:
+    """FP8 attention's quantizer sets from ``module``'s state, or None without ``fp8_dpa``."""
+    recipe = spec.fp8_recipe()
+    if recipe is None:
+        return None
+    # The layers' own reading of their FP8 variables (names, shapes and recipe checked).
+    return attention_quantizers(
+        recipe, lambda postfix: NnxShell._fp8_state(cast(Any, module), recipe, postfix)
+    )
+
+
 def _dropout_rngs(rate: float, stream: str, rngs: nnx.Rngs) -> nnx.RngStream | None:
     """A fork of the dropout stream when attention dropout is on (else None)."""
     return rngs[stream].fork() if rate > 0 else None
@@ -145,6 +170,7 @@ class DotProductAttention(nnx.Module, DotProductAttentionSpec):
         set_attributes(self, DotProductAttentionSpec, attributes, rngs)
         self.check()
         _own_params(self, self.param_specs(), rngs)
+        _own_fp8_attention_state(self, self)
         self.dropout_rngs = _dropout_rngs(self.attention_dropout, self.dropout_rng_name, rngs)
 
     def __call__(
@@ -173,6 +199,7 @@ class DotProductAttention(nnx.Module, DotProductAttentionSpec):
             score_mod_tensors=score_mod_tensors,
             score_mod_bprop_tensors=score_mod_bprop_tensors,
             sequence_descriptor=sequence_descriptor,
+            quantizers=_fp8_attention(self, self),
         )
 
 
@@ -216,6 +243,7 @@ class MultiHeadAttention(nnx.Module, MultiHeadAttentionSpec):
                 child = child._replace(in_features=in_kv_features or in_features)
             setattr(self, name, _build(child, rngs))
         _own_params(self, self.param_specs(), rngs)
+        _own_fp8_attention_state(self, self._attention())
         self.dropout_rngs = _dropout_rngs(self.attention_dropout, self.dropout_rng_name, rngs)
 
     def init_cache(self, batch_size: int, max_length: int, dtype: Any = jnp.float32) -> None:
@@ -259,6 +287,7 @@ class MultiHeadAttention(nnx.Module, MultiHeadAttentionSpec):
             decode=decode,
             score_mod_tensors=score_mod_tensors,
             score_mod_bprop_tensors=score_mod_bprop_tensors,
+            quantizers=_fp8_attention(self, self._attention()),
         )
 
 

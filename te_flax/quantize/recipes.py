@@ -169,17 +169,29 @@ def _check_format(recipe_name: str, fp8_format: object) -> None:
         )
 
 
-def _check_attention(recipe_name: str, fp8_dpa: object, fp8_mha: object) -> None:
-    """``fp8_dpa`` and ``fp8_mha``: False (TransformerEngine's default) is all te_flax can do."""
-    for field, value in (("fp8_dpa", fp8_dpa), ("fp8_mha", fp8_mha)):
-        _check_bool(recipe_name, field, value)
-        if value:
-            raise ValueError(
-                f"{recipe_name}({field}=True) asks for FP8 attention, which te_flax does not "
-                "have: te_flax.attention (DotProductAttention, MultiHeadAttention) runs in high "
-                "precision (its inputs' dtype) under every recipe, while the recipe still "
-                f"quantizes the projections' GEMMs; leave {field}=False"
-            )
+def _check_attention(
+    recipe_name: str, fp8_dpa: object, fp8_mha: object, dpa_supported: bool = False
+) -> None:
+    """``fp8_dpa``: FP8 dot-product attention, built for the per-tensor recipes
+    (``dpa_supported``); ``fp8_mha`` (no casts at the attention's boundaries) is not built."""
+    _check_bool(recipe_name, "fp8_dpa", fp8_dpa)
+    _check_bool(recipe_name, "fp8_mha", fp8_mha)
+    if fp8_dpa and not dpa_supported:
+        raise ValueError(
+            f"{recipe_name}(fp8_dpa=True) asks for FP8 attention, which te_flax builds with "
+            "per-tensor scaling only (DelayedScaling or Float8CurrentScaling with "
+            "fp8_dpa=True); under this recipe the attention runs in high precision (its "
+            "inputs' dtype) while the recipe still quantizes the projections' GEMMs; leave "
+            "fp8_dpa=False, or use DelayedScaling(fp8_dpa=True)"
+        )
+    if fp8_mha:
+        raise ValueError(
+            f"{recipe_name}(fp8_mha=True) asks for FP8 multi-head attention (float8 tensors "
+            "passed between the projections and the attention without casts), which te_flax "
+            "does not have: the projections return and the attention takes high-precision "
+            "tensors. Leave fp8_mha=False; fp8_dpa=True (DelayedScaling or "
+            "Float8CurrentScaling) quantizes the attention's own GEMMs"
+        )
 
 
 def _check_backward_override(recipe_name: str, backward_override: object) -> None:
@@ -250,9 +262,10 @@ class DelayedScaling(_RecipeKind):
       reduce_amax: True (default): the amax is taken over the whole tensor, across every
         device it is sharded over, so all devices share one scale (te_flax's state is one value
         per tensor). False (TransformerEngine: one amax and scale per device) is refused.
-      fp8_dpa: FP8 dot-product attention (default False); True is refused: te_flax's
-        attention runs in high precision.
-      fp8_mha: FP8 multi-head attention (default False); True is refused, as ``fp8_dpa``.
+      fp8_dpa: FP8 dot-product attention (default False): True quantizes the attention's
+        queries, keys, values and probabilities (e4m3) and its output and score gradients
+        (e5m2 under ``Format.HYBRID``) with this recipe's scaling; see docs/attention.md.
+      fp8_mha: FP8 multi-head attention (default False); True is refused (not built).
       backward_override: None (default). TransformerEngine allows only None for delayed
         scaling, and so does te_flax.
 
@@ -312,7 +325,7 @@ class DelayedScaling(_RecipeKind):
                 "stay the same on every device (it is returned as one replicated variable). "
                 "TransformerEngine's JAX layers require reduce_amax=True as well; leave it True"
             )
-        _check_attention("DelayedScaling", self.fp8_dpa, self.fp8_mha)
+        _check_attention("DelayedScaling", self.fp8_dpa, self.fp8_mha, dpa_supported=True)
         if self.backward_override not in _BACKWARD_OVERRIDES:
             _check_backward_override("DelayedScaling", self.backward_override)
         if self.backward_override is not None:
@@ -342,9 +355,10 @@ class Float8CurrentScaling(_RecipeKind):
         ``MMParams(use_split_accumulator=True)``: gradients are summed over many terms).
       fp8_gemm_wgrad: the weight-gradient GEMM's options (default
         ``MMParams(use_split_accumulator=True)``: a sum over every token).
-      fp8_dpa: FP8 dot-product attention (default False); True is refused: te_flax's
-        attention runs in high precision.
-      fp8_mha: FP8 multi-head attention (default False); True is refused, as ``fp8_dpa``.
+      fp8_dpa: FP8 dot-product attention (default False): True quantizes the attention's
+        queries, keys, values and probabilities (e4m3) and its output and score gradients
+        (e5m2 under ``Format.HYBRID``) with this recipe's scaling; see docs/attention.md.
+      fp8_mha: FP8 multi-head attention (default False); True is refused (not built).
       backward_override: None (default); ``"high_precision"`` and ``"dequantized"`` are
         refused (not implemented).
 
@@ -366,7 +380,7 @@ class Float8CurrentScaling(_RecipeKind):
         _check_bool("Float8CurrentScaling", "use_power_2_scales", self.use_power_2_scales)
         _check_format("Float8CurrentScaling", self.fp8_format)
         _check_gemm_params("Float8CurrentScaling", self)
-        _check_attention("Float8CurrentScaling", self.fp8_dpa, self.fp8_mha)
+        _check_attention("Float8CurrentScaling", self.fp8_dpa, self.fp8_mha, dpa_supported=True)
         _check_backward_override("Float8CurrentScaling", self.backward_override)
 
     @property
@@ -404,9 +418,9 @@ class MXFP8BlockScaling(_RecipeKind):
         rather than ignore it.
       fp8_format: ``Format.E4M3`` (default, as in TransformerEngine: e4m3 everywhere) or
         ``Format.HYBRID`` (e5m2 gradients).
-      fp8_dpa: FP8 dot-product attention (default False); True is refused: te_flax's
-        attention runs in high precision.
-      fp8_mha: FP8 multi-head attention (default False); True is refused, as ``fp8_dpa``.
+      fp8_dpa: FP8 dot-product attention (default False); True is refused: FP8 attention
+        is built for DelayedScaling and Float8CurrentScaling only.
+      fp8_mha: FP8 multi-head attention (default False); True is refused (not built).
       backward_override: None (default); ``"high_precision"`` and ``"dequantized"`` are
         refused (not implemented).
       enable_2d_quantization: False (default): kernels are scaled in 1x32 blocks like every
@@ -490,9 +504,9 @@ class NVFP4BlockScaling(_RecipeKind):
         while ``nvfp4_4over6="none"``.
       fp4_format: ``Format.E2M1`` (default, the only float4 format).
       fp8_format: ``Format.E4M3`` (default, the only format of the block scales).
-      fp8_dpa: FP8 dot-product attention (default False); True is refused: te_flax's
-        attention runs in high precision.
-      fp8_mha: FP8 multi-head attention (default False); True is refused, as ``fp8_dpa``.
+      fp8_dpa: FP8 dot-product attention (default False); True is refused: FP8 attention
+        is built for DelayedScaling and Float8CurrentScaling only.
+      fp8_mha: FP8 multi-head attention (default False); True is refused (not built).
       backward_override: None (default); ``"high_precision"`` and ``"dequantized"`` are
         refused (not implemented).
     """
@@ -614,7 +628,7 @@ class Float8BlockScaling(_RecipeKind):
       fp8_gemm_wgrad: the weight-gradient GEMM's options, as ``fp8_gemm_fprop``.
       fp8_dpa: FP8 dot-product attention (default False); True is refused, as in
         TransformerEngine.
-      fp8_mha: FP8 multi-head attention (default False); True is refused, as ``fp8_dpa``.
+      fp8_mha: FP8 multi-head attention (default False); True is refused (not built).
       backward_override: None (default); ``"high_precision"`` and ``"dequantized"`` are
         refused (not implemented).
 
