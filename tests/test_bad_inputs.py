@@ -72,10 +72,10 @@ def _linen_init(module: nn.Module, *inputs) -> None:
     module.init(KEY, *inputs)
 
 
-def _context_parallel_apply(qkv, **call):
+def _context_parallel_apply(qkv, recipe=None, **call):
     """DotProductAttention across a context axis of 2 devices (sequence not load balanced)."""
     attention = te_nn.DotProductAttention(
-        head_dim=8, num_attention_heads=4, context_parallel_axis="context"
+        head_dim=8, num_attention_heads=4, context_parallel_axis="context", recipe=recipe
     )
     with sharding.use_sharding("cp", {"data": 4, "context": 2}):
         return attention.apply({}, qkv, qkv, qkv, **call)
@@ -417,6 +417,16 @@ CASES = [
          lambda: _context_parallel_apply(QKV, bias=jnp.zeros((1, 4, 4, 4), F32)),
          ValueError, r"^DotProductAttention with context parallelism over 'context' .*got a bias",
          r"drop them, or give the context axis size 1"),
+    case("attention-fp8-cp",
+         lambda: _context_parallel_apply(QKV, recipe=q.Float8CurrentScaling(fp8_dpa=True)),
+         ValueError, r"^FP8 attention .* is not built for context parallelism",
+         r"Use a recipe with fp8_dpa=False .* or give the context axis size 1"),
+    case("attention-fp8-cudnn",
+         lambda: te_nn.DotProductAttention(
+             head_dim=8, num_attention_heads=4, implementation="cudnn",
+             recipe=q.Float8CurrentScaling(fp8_dpa=True)).apply({}, QKV, QKV, QKV),
+         ValueError, r"^FP8 attention .* runs on the XLA attention",
+         r"Use implementation='xla' or None"),
     case("linen-mha-rank-2",
          lambda: _linen_init(te_nn.MultiHeadAttention(head_dim=8, num_attention_heads=4),
                              jnp.ones((4, 32), F32), jnp.ones((4, 32), F32)),
@@ -487,6 +497,12 @@ CASES = [
          r"use Format\.HYBRID"),
     case("recipe-e5m2", lambda: q.Float8CurrentScaling(fp8_format=q.Format.E5M2), ValueError,
          r"Float8CurrentScaling\(fp8_format=Format\.E5M2\)", r"use Format\.HYBRID"),
+    case("recipe-fp8-mha", lambda: q.DelayedScaling(fp8_mha=True), ValueError,
+         r"^DelayedScaling\(fp8_mha=True\) asks for FP8 multi-head attention",
+         r"Leave fp8_mha=False; fp8_dpa=True"),
+    case("recipe-fp8-dpa-block", lambda: q.MXFP8BlockScaling(fp8_dpa=True), ValueError,
+         r"^MXFP8BlockScaling\(fp8_dpa=True\) asks for FP8 attention, which te_flax builds with "
+         r"per-tensor scaling only", r"use DelayedScaling\(fp8_dpa=True\)"),
     case("recipe-margin-nan", lambda: q.DelayedScaling(margin=float("nan")), ValueError,
          r"DelayedScaling\(margin=\.\.\.\)", r"must be a finite number"),
     case("recipe-mxfp8-float4", lambda: q.MXFP8BlockScaling(fp8_format=q.Format.E2M1),
