@@ -325,15 +325,15 @@ def program_rows(hlo_text: str) -> list[dict]:
     return rows(entry, 1)
 
 
-def attention_flops(hidden: int, backward: bool) -> float:
+def attention_flops(hidden: int, backward: bool, batch: int = BATCH) -> float:
     """FLOPs of cuDNN's causal flash attention in this step: ``Q.K^T`` and ``P.V`` forward (2
     GEMMs); the backward recomputes the scores and adds dV, dP, dQ, dK (5 GEMMs); each
     ``2 * batch * seq^2 * hidden``, halved by the causal mask."""
     gemms = 5 if backward else 2
-    return gemms * 2 * BATCH * SEQ * SEQ * hidden * 0.5
+    return gemms * 2 * batch * SEQ * SEQ * hidden * 0.5
 
 
-def modelled(hlo_text: str, hidden: int) -> dict:
+def modelled(hlo_text: str, hidden: int, batch: int = BATCH) -> dict:
     """GEMM counts, bytes and the modelled time of one compiled step (see the module doc)."""
     gemms = {gemm.name: gemm for gemm in parse_gemms(hlo_text)}
     rows = program_rows(hlo_text)
@@ -343,7 +343,7 @@ def modelled(hlo_text: str, hidden: int) -> dict:
         gemm = gemms.get(row["name"])
         flops = gemm.flops if gemm else 0
         if row["instruction"].startswith("GEMM __cudnn$fmha"):
-            flops = attention_flops(hidden, "Backward" in row["instruction"])
+            flops = attention_flops(hidden, "Backward" in row["instruction"], batch)
         peak = PEAK_FP8 if gemm and gemm.target == FP8_GEMM else PEAK_BF16
         seconds = max(flops / peak, row["bytes"] / BANDWIDTH)
         total += seconds
@@ -379,18 +379,28 @@ LABELS = {"bf16": "BF16", "fp8": "te_flax FP8", "flax_fp8": "Flax FP8"}
 SECTIONS = ("layer", "gpt")
 
 
-def measure(section: str, hidden: int, variant: str, attention: str, layers: int) -> dict:
+def measure(
+    section: str, hidden: int, variant: str, attention: str, layers: int, batch: int, remat: bool
+) -> dict:
     """Compile one configuration and return its figures (``modelled``) and compile seconds."""
     impl, fp8 = VARIANTS[variant]
     if section == "layer":
         hlo_text, seconds = compile_step(hidden, fp8, attention, impl)
     else:
-        hlo_text, seconds = compile_gpt_step(hidden, fp8, impl, layers)
-    return {**modelled(hlo_text, hidden), "compile": seconds}
+        hlo_text, seconds = compile_gpt_step(hidden, fp8, impl, layers, remat, batch)
+    return {**modelled(hlo_text, hidden, batch), "compile": seconds}
 
 
-def _key(section: str, attention: str, layers: int, hidden: int, variant: str) -> str:
-    where = f"{section} {attention}" if section == "layer" else f"{section} {layers} layers"
+def _gpt(layers: int, batch: int, remat: bool) -> str:
+    return f"gpt {layers} layers batch {batch} {'remat' if remat else 'no-remat'}"
+
+
+def _key(section: str, hidden: int, variant: str, args: argparse.Namespace) -> str:
+    where = (
+        f"{section} {args.attention}"
+        if section == "layer"
+        else _gpt(args.layers, args.batch, args.remat == "on")
+    )
     return f"{where} {hidden} {variant}"
 
 
@@ -424,7 +434,7 @@ def _table(store: dict, where: str) -> list[str]:
     return lines
 
 
-def render(store: dict, layers: int) -> str:
+def render(store: dict) -> str:
     """RESULTS_model.md from every stored configuration."""
     lines = [
         "# Model level: a TransformerLayer and the example GPT's training step, deviceless H100",
@@ -461,30 +471,51 @@ def render(store: dict, layers: int) -> str:
             "TransformerLayer training step, XLA attention",
             "The same step with `--attention xla`: the attention core as XLA GEMMs and fusions.",
         ),
-        (
-            f"gpt {layers} layers",
-            f"The example GPT's training step ({layers} scanned layers, remat on)",
-            "`train_step` of `examples/lm/train.py` (te_flax's `value_and_grad` of the "
-            "cross-entropy, then AdamW through `apply_gradients`, the example's optimizer) on the "
-            f"example's GPT (`configs/lm_small.yaml` with d_model = hidden, {layers} layers, byte "
-            "vocabulary 256, tied embedding): its `Block`s stacked with `nn.scan` as the example "
-            "stacks them, each wrapped in `nn.remat` (the example itself trains without remat). "
-            "The Flax FP8 peer: the same shell (`bench.flax_model.ScannedLM`) around the Flax "
-            "block.",
-        ),
     ]
+    for where in _gpt_sections(store):
+        _, layers, _, _, batch, remat = where.split()
+        sections.append(
+            (
+                where,
+                f"The example GPT's training step ({layers} scanned layers, "
+                f"{'remat on' if remat == 'remat' else 'no remat'}, batch {batch} x {SEQ})",
+                "`train_step` of `examples/lm/train.py` (te_flax's `value_and_grad` of the "
+                "cross-entropy, then AdamW through `apply_gradients`, the example's optimizer) "
+                f"on the example's GPT (`configs/lm_small.yaml` with d_model = hidden, {layers} "
+                "layers, byte vocabulary 256, tied embedding): its `Block`s stacked with "
+                "`nn.scan` as the example stacks them, "
+                + (
+                    "each wrapped in `nn.remat` (the example itself trains without remat; "
+                    "`--remat off`). "
+                    if remat == "remat"
+                    else "without remat, as the example trains (`--remat off`). "
+                )
+                + "The Flax FP8 peer: the same shell (`bench.flax_model.ScannedLM`) around the "
+                "Flax block.",
+            )
+        )
     for where, title, text in sections:
         if any(key.startswith(where + " ") for key in store):
             lines += ["", f"## {title}", "", text, "", *_table(store, where)]
-    lines += ["", "## The goals", "", *_goals(store, layers), "", *NOTES, ""]
+    lines += ["", "## The goals", "", *_goals(store), "", *NOTES, ""]
     return "\n".join(lines)
 
 
-def _goals(store: dict, layers: int) -> list[str]:
+def _gpt_sections(store: dict) -> list[str]:
+    """The GPT configurations in the store (``_gpt``), the default batch and remat first."""
+    found = {key.rsplit(" ", 2)[0] for key in store if key.startswith("gpt ")}
+    return sorted(found, key=lambda where: (int(where.split()[4]), where.endswith("no-remat")))
+
+
+def _goals(store: dict) -> list[str]:
     """One line per goal and model: projection GEMMs in FP8, bytes against Flax FP8 (<= 0.85),
     modelled FP8 / BF16 speed-up at hidden 8192 (>= 1.6x, a model)."""
     lines = []
-    for where, model in (("layer cudnn", "TransformerLayer"), (f"gpt {layers} layers", "GPT")):
+    models = [("layer cudnn", "TransformerLayer")]
+    for where in _gpt_sections(store):
+        _, layers_, _, _, batch, remat = where.split()
+        models.append((where, f"GPT, {layers_} layers, batch {batch}, {remat}"))
+    for where, model in models:
         found = {}
         for key, r in store.items():
             if key.startswith(where + " "):
@@ -526,17 +557,23 @@ NOTES = [
     "written with Flax's FP8 ops: Flax quantizes with separate XLA fusions (amax of every "
     "operand each step, the scaled copies written and read back), te_flax quantizes once into "
     "both layouts in its kernels and fuses the norm and activation quantization.",
-    "- GPT: at 4096 tokens per step the step is dominated by per-parameter traffic, not by "
-    "activations: the float32 weights sliced out of the scanned stacks and quantized in every "
-    "use (twice per layer under remat), the float32 gradients written into the stacks, and "
-    "AdamW's update (reads parameters, gradients and both moments, writes three of them; "
-    "'optimizer update' in the top ops). That traffic is alike for te_flax and Flax FP8, so "
-    "the bytes ratio is about 1.0 and the modelled FP8 / BF16 speed-up about 1.2x. Within it "
-    "te_flax pays for its quantize kernel being a custom call: XLA cannot fuse the scan's "
-    "`dynamic-slice` of a float32 weight into it, so each weight slice is first copied out "
-    "(`fusion kCustom __custom_fusion` in the top ops: 8 bytes per weight element per use) and "
-    "then read by the kernel, where BF16 and Flax FP8 read the slice inside their conversion "
+    "- GPT as the example trains it (scan, no remat): te_flax FP8 moves 0.84 (hidden 4096) "
+    "and 0.89 (8192) of Flax FP8's bytes at batch 2, 0.59 at batch 8, where Flax FP8 keeps "
+    "large residuals for its backward. With remat on every block the ratio is about 1.0: "
+    "Flax FP8 recomputes instead of keeping those residuals (its bytes fall), while te_flax "
+    "runs its quantize kernels again in the recomputation (its bytes rise).",
+    "- Within the scanned GPT te_flax pays for its quantize kernel being a custom call: XLA "
+    "cannot fuse the scan's `dynamic-slice` of a float32 weight into it, so each weight slice "
+    "is first copied out (`fusion kCustom __custom_fusion` in the top ops, 8 bytes per weight "
+    "element per use: 6.0 of te_flax's 40.4 GiB at hidden 4096, batch 2, remat on) and then "
+    "read by the kernel, where BF16 and Flax FP8 read the slice inside their conversion "
     "fusion.",
+    "- The modelled FP8 / BF16 speed-up of the GPT step (a model) stays below the layer's "
+    "because the step also holds per-parameter work that FP8 does not shorten: AdamW's "
+    "update of the float32 parameters ('optimizer update': 3.9 of 17.7 ms at hidden 4096 and "
+    "15.6 of 64.8 ms at 8192, batch 2, remat on), the float32 weight slices and gradient "
+    "stacks of the scan, the embedding. Its share falls with the tokens per step: 1.21x / "
+    "1.24x at 4096 tokens per step, 1.46x / 1.56x at 16384 (batch 8).",
 ]
 
 
@@ -549,6 +586,8 @@ def main() -> None:
         "--attention", choices=("cudnn", "xla"), default="cudnn", help="the layer's attention"
     )
     parser.add_argument("--layers", type=int, default=2, help="the GPT's scanned layers")
+    parser.add_argument("--batch", type=int, default=BATCH, help="the GPT's batch")
+    parser.add_argument("--remat", choices=("on", "off"), default="on", help="the GPT's remat")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--store", type=Path, default=STORE)
     parser.add_argument("--render", action="store_true", help="only rewrite the results file")
@@ -560,11 +599,19 @@ def main() -> None:
     for section in [] if args.render else args.section:
         for hidden in args.hidden:
             for variant in args.variants:
-                key = _key(section, args.attention, args.layers, hidden, variant)
-                store[key] = measure(section, hidden, variant, args.attention, args.layers)
+                key = _key(section, hidden, variant, args)
+                store[key] = measure(
+                    section,
+                    hidden,
+                    variant,
+                    args.attention,
+                    args.layers,
+                    args.batch,
+                    args.remat == "on",
+                )
                 print(key, {k: v for k, v in store[key].items() if k != "by_kind"}, flush=True)
                 args.store.write_text(json.dumps(store, indent=1, sort_keys=True) + "\n")
-    args.out.write_text(render(store, args.layers))
+    args.out.write_text(render(store))
     print(args.out.read_text())
 
 
