@@ -226,7 +226,10 @@ def summarize(hlo_text: str, layer: str, s: Shape, recipe: str) -> dict:
     """Bytes of the GEMMs and of every other kernel, the kernel count and the modelled time."""
     from te_flax._hlo import entry_rows, shape_bytes
 
-    rows = entry_rows(hlo_text)
+    # A tuple result of six or more values carries ``/*index=5*/`` comments, whose "=" the
+    # instruction pattern would take for the end of the type: without them, every custom call
+    # (TE's norm forward, its activation backward) is counted.
+    rows = entry_rows(re.sub(r"/\*index=\d+\*/", "", hlo_text))
     for row in rows:  # without a GEMM's workspace (TE's GEMM returns its own, as a byte array)
         if _is_gemm(row["instruction"]):
             row["bytes"] -= sum(
@@ -247,6 +250,10 @@ def summarize(hlo_text: str, layer: str, s: Shape, recipe: str) -> dict:
         "other_bytes": sum(r["bytes"] for r in others),
         "model_s": gemm_s + LAUNCH_S * len(gemms) + other_s,
         "top": [(r["instruction"], r["result"], r["bytes"]) for r in top],
+        "all": [
+            (r["instruction"], r["result"], r["bytes"])
+            for r in sorted(others, key=lambda r: -r["bytes"])
+        ],
     }
 
 
@@ -254,6 +261,7 @@ def summarize(hlo_text: str, layer: str, s: Shape, recipe: str) -> dict:
 
 
 MODEL_HEADING = "## Model level"
+HISTORY_HEADING = "## Before and after"  # written by hand, kept by every run
 MODEL_LAYOUTS = {
     "1 GPU": ("dp", {}),
     "8 GPUs fsdp": ("fsdp", {"fsdp": 8}),
@@ -450,6 +458,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--layers", nargs="+", default=list(LAYERS))
+    parser.add_argument("--recipes", nargs="+", default=["none", "delayed"])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument(
+        "--list", action="store_true", help="print every non-GEMM instruction, largest first"
+    )
+    parser.add_argument(
+        "--no-write", action="store_true", help=f"print only; leave {RESULTS.name} as it is"
+    )
     parser.add_argument(
         "--model", action="store_true", help="te_flax alone: two TransformerLayers, 1 and 8 GPUs"
     )
@@ -469,8 +485,8 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
     for s in shapes:
         for layer in args.layers:
-            for recipe in ("none", "delayed"):
-                for variant in VARIANTS:
+            for recipe in args.recipes:
+                for variant in args.variants:
                     key = (s, layer, recipe, variant)
                     try:
                         compiled = compile_step(variant, layer, s, recipe)
@@ -490,9 +506,20 @@ def main(argv: list[str] | None = None) -> None:
                         f"{r['trace_s']:.1f}+{r['compile_s']:.1f} s",
                         flush=True,
                     )
+                    if args.list:
+                        for name, result, size in r["all"]:
+                            print(f"    {size / 1e6:9.1f} MB  {name}  {result}", flush=True)
+    if args.no_write:
+        return
     text = report(results, shapes, command.strip())
-    if RESULTS.exists() and MODEL_HEADING in RESULTS.read_text():
-        text = text.rstrip() + "\n\n" + MODEL_HEADING + RESULTS.read_text().split(MODEL_HEADING)[1]
+    # The sections written otherwise (by hand, by --model) are kept.
+    old = RESULTS.read_text() if RESULTS.exists() else ""
+    for heading in (HISTORY_HEADING, MODEL_HEADING):  # in this order in the file
+        if heading in old:
+            section = heading + old.split(heading, 1)[1]
+            if heading == HISTORY_HEADING:
+                section = section.split(MODEL_HEADING)[0]
+            text = text.rstrip() + "\n\n" + section.rstrip() + "\n"
     RESULTS.write_text(text)
 
 

@@ -17,10 +17,11 @@ from jax import Array, lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 
-from te_flax._activations import ClampedSwigluParams, activation_backward
+from te_flax._activations import ClampedSwigluParams, activation_backward, activation_forward
 from te_flax._kernels import (
     GradOperand,
     activation_grad_operand,
+    activation_quantize_operand,
     dispatch,
     norm_backward_grads,
     norm_quantize_operand,
@@ -32,6 +33,7 @@ from te_flax.quantize import (
     TRAILING,
     BlockOperand,
     BlockScaledTensor,
+    DelayedScaleQuantizer,
     GemmOperand,
     GemmPrecision,
     Quantizer,
@@ -46,6 +48,7 @@ __all__ = [
     "NormSpec",
     "NormStats",
     "activation_grad",
+    "activation_operand",
     "apply_norm",
     "blockwise_gemm_exact",
     "constrained",
@@ -188,7 +191,7 @@ def norm_operand(
 
     def xla_stage() -> tuple[GemmOperand, Quantizer | None]:
         ln = apply_norm(x, stats, gamma, beta, spec)  # f32[batch..., hidden]
-        return quantize_operand(ln, quantizer, x.dtype, x.ndim - 1, uses)
+        return one_pass_layouts(quantize_operand(ln, quantizer, x.dtype, x.ndim - 1, uses), uses)
 
     # Per-tensor FP8 on GPUs: one Pallas kernel reads x and writes the float8 operand and the
     # amax (see te_flax._kernels); elsewhere, and for other quantizers, the XLA stage.
@@ -246,6 +249,29 @@ def saved_operand(operand: GemmOperand, use: str, name: str | None) -> GemmOpera
     return kept if name is None else checkpoint_name(kept, name)
 
 
+def one_pass_layouts(
+    quantized: tuple[GemmOperand, Quantizer | None], uses: tuple[str, ...]
+) -> tuple[GemmOperand, Quantizer | None]:
+    """An XLA stage's delayed-scaling float8 operand, kept for XLA to write in one pass with
+    its amax.
+
+    The data does not depend on the amax there, so XLA can compute both in one fusion of the
+    tensor's producer; but a reduction (the amax) and a transpose (the layout a ``LEADING``
+    GEMM reads) do not share a fusion, and XLA puts the cast with the transpose: the tensor is
+    then read twice in high precision. A barrier (no copy) on the data keeps the transpose to
+    a pass over the float8 data.
+    """
+    operand, new_quantizer = quantized
+    if (
+        LEADING in uses
+        and isinstance(operand, ScaledTensor)
+        and operand.scale_inv is not None
+        and isinstance(new_quantizer, DelayedScaleQuantizer)
+    ):
+        operand = operand._replace(data=lax.optimization_barrier(operand.data))
+    return operand, new_quantizer
+
+
 def kernel_operand(
     kernel: Array,
     quantizer: Quantizer | None,
@@ -262,7 +288,7 @@ def kernel_operand(
     uses = kernel_uses(for_backward)
 
     def xla_stage() -> tuple[GemmOperand, Quantizer | None]:
-        return quantize_operand(kernel, quantizer, dtype, n_contract, uses)
+        return one_pass_layouts(quantize_operand(kernel, quantizer, dtype, n_contract, uses), uses)
 
     # Per-tensor FP8 on GPUs: one Pallas kernel reads the kernel once and writes the float8
     # data in both layouts and the amax (see te_flax._kernels); elsewhere the XLA stage.
@@ -496,10 +522,42 @@ def grad_operand(
     ``dense_backward``): quantized once, and summed to the bias gradient with ``bias_dtype``."""
     n_batch = grad.ndim - n_features
     d_bias = None if bias_dtype is None else sum_to_bias(grad, n_features, bias_dtype)
-    operand, new_quantizer = quantize_operand(
-        grad, grad_quantizer, grad.dtype, n_batch, (TRAILING, LEADING)
-    )
+    uses = (TRAILING, LEADING)
+    quantized = quantize_operand(grad, grad_quantizer, grad.dtype, n_batch, uses)
+    operand, new_quantizer = one_pass_layouts(quantized, uses)
     return GradOperand(constrained(operand, grad_axes), new_quantizer, d_bias)
+
+
+def activation_operand(
+    pre_activation: Array,
+    activation_type: tuple[str, ...],
+    activation_params: ClampedSwigluParams | None,
+    quantizer: Quantizer | None,
+    dtype: DTypeLike,
+    uses: tuple[str, ...],
+) -> tuple[GemmOperand, Quantizer | None]:
+    """``activation_forward``'s ``[batch..., intermediate]`` output as a GEMM input (see
+    ``input_uses``): quantized by ``quantizer`` (the activation computed in float32 and
+    rounded once to the pre-activation's dtype), or cast to ``dtype``.
+
+    Per-tensor FP8 on GPUs: one kernel reads the pre-activation once and writes the float8
+    activation in the layouts of both GEMMs that read it, and the amax; the activation in high
+    precision is never written (see te_flax._kernels). Elsewhere the XLA stage.
+    """
+
+    def xla_stage() -> tuple[GemmOperand, Quantizer | None]:
+        if quantizer is None:
+            activated = activation_forward(pre_activation, activation_type, activation_params)
+        else:
+            # Quantized: computed in float32 and rounded once to the pre-activation's dtype, as
+            # the kernel (and TransformerEngine's activation kernels) compute it.
+            pre32 = pre_activation.astype(jnp.float32)
+            activated = activation_forward(pre32, activation_type, activation_params)
+            activated = activated.astype(pre_activation.dtype)
+        operand = quantize_operand(activated, quantizer, dtype, activated.ndim - 1, uses)
+        return one_pass_layouts(operand, uses)
+
+    return activation_quantize_operand(pre_activation, activation_type, quantizer, uses, xla_stage)
 
 
 def activation_grad(

@@ -35,6 +35,7 @@ from te_flax._stages import (
     NormSpec,
     NormStats,
     activation_grad,
+    activation_operand,
     apply_norm,
     constrained,
     dense_backward,
@@ -225,14 +226,28 @@ def _forward(
         pre_activation = lax.optimization_barrier(pre_activation)
     pre_activation = checkpoint_name(pre_activation, config.ffn1_ckpt_name)
     # [batch..., n_act, intermediate] -> [batch..., intermediate]
-    dropped = _activation_output(config, pre_activation, dropout_rng)
-    activated, x_2 = _activation_operand(dropped, config, set_2.x, x.dtype, input_layouts)
+    dropped: Array | None = None
+    if config.dropout_rate == 0.0 and lora_kernels is None:
+        # The activation straight to GEMM 2's operand (one pass on GPUs under per-tensor FP8).
+        activated, x_2 = activation_operand(
+            pre_activation,
+            config.activation_type,
+            config.activation_params,
+            set_2.x,
+            x.dtype,
+            input_layouts,
+        )
+        activated = constrained(activated, config.dot_2_input_axes)
+    else:
+        dropped = _activation_output(config, pre_activation, dropout_rng)
+        activated, x_2 = _activation_operand(dropped, config, set_2.x, x.dtype, input_layouts)
     k_2, kernel_q_2 = kernel_operand(
         kernel_2, set_2.kernel, x.dtype, 1, for_backward, config.kernel_2_axes
     )
     # [batch..., intermediate] x [intermediate, hidden] -> [batch..., hidden]
     out = dense_forward(activated, k_2, 1, x.dtype, biases[1], set_2.precision)
     if lora_kernels is not None:
+        assert dropped is not None
         out = out + _lora(config, dropped, *lora_kernels[2:])
     residuals = _Residuals(
         x=x,
@@ -518,7 +533,8 @@ def layernorm_mlp(
     ``y = norm(x)``; ``h = y . kernels[0] + biases[0]`` (``[..., n_act, intermediate]``);
     ``a = act(h[..., 0, :])`` (times ``h[..., 1, :]`` for a gated pair);
     ``d = dropout(a)``; ``out = d . kernels[1] + biases[1]``. The norm runs in float32, the
-    activation in x's dtype.
+    activation in x's dtype (quantized for an FP8 GEMM 2: computed in float32 and rounded once
+    to x's dtype, as TransformerEngine's activation kernels compute it).
     With FP8 quantizer sets, the norm output, kernel 1, the activation output and kernel 2 are
     quantized directly to float8 for the forward GEMMs, and the two output gradients for the
     backward GEMMs: all six GEMMs of a training step are FP8. As in TransformerEngine's fused

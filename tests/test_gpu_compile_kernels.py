@@ -39,6 +39,7 @@ NORM_QUANTIZE = "te_flax_norm_quantize"
 NORM_BACKWARD = "te_flax_norm_backward"
 QUANTIZE = "te_flax_quantize"
 ACTIVATION_GRAD = "te_flax_activation_grad"
+ACTIVATION_QUANTIZE = "te_flax_activation_quantize"
 _F8_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%\S+ = (\(?f8e4m3fn\[[0-9,]*\][^=]*?) (\S+)\(")
 
 
@@ -113,8 +114,8 @@ def test_kernels_replace_fusions_and_keep_fp8_gemms(op, n_gemms, recipe):
     passes = 1 if recipe == "delayed" else 2
     n_kernels = n_gemms // 3
     chosen = [NORM_BACKWARD] + [QUANTIZE] * (n_kernels * passes)
-    if op == "layernorm_mlp":  # the activation's backward with its quantization
-        chosen += [ACTIVATION_GRAD] * passes
+    if op == "layernorm_mlp":  # the activation and its backward, each with its quantization
+        chosen += [ACTIVATION_QUANTIZE, ACTIVATION_GRAD] * passes
     assert kernel_names(auto) == sorted(chosen)
     assert kernel_names(every) == sorted(chosen + [NORM_QUANTIZE] * passes)
     # The GEMM kernels' float8 data in both layouts comes from the quantize kernels alone: no

@@ -19,7 +19,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from te_flax._hlo import parse_collectives
-from te_flax._kernels import activation_grad_operand, pallas_kernels, tiled_quantize_operand
+from te_flax._kernels import (
+    activation_grad_operand,
+    activation_quantize_operand,
+    pallas_kernels,
+    tiled_quantize_operand,
+)
 from te_flax._kernels.partition import mesh_partitioned
 from te_flax.layernorm_dense import layernorm_dense
 from te_flax.quantize import (
@@ -174,6 +179,31 @@ def test_activation_grad_kernel_per_shard_with_bias():
         actual = jax.jit(prepared)(grad, pre, quantizer)
     _assert_equal(actual, expected)
     assert actual.bias is not None and actual.bias.shape == (2, FEATURES)
+
+
+def test_activation_quantize_kernel_per_shard():
+    """The forward activation's kernel on tensor-parallel blocks: the same float8 data and
+    amax (in a partitioned program it writes the data alone; XLA lays it out for wgrad)."""
+    pre_activation = normal(jax.random.key(2), (BATCH, SEQ, 2, FEATURES)).astype(jnp.bfloat16)
+    quantizer = QuantizerFactory.create_set(fp8_recipe=RECIPES["delayed"]).x
+    quantizer = quantizer.update(jnp.float32(3.0))  # a scale other than 1
+
+    def unused():
+        raise AssertionError("the kernel runs everywhere under pallas_kernels('1')")
+
+    def operand(pre_activation, quantizer):
+        result, new_quantizer = activation_quantize_operand(
+            pre_activation, ("silu", "linear"), quantizer, (TRAILING, LEADING), unused
+        )
+        return result.data, result.scale_inv, new_quantizer
+
+    with pallas_kernels("1"):
+        expected = jax.jit(operand)(pre_activation, quantizer)
+    mesh = _mesh()
+    with jax.set_mesh(mesh), pallas_kernels("1"):
+        pre = jax.device_put(pre_activation, NamedSharding(mesh, P("data", None, None, "tensor")))
+        actual = jax.jit(operand)(pre, quantizer)
+    _assert_equal(actual, expected)
 
 
 def test_vmapped_kernel_on_a_mesh_runs_the_xla_stage():

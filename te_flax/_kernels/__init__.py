@@ -6,6 +6,8 @@ through Pallas' Triton lowering, and anywhere in interpret mode (tests).
 
 - ``norm_quantize``: normalize with the saved statistics, quantize, amax (kernel 1);
 - ``quantize``: a GEMM kernel's float8 data in both layouts and its amax (kernel 2);
+- ``activation_quantize``: LayerNormMLP's activation quantized in its GEMM layouts, with its
+  amax (kernel 2 with its producer);
 - ``activation_grad``: LayerNormMLP's activation backward quantized in both layouts, with its
   amax and bias gradient (kernel 2 with its producer);
 - ``norm_backward``: dx, dgamma and dbeta of the norm (kernel 3).
@@ -14,6 +16,7 @@ through Pallas' Triton lowering, and anywhere in interpret mode (tests).
 from te_flax._kernels.operands import (
     GradOperand,
     activation_grad_operand,
+    activation_quantize_operand,
     norm_backward_grads,
     norm_quantize_operand,
     tiled_quantize_operand,
@@ -24,6 +27,7 @@ __all__ = [
     "ENV_VAR",
     "GradOperand",
     "activation_grad_operand",
+    "activation_quantize_operand",
     "dispatch",
     "mode",
     "norm_backward_grads",

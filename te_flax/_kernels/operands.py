@@ -15,6 +15,7 @@ from jax import Array
 from jax.typing import DTypeLike
 
 from te_flax._kernels.activation_grad import KERNEL_ACTIVATIONS, activation_grad_tiles
+from te_flax._kernels.activation_quantize import activation_quantize_tiles
 from te_flax._kernels.common import RowBlocks, row_blocks
 from te_flax._kernels.norm_backward import norm_backward
 from te_flax._kernels.norm_quantize import norm_quantize
@@ -35,6 +36,7 @@ from te_flax.quantize.quantizer import (
 __all__ = [
     "GradOperand",
     "activation_grad_operand",
+    "activation_quantize_operand",
     "norm_backward_grads",
     "norm_quantize_operand",
     "tiled_quantize_operand",
@@ -161,6 +163,33 @@ def norm_quantize_operand(
     )
 
 
+def _operand(
+    data: Array | None, transposed: Array | None, scale_inv: Array, split: int
+) -> ScaledTensor:
+    """A quantizing kernel's layouts as an operand split after ``split`` axes: with the
+    transposed layout alone, ``data`` is its transpose (which XLA drops unless read)."""
+    if data is None:
+        assert transposed is not None
+        n_trailing = transposed.ndim - split
+        data = jnp.transpose(transposed, (*range(n_trailing, transposed.ndim), *range(n_trailing)))
+    return ScaledTensor(data, scale_inv, transposed)
+
+
+def _with_transposed(split: int, wanted: bool) -> Callable[[_Quantized], _Quantized]:
+    """An XLA stage's operand given the kernel's structure: the ``transposed`` layout (split
+    after ``split`` axes) where the kernel writes one."""
+
+    def with_transposed(result: _Quantized) -> _Quantized:
+        operand, new_quantizer = result
+        assert isinstance(operand, ScaledTensor)
+        if not wanted:
+            return result
+        order = (*range(split, operand.data.ndim), *range(split))
+        return operand._replace(transposed=jnp.transpose(operand.data, order)), new_quantizer
+
+    return with_transposed
+
+
 def tiled_quantize_operand(
     x: Array,
     quantizer: Quantizer | None,
@@ -225,25 +254,107 @@ def tiled_quantize_operand(
             results = [outputs.pop(0) if on else None for on in asked]
             return (results[0], results[1]), outputs[0]
 
-        (data, transposed), scale_inv, new_quantizer = _scaled_passes(quantizer, run)
-        if data is None:
-            assert transposed is not None
-            data = jnp.transpose(transposed, (*range(len(trailing), x.ndim), *range(len(trailing))))
-        return ScaledTensor(data, scale_inv, transposed), new_quantizer
+        layouts_written, scale_inv, new_quantizer = _scaled_passes(quantizer, run)
+        return _operand(*layouts_written, scale_inv, split), new_quantizer
 
     def xla(*_: object) -> _Quantized:
         return fallback()
 
-    def with_transposed(result: _Quantized) -> _Quantized:
-        operand, new_quantizer = result
-        assert isinstance(operand, ScaledTensor)
-        if not layouts[1] or one_layout:
-            return result
-        order = (*range(split, x.ndim), *range(split))
-        return operand._replace(transposed=jnp.transpose(operand.data, order)), new_quantizer
-
+    with_transposed = _with_transposed(split, layouts[1] and not one_layout)
     return dispatch(
         "quantize", kernel, xla, x, quantizer, supported=supported, as_kernel_result=with_transposed
+    )
+
+
+def activation_quantize_operand(
+    pre_activation: Array,
+    activation_type: tuple[str, ...],
+    quantizer: Quantizer | None,
+    uses: tuple[str, ...],
+    fallback: Callable[[], _Quantized],
+) -> _Quantized:
+    """``quantize_operand(activation_forward(pre_activation), quantizer, ...)`` by kernel (2),
+    or ``fallback`` (the XLA stage).
+
+    The activation ``[batch..., intermediate]`` is contracted along its features by the second
+    GEMM (``TRAILING``: the operand's ``data``) and along its tokens by that GEMM's weight
+    gradient (``LEADING``: its ``transposed``, ``[intermediate, batch...]``). The kernel reads
+    the pre-activation once and writes the float8 layouts asked for and the amax.
+
+    Args:
+      pre_activation: ``[batch..., n_act, intermediate]``.
+      activation_type: the canonical activation names.
+      quantizer: the activation's quantizer; only per-tensor FP8 quantizers use the kernel.
+      uses: the contractions to prepare (``TRAILING``, ``LEADING``).
+      fallback: the XLA stage, called without arguments.
+    """
+    n_act = len(activation_type)
+    shape = pre_activation.shape
+    supported = (
+        _per_tensor(quantizer)
+        and set(activation_type) <= KERNEL_ACTIVATIONS
+        and pre_activation.ndim > 2
+        and shape[-2] == n_act
+        and math.prod(shape) > 0
+    )
+    layouts = (TRAILING in uses, LEADING in uses)
+    # As for the quantize kernel: in a partitioned program the data alone, which XLA lays out
+    # for the weight gradient's GEMM after any gather.
+    one_layout = mesh_partitioned()
+    n_batch = pre_activation.ndim - 2
+
+    def kernel(
+        pre_activation: Array, quantizer: Quantizer | None, *, interpret: bool
+    ) -> _Quantized:
+        assert quantizer is not None
+        written = (True, False) if one_layout else layouts
+        batch = tuple(f"b{d}" for d in range(n_batch))
+        layout_dims = ((*batch, "i"), ("i", *batch))
+
+        def run(
+            scale_inv: Array, q_dtype: DTypeLike | None
+        ) -> tuple[tuple[Array | None, Array | None], Array]:
+            asked = written if q_dtype is not None else (False, False)
+
+            def local(pre_activation: Array, scale_inv: Array) -> list[Array]:
+                tokens, intermediate = pre_activation.shape[:-2], pre_activation.shape[-1]
+                data, transposed, partials = activation_quantize_tiles(
+                    pre_activation.reshape(math.prod(tokens), -1), scale_inv, activation_type,
+                    q_dtype, asked, interpret=interpret,
+                )  # fmt: skip
+                outputs = [] if data is None else [data.reshape(*tokens, intermediate)]
+                if transposed is not None:
+                    outputs.append(transposed.reshape(intermediate, *tokens))
+                return [*outputs, jnp.max(partials)]  # the block's amax last
+
+            outputs = list(
+                per_shard(
+                    local,
+                    (pre_activation, scale_inv),
+                    ((*batch, "act", "i"), None),
+                    [d for d, on in zip(layout_dims, asked, strict=True) if on] + [()],
+                    [None] * sum(asked) + ["max"],
+                    replicated=("act",),
+                )
+            )
+            results = [outputs.pop(0) if on else None for on in asked]
+            return (results[0], results[1]), outputs[0]
+
+        layouts_written, scale_inv, new_quantizer = _scaled_passes(quantizer, run)
+        return _operand(*layouts_written, scale_inv, n_batch), new_quantizer
+
+    def xla(*_: object) -> _Quantized:
+        return fallback()
+
+    with_transposed = _with_transposed(n_batch, layouts[1] and not one_layout)
+    return dispatch(
+        "activation_quantize",
+        kernel,
+        xla,
+        pre_activation,
+        quantizer,
+        supported=supported,
+        as_kernel_result=with_transposed,
     )
 
 

@@ -11,6 +11,7 @@ bit; the tile maxima are reduced by XLA, exact in any order.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -23,7 +24,7 @@ from jax.typing import DTypeLike
 
 from te_flax._kernels.common import block_amax, saturating_cast
 
-__all__ = ["Tiles", "quantize_tiles"]
+__all__ = ["Tiles", "layouts_call", "quantize_tiles", "store_quantized"]
 
 _TILE = 64  # rows and columns of a tile: 4096 values, transposed in registers
 
@@ -43,6 +44,13 @@ class Tiles:
         warps = min(max(self.block_rows * self.block_columns // 1024, 1), 4)
         return plgpu.CompilerParams(num_warps=warps, num_stages=1)
 
+    def indices(self) -> tuple[Array, Array, Array]:
+        """The running program's row and column indices and its in-bounds mask."""
+        i, j = pl.program_id(0), pl.program_id(1)
+        row = i * self.block_rows + jnp.arange(self.block_rows, dtype=jnp.int32)
+        column = j * self.block_columns + jnp.arange(self.block_columns, dtype=jnp.int32)
+        return row, column, (row < self.rows)[:, None] & (column < self.columns)[None, :]
+
 
 def _kernel(
     x_ref: Any,
@@ -52,14 +60,25 @@ def _kernel(
     q_dtype: DTypeLike | None,
     layouts: tuple[bool, bool],
 ) -> None:
-    i, j = pl.program_id(0), pl.program_id(1)
-    row = i * tiles.block_rows + jnp.arange(tiles.block_rows, dtype=jnp.int32)
-    column = j * tiles.block_columns + jnp.arange(tiles.block_columns, dtype=jnp.int32)
-    mask = (row < tiles.rows)[:, None] & (column < tiles.columns)[None, :]
+    row, column, mask = tiles.indices()
     x = plgpu.load(x_ref.at[row[:, None], column[None, :]], mask=mask, other=0.0)
-    x = x.astype(jnp.float32)
+    store_quantized(x.astype(jnp.float32), scale_inv_ref, out_refs, tiles, q_dtype, layouts)
+
+
+def store_quantized(
+    x: Array,
+    scale_inv_ref: Any,
+    out_refs: Sequence[Any],
+    tiles: Tiles,
+    q_dtype: DTypeLike | None,
+    layouts: tuple[bool, bool],
+) -> None:
+    """Stores the program's float32 tile ``x`` quantized (``clip(x / scale_inv)``, the cast)
+    in the ``layouts`` asked for and its amax: ``out_refs`` are the layouts' outputs, then the
+    tile maxima. Without ``q_dtype``, the amax alone."""
+    row, column, mask = tiles.indices()
     *data_refs, amax_ref = out_refs
-    plgpu.store(amax_ref.at[i * tiles.grid[1] + j], block_amax(x))
+    plgpu.store(amax_ref.at[pl.program_id(0) * tiles.grid[1] + pl.program_id(1)], block_amax(x))
     if q_dtype is None:
         return
     quantized = saturating_cast(x / scale_inv_ref[0], q_dtype)
@@ -92,22 +111,45 @@ def quantize_tiles(
       The float8 ``[rows, columns]`` and ``[columns, rows]`` data (None where not asked for or
       without ``q_dtype``) and f32 ``[programs]``, the tiles' amax.
     """
-    rows, columns = x.shape
-    tiles = Tiles(rows, columns)
+    tiles = Tiles(*x.shape)
+    return layouts_call(
+        partial(_kernel, tiles=tiles, q_dtype=q_dtype),
+        (x, scale_inv),
+        tiles,
+        q_dtype,
+        layouts,
+        "te_flax_quantize",
+        interpret=interpret,
+    )
+
+
+def layouts_call(
+    kernel: Callable[..., None],
+    operands: tuple[Array, ...],
+    tiles: Tiles,
+    q_dtype: DTypeLike | None,
+    layouts: tuple[bool, bool],
+    name: str,
+    *,
+    interpret: bool,
+) -> tuple[Array | None, Array | None, Array]:
+    """Runs a kernel that ends with ``store_quantized`` (given ``layouts=`` here) over the
+    tiles of a ``[rows, columns]`` result: its float8 layouts asked for (None otherwise, or
+    without ``q_dtype``) and the f32 ``[programs]`` tile maxima."""
     layouts = layouts if q_dtype is not None else (False, False)
-    shapes = [(rows, columns), (columns, rows)]
+    shapes = [(tiles.rows, tiles.columns), (tiles.columns, tiles.rows)]
     out_shape = [
         jax.ShapeDtypeStruct(s, q_dtype) for s, on in zip(shapes, layouts, strict=True) if on
     ]
     out_shape.append(jax.ShapeDtypeStruct((tiles.programs,), jnp.float32))
     outputs = pl.pallas_call(
-        partial(_kernel, tiles=tiles, q_dtype=q_dtype, layouts=layouts),
+        partial(kernel, layouts=layouts),
         out_shape=out_shape,
         grid=tiles.grid,
         compiler_params=tiles.compiler_params(),
         interpret=interpret,
-        name="te_flax_quantize",
-    )(x, scale_inv)
+        name=name,
+    )(*operands)
     results = iter(outputs[:-1])
     data = next(results) if layouts[0] else None
     transposed = next(results) if layouts[1] else None

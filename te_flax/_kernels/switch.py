@@ -47,11 +47,13 @@ _assume_gpu: list[bool] = []
 # is left out: in a deviceless H100 compile of the benchmark steps it moves as many bytes as
 # the XLA fusion it replaces (XLA already fuses normalize, quantize and amax), give or take a
 # few kilobytes, so it buys nothing measurable. The others each save a pass over a tensor:
-# the quantize kernel (a GEMM kernel's float8 layouts and its amax), the activation backward
-# with its quantization and the norm backward.
+# the quantize kernel (a GEMM kernel's float8 layouts and its amax), the activation and its
+# backward each with its quantization, and the norm backward.
 # The blockwise FP8 GEMM kernel keeps its float32 partial products in registers, where XLA's
 # exact form writes K / 128 of them per output element.
-AUTO = frozenset({"activation_grad", "blockwise_gemm", "norm_backward", "quantize"})
+AUTO = frozenset(
+    {"activation_grad", "activation_quantize", "blockwise_gemm", "norm_backward", "quantize"}
+)
 _override: list[str] = []
 
 
