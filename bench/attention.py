@@ -9,6 +9,14 @@ arguments + outputs + temporaries). Nothing is run; the figures are XLA's buffer
 the CPU program, whose attention is the XLA maths (the score matrix is materialised, no flash
 kernel), so they show how the per-device footprint scales, not a GPU's. Figures go to
 ``bench/RESULTS_attention.md``.
+
+FP8 attention (``--only fp8`` runs this section alone and keeps the others in the results
+file): the relative L2 error of the output and the q/k/v gradients of one training step of a
+causal ``DotProductAttention`` (bf16 inputs, batch 1, 8 heads of 64), under
+``DelayedScaling(fp8_dpa=True)`` (second step: the scales then come from the first step's
+amax) and ``Float8CurrentScaling(fp8_dpa=True)``, and of the BF16 attention itself, each
+against the float32 attention of the same (bf16-valued) inputs. Run on the CPU: the float8
+emulation is exact, so the errors are the ones a GPU gives up to the order of float32 sums.
 """
 
 from __future__ import annotations
@@ -27,9 +35,11 @@ from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 import te_flax.linen as te_nn  # noqa: E402
 from bench.memory import compiled_memory  # noqa: E402
+from te_flax.quantize import DelayedScaling, Float8CurrentScaling  # noqa: E402
 from te_flax.sharding import make_mesh  # noqa: E402
 
 HEADS, HEAD_DIM = 8, 64
@@ -58,10 +68,114 @@ def peak_bytes(seq: int, cp_size: int, strategy: str) -> int:
     return memory["argument"] + memory["output"] + memory["temp"] - memory["alias"]
 
 
+FP8_HEADING = "## FP8 attention: error against float32 attention"
+FP8_RECIPES = {
+    "BF16 (no FP8)": None,
+    "FP8 delayed (step 2)": DelayedScaling(fp8_dpa=True, amax_history_len=16),
+    "FP8 current": Float8CurrentScaling(fp8_dpa=True),
+}
+
+
+def _attention_step(recipe, q, k, v, cotangent):
+    """Output, q/k/v gradients and the new variables of one step of causal attention."""
+    module = te_nn.DotProductAttention(
+        head_dim=HEAD_DIM, num_attention_heads=HEADS, transpose_batch_sequence=False,
+        recipe=recipe,
+    )  # fmt: skip
+    variables = module.init(jax.random.key(0), q, k, v)
+
+    def loss(variables, q, k, v, cotangent):
+        out = module.apply(variables, q, k, v)
+        return jnp.sum(out.astype(jnp.float32) * cotangent), out
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+    (new, *grads), out = step(variables, q, k, v, cotangent)
+    if variables:  # delayed scaling: the second step, with the scales of the first
+        (_, *grads), out = step(new, q, k, v, cotangent)
+    return out, grads
+
+
+def _relative(a: jax.Array, b: jax.Array) -> float:
+    a, b = (np.asarray(x, np.float64) for x in (a, b))
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def fp8_error_rows(seqs: tuple[int, ...]) -> list[tuple[str, int, list[float]]]:
+    """(attention, seq, relative errors of out, dq, dk, dv) against float32 attention."""
+    rows = []
+    for seq in seqs:
+        keys = jax.random.split(jax.random.key(seq), 4)
+        shape = (1, seq, HEADS, HEAD_DIM)
+        q, k, v, cotangent = (jax.random.normal(key, shape, jnp.float32) for key in keys)
+        q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        out, grads = _attention_step(None, *f32, cotangent)
+        reference = [out, *grads]
+        for name, recipe in FP8_RECIPES.items():
+            out, grads = _attention_step(recipe, q, k, v, cotangent)
+            errors = [_relative(a, b) for a, b in zip([out, *grads], reference, strict=True)]
+            rows.append((name, seq, errors))
+            print(name, seq, " ".join(f"{e:.4f}" for e in errors), flush=True)
+    return rows
+
+
+def fp8_section(seqs: tuple[int, ...], command: str) -> list[str]:
+    start = time.time()
+    rows = fp8_error_rows(seqs)
+    minutes = (time.time() - start) / 60
+    lines = [
+        FP8_HEADING,
+        "",
+        f"Produced by `{command}` ({minutes:.1f} min, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}). One training step of a causal "
+        f"`DotProductAttention`, inputs `[1, seq, {HEADS}, {HEAD_DIM}]` drawn from N(0, 1) and "
+        "rounded to bf16, the output cotangent N(0, 1); relative L2 error "
+        "`||x - x_f32|| / ||x_f32||` of the output and the q, k, v gradients against the "
+        "float32 attention of the same inputs. FP8: queries, keys, values and probabilities in "
+        "e4m3, the output and score gradients in e5m2 (HYBRID); delayed scaling measured at "
+        "its second step (scales from the first step's amax). Exact float8 emulation on the "
+        "CPU.",
+        "",
+        "| attention | seq | output | dq | dk | dv |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, seq, errors in rows:
+        lines.append(f"| {name} | {seq} | " + " | ".join(f"{e:.2%}" for e in errors) + " |")
+    return lines
+
+
+def _replace_section(text: str, heading: str, section: list[str]) -> str:
+    """``text`` with the section under ``heading`` (to the next ``## `` heading) replaced, or
+    the section appended."""
+    lines = text.rstrip("\n").split("\n")
+    if heading in lines:
+        start = lines.index(heading)
+        end = next(
+            (i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines)
+        )
+        tail = lines[end:]
+        lines = [*lines[:start], *section, *(["", *tail] if tail else [])]
+    else:
+        lines = [*lines, "", *section]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="sequences up to 2048")
+    parser.add_argument(
+        "--only", choices=("fp8",), help="run one section, keep the others in the results file"
+    )
     args = parser.parse_args()
+    fp8_seqs = (512, 1024) if args.quick else (1024, 4096)
+    if args.only == "fp8":
+        command = "JAX_PLATFORMS=cpu python -m bench.attention --only fp8" + (
+            " --quick" if args.quick else ""
+        )
+        existing = OUT.read_text() if OUT.exists() else ""
+        OUT.write_text(_replace_section(existing, FP8_HEADING, fp8_section(fp8_seqs, command)))
+        print(f"wrote {OUT}")
+        return
     seqs = (512, 1024, 2048) if args.quick else (1024, 2048, 4096, 8192)
     sizes = (1, 2, 4, 8)
     start = time.time()
@@ -100,6 +214,7 @@ def main() -> None:
     for strategy, seq, mib in rows:
         cells = " | ".join(f"{m:.1f}" for m in mib)
         lines.append(f"| {strategy} | {seq} | {cells} | {mib[0] / mib[-1]:.1f}x |")
+    lines += ["", *fp8_section(fp8_seqs, command)]
     OUT.write_text("\n".join(lines) + "\n")
     print(f"wrote {OUT}")
 
