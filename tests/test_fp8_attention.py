@@ -193,6 +193,28 @@ def test_linen_and_nnx_agree_and_keep_the_same_state():
     np.testing.assert_array_equal(nnx_grad, linen_grad)
 
 
+@pytest.mark.slow
+def test_multi_head_attention_linen_and_nnx_update_the_same_state():
+    """The state beside the projections, updated alike by a training step."""
+    x = normal(jax.random.key(5), (B, 8, 32))
+    linen_mha = te_nn.MultiHeadAttention(
+        head_dim=D, num_attention_heads=H, num_gqa_groups=G, recipe=DELAYED,
+        transpose_batch_sequence=False,
+    )  # fmt: skip
+    variables = nn.meta.unbox(linen_mha.init(jax.random.key(1), x, x))
+    mha = te_nnx.MultiHeadAttention(
+        32, D, H, num_gqa_groups=G, recipe=DELAYED, transpose_batch_sequence=False,
+        rngs=nnx.Rngs(0),
+    )  # fmt: skip
+    te_nnx.load_linen_variables(mha, variables)
+    linen_loss = lambda variables: jnp.sum(linen_mha.apply(variables, x, x)[0])  # noqa: E731
+    linen_new = jax.grad(linen_loss)(variables)["_overwrite_with_gradient"]
+    _, nnx_new = te_nnx.value_and_grad(lambda model: jnp.sum(model(x, x)[0]))(mha)
+    nnx_new = nnx.to_pure_dict(nnx_new)
+    for name in NAMES:
+        np.testing.assert_array_equal(nnx_new[name], linen_new[name], err_msg=name)
+
+
 def test_attention_layers_keep_the_fp8_attention_state_beside_the_projections():
     x = normal(jax.random.key(4), (B, S, 32))
     layer = te_nn.TransformerLayer(
