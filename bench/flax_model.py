@@ -9,7 +9,7 @@ projection, the MLP of ``bench.models.FlaxLayerNormMLP``), with
 
 ``ScannedLM`` is the example GPT's shell (tied byte embedding, learned positions, the blocks
 stacked with ``nn.scan``, a final norm) around either block, optionally with ``nn.remat`` on
-each block; with ``remat=False`` and the example's ``Block`` it is the example's ``GPT``.
+each block; with ``remat="off"`` and the example's ``Block`` it is the example's ``GPT``.
 """
 
 from __future__ import annotations
@@ -60,14 +60,16 @@ class FlaxBlock(nn.Module):
 
 class ScannedLM(nn.Module):
     """Embedding, ``layers`` blocks under ``nn.scan`` (each with its own parameters and FP8
-    state, ``nn.remat`` on each with ``remat``), a final norm and the tied output projection."""
+    state), a final norm and the tied output projection. ``remat``: ``"on"`` (``nn.remat`` on
+    each block, nothing saved), ``"dots"`` (``nn.remat`` saving the GEMM outputs,
+    ``dots_with_no_batch_dims_saveable``) or ``"off"``."""
 
     block: Any  # a block class called as (x, _) -> (x, None)
     block_attributes: dict
     vocab_size: int
     d_model: int
     layers: int
-    remat: bool = True
+    remat: str = "on"
     te_final_norm: bool = True  # te_flax's LayerNorm (the example's) or Flax's
 
     @nn.compact
@@ -80,7 +82,11 @@ class ScannedLM(nn.Module):
             "positions", nn.initializers.normal(0.02), (tokens.shape[1], self.d_model)
         )
         x = (embed(tokens) + positions[None]).astype(ACTIVATION_DTYPE)
-        block = nn.remat(self.block, prevent_cse=False) if self.remat else self.block
+        block = self.block
+        if self.remat != "off":
+            policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+            policy = policy if self.remat == "dots" else None
+            block = nn.remat(block, prevent_cse=False, policy=policy)
         blocks = nn.scan(
             block,
             variable_axes={"params": 0, OVERWRITE_WITH_GRADIENT: 0, "intermediates": 0},

@@ -166,14 +166,15 @@ def compile_gpt_step(
     fp8: bool,
     impl: str = "te_flax",
     layers: int = 2,
-    remat: bool = True,
+    remat: str = "on",
     batch: int = BATCH,
     seq: int = SEQ,
 ) -> tuple[str, float]:
     """The optimized H100 HLO of the example GPT's training step (``train_step`` of
     ``examples/lm/train.py``: te_flax's ``value_and_grad`` of the cross-entropy, then AdamW
-    through ``apply_gradients``), the blocks under ``nn.scan``, each under ``nn.remat`` with
-    ``remat``; ``impl="flax"``: the blocks written with Flax's layers and FP8 ops."""
+    through ``apply_gradients``), the blocks under ``nn.scan``, each under ``nn.remat`` as
+    ``remat`` says (``ScannedLM``); ``impl="flax"``: the blocks written with Flax's layers and
+    FP8 ops."""
     from types import SimpleNamespace
 
     import te_flax
@@ -380,7 +381,7 @@ SECTIONS = ("layer", "gpt")
 
 
 def measure(
-    section: str, hidden: int, variant: str, attention: str, layers: int, batch: int, remat: bool
+    section: str, hidden: int, variant: str, attention: str, layers: int, batch: int, remat: str
 ) -> dict:
     """Compile one configuration and return its figures (``modelled``) and compile seconds."""
     impl, fp8 = VARIANTS[variant]
@@ -391,15 +392,27 @@ def measure(
     return {**modelled(hlo_text, hidden, batch), "compile": seconds}
 
 
-def _gpt(layers: int, batch: int, remat: bool) -> str:
-    return f"gpt {layers} layers batch {batch} {'remat' if remat else 'no-remat'}"
+REMAT_NAMES = {"on": "remat", "off": "no-remat", "dots": "remat-dots"}
+REMAT_TITLES = {"remat": "remat on", "no-remat": "no remat", "remat-dots": "remat saving GEMMs"}
+REMAT_TEXT = {
+    "remat": "each wrapped in `nn.remat` (nothing saved; the example itself trains without "
+    "remat, `--remat off`). ",
+    "no-remat": "without remat, as the example trains (`--remat off`). ",
+    "remat-dots": "each wrapped in `nn.remat` with the policy "
+    "`jax.checkpoint_policies.dots_with_no_batch_dims_saveable` (GEMM outputs saved, the rest "
+    "recomputed; `--remat dots`). ",
+}
+
+
+def _gpt(layers: int, batch: int, remat: str) -> str:
+    return f"gpt {layers} layers batch {batch} {REMAT_NAMES[remat]}"
 
 
 def _key(section: str, hidden: int, variant: str, args: argparse.Namespace) -> str:
     where = (
         f"{section} {args.attention}"
         if section == "layer"
-        else _gpt(args.layers, args.batch, args.remat == "on")
+        else _gpt(args.layers, args.batch, args.remat)
     )
     return f"{where} {hidden} {variant}"
 
@@ -478,18 +491,13 @@ def render(store: dict) -> str:
             (
                 where,
                 f"The example GPT's training step ({layers} scanned layers, "
-                f"{'remat on' if remat == 'remat' else 'no remat'}, batch {batch} x {SEQ})",
+                f"{REMAT_TITLES[remat]}, batch {batch} x {SEQ})",
                 "`train_step` of `examples/lm/train.py` (te_flax's `value_and_grad` of the "
                 "cross-entropy, then AdamW through `apply_gradients`, the example's optimizer) "
                 f"on the example's GPT (`configs/lm_small.yaml` with d_model = hidden, {layers} "
                 "layers, byte vocabulary 256, tied embedding): its `Block`s stacked with "
                 "`nn.scan` as the example stacks them, "
-                + (
-                    "each wrapped in `nn.remat` (the example itself trains without remat; "
-                    "`--remat off`). "
-                    if remat == "remat"
-                    else "without remat, as the example trains (`--remat off`). "
-                )
+                + REMAT_TEXT[remat]
                 + "The Flax FP8 peer: the same shell (`bench.flax_model.ScannedLM`) around the "
                 "Flax block.",
             )
@@ -504,7 +512,8 @@ def render(store: dict) -> str:
 def _gpt_sections(store: dict) -> list[str]:
     """The GPT configurations in the store (``_gpt``), the default batch and remat first."""
     found = {key.rsplit(" ", 2)[0] for key in store if key.startswith("gpt ")}
-    return sorted(found, key=lambda where: (int(where.split()[4]), where.endswith("no-remat")))
+    names = list(REMAT_TEXT)
+    return sorted(found, key=lambda where: (int(where.split()[4]), names.index(where.split()[5])))
 
 
 def _goals(store: dict) -> list[str]:
@@ -561,7 +570,12 @@ NOTES = [
     "and 0.89 (8192) of Flax FP8's bytes at batch 2, 0.59 at batch 8, where Flax FP8 keeps "
     "large residuals for its backward. With remat on every block the ratio is about 1.0: "
     "Flax FP8 recomputes instead of keeping those residuals (its bytes fall), while te_flax "
-    "runs its quantize kernels again in the recomputation (its bytes rise).",
+    "runs its quantize kernels again in the recomputation (its bytes rise). With remat "
+    "saving the GEMM outputs (`--remat dots`) te_flax FP8 moves 1.10 (4096) / 1.13 (8192) of "
+    "Flax FP8's bytes: Flax's saved FP8 dot outputs spare its backward the recomputation, "
+    "while te_flax's GEMMs run inside its custom-gradient ops, whose quantized operands the "
+    "policy does not save, so its norm and quantize kernels run again (27 kernel calls, as "
+    "with full remat, against 17 without remat).",
     "- Within the scanned GPT te_flax pays for its quantize kernel being a custom call: XLA "
     "cannot fuse the scan's `dynamic-slice` of a float32 weight into it, so each weight slice "
     "is first copied out (`fusion kCustom __custom_fusion` in the top ops, 8 bytes per weight "
@@ -587,7 +601,7 @@ def main() -> None:
     )
     parser.add_argument("--layers", type=int, default=2, help="the GPT's scanned layers")
     parser.add_argument("--batch", type=int, default=BATCH, help="the GPT's batch")
-    parser.add_argument("--remat", choices=("on", "off"), default="on", help="the GPT's remat")
+    parser.add_argument("--remat", choices=tuple(REMAT_NAMES), default="on", help="the GPT's remat")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--store", type=Path, default=STORE)
     parser.add_argument("--render", action="store_true", help="only rewrite the results file")
@@ -607,7 +621,7 @@ def main() -> None:
                     args.attention,
                     args.layers,
                     args.batch,
-                    args.remat == "on",
+                    args.remat,
                 )
                 print(key, {k: v for k, v in store[key].items() if k != "by_kind"}, flush=True)
                 args.store.write_text(json.dumps(store, indent=1, sort_keys=True) + "\n")
