@@ -1,11 +1,20 @@
-"""Model-level figures: a TransformerLayer training step compiled deviceless for an H100.
+"""Model-level figures: a TransformerLayer and the example GPT's training step, deviceless H100.
 
-``JAX_PLATFORMS=cpu python -m bench.model`` compiles one training step (``value_and_grad`` of a
-Linen ``TransformerLayer``, bf16 compute, float32 parameters, causal self-attention) with XLA's
-real GPU compiler for the H100 SXM target of the test suite, in FP8 (delayed scaling, te_flax's
-Pallas kernels as a GPU process chooses them) and in BF16, at hidden 4096 and 8192, and writes
-``bench/RESULTS_model.md``: the FP8 GEMMs among all GEMMs, the attention lowering, the bytes the
-program moves and a **modelled** step time.
+``JAX_PLATFORMS=cpu python -m bench.model`` compiles training steps with XLA's real GPU compiler
+for the H100 SXM target of the test suite (te_flax's Pallas kernels and cuDNN attention as a GPU
+process chooses them) and writes ``bench/RESULTS_model.md``: the FP8 GEMMs among all GEMMs, the
+cuDNN attention calls, the bytes the program moves and a **modelled** step time, in BF16, te_flax
+FP8 (delayed scaling) and Flax FP8 (the same model written with Flax's FP8 ops,
+``bench/flax_model.py``), at hidden 4096 and 8192:
+
+* ``--section layer``: ``value_and_grad`` of one Linen ``TransformerLayer`` (bf16 compute,
+  float32 parameters, causal self-attention; ``--attention xla`` for XLA's attention);
+* ``--section gpt``: the example GPT's ``train_step`` (``examples/lm``), its blocks under
+  ``nn.scan`` (``--layers``), ``--remat on|off|dots``, ``--batch``.
+
+Each configuration's figures are kept in ``bench/results_model.json`` (``--hidden`` and
+``--variants`` pick configurations, ``--render`` only rewrites the results file). A scanned
+body's instructions count once per iteration (``program_rows``).
 
 The model, not a measurement: each instruction of the compiled program costs
 ``max(FLOPs / peak, bytes / bandwidth)`` with H100 SXM's public peaks (989 TFLOP/s dense BF16,
