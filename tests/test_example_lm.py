@@ -192,6 +192,12 @@ def test_compare_mode_writes_the_report(tmp_path, corpus, monkeypatch):
     # The ratio at every evaluation: a 4-step run evaluates after every step.
     assert "Eval loss ratio fp8 / bf16 at each evaluation (step: ratio): 0: " in report
     assert ", 4: " in report and "Farthest from 1: " in report
+    # The first-step latency (trace + compile + first step) of each run, in seconds.
+    header = next(line for line in report.splitlines() if line.startswith("| run |"))
+    column = header.split(" | ").index("first step (s)")
+    for run in ("fp8", "bf16"):
+        row = next(line for line in report.splitlines() if line.startswith(f"| {run} |"))
+        assert float(row.split(" | ")[column]) > 0
     assert (tmp_path / "loss.png").stat().st_size > 1000
 
 

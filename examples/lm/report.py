@@ -165,16 +165,21 @@ def write_report(config: Config, results: list[RunResult]) -> Path:
         "![loss curves](loss.png)",
         "",
         "| run | final train loss | first eval loss | final eval loss | eval drop | tokens/s "
-        "| step time (ms) | parameters |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| step time (ms) | first step (s) | parameters |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         drop = 1 - r.eval_loss[-1] / r.eval_loss[0]
         lines.append(
             f"| {r.name} | {r.train_loss[-1]:.4f} | {r.eval_loss[0]:.4f} | {r.eval_loss[-1]:.4f} "
             f"| {drop:.1%} | {r.tokens_per_s:,.0f} | {1000 * r.step_time_s:.1f} | "
-            f"{r.parameters:,} |"
+            f"{r.first_step_s:.1f} | {r.parameters:,} |"
         )
+    lines += [
+        "",
+        "First step: wall time of a run's first training step, tracing and compiling the jitted "
+        "step included (the first-step latency; later steps reuse the compiled program).",
+    ]
     if ratios is not None:
         a, b = results
         gap = a.eval_loss[-1] / b.eval_loss[-1] - 1

@@ -78,6 +78,9 @@ class RunResult:
     variables: Any  # the final variables (params and FP8 state), on the host
     partition_specs: Any = None  # how the final variables were laid out on the mesh
     aux_loss: list[float] = dataclasses.field(default_factory=list)  # MoE, per step
+    # Wall time of the run's first step: tracing, compiling and running train_step (0: resumed
+    # past the end, no step ran).
+    first_step_s: float = 0.0
     tokens_dropped: list[int] = dataclasses.field(default_factory=list)  # MoE, per step
 
 
@@ -440,6 +443,7 @@ def train(
         if manager is not None:
             manager.wait_until_finished()
             manager.close()
+        result.first_step_s = times[0] if times else 0.0
         steady = times[1:] or times
         result.step_time_s = float(np.median(steady)) if steady else 0.0
         result.tokens_per_s = t.batch * t.seq_len / result.step_time_s if steady else 0.0
