@@ -226,10 +226,7 @@ def summarize(hlo_text: str, layer: str, s: Shape, recipe: str) -> dict:
     """Bytes of the GEMMs and of every other kernel, the kernel count and the modelled time."""
     from te_flax._hlo import entry_rows, shape_bytes
 
-    # A tuple result of six or more values carries ``/*index=5*/`` comments, whose "=" the
-    # instruction pattern would take for the end of the type: without them, every custom call
-    # (TE's norm forward, its activation backward) is counted.
-    rows = entry_rows(re.sub(r"/\*index=\d+\*/", "", hlo_text))
+    rows = entry_rows(hlo_text)
     for row in rows:  # without a GEMM's workspace (TE's GEMM returns its own, as a byte array)
         if _is_gemm(row["instruction"]):
             row["bytes"] -= sum(

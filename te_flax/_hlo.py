@@ -63,6 +63,9 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _KERNEL_NAME = re.compile(r'op_name="[^"]*?(te_flax_\w+)')
 _FUSION = re.compile(r"\sfusion\(.*\bkind=k")
 _BITS = re.compile(r"(\d+)")
+# A tuple of six or more values carries ``/*index=5*/`` comments, whose "=" would end the
+# result type early: instructions are matched with them removed.
+_INDEX_COMMENT = re.compile(r"/\*index=\d+\*/")
 _COLLECTIVE = re.compile(
     r"\s(all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)(?:-start)?\(([^)]*)\)"
 )
@@ -276,6 +279,7 @@ def computation_rows(lines: Iterable[str]) -> list[dict[str, Any]]:
     types: dict[str, str] = {}
     rows = []
     for line in lines:
+        line = _INDEX_COMMENT.sub("", line)
         match = _INSTRUCTION.match(line)
         if match is None:
             continue
