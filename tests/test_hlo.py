@@ -4,16 +4,22 @@ from te_flax._hlo import computation_rows, entry_rows
 
 # Two instructions of an optimized module: a custom call returning a tuple of seven values (its
 # text carries ``/*index=5*/`` comments) and a fusion reading one of them.
-_MODULE = """\
-HloModule step
-
-ENTRY %main (p0: bf16[4,8]) -> f32[4] {
-  %p0 = bf16[4,8]{1,0} parameter(0)
-  %norm = (bf16[4,8]{1,0}, f32[4]{0}, f32[4]{0}, f32[1]{0}, f32[1]{0}, /*index=5*/f32[1]{0}, u8[16]{0}) custom-call(%p0), custom_call_target="te_norm_forward_ffi"
-  %gte = f32[4]{0} get-tuple-element(%norm), index=1
-  ROOT %out = f32[4]{0} fusion(%gte), kind=kLoop, calls=%fused
-}
-"""
+_NORM = (
+    "  %norm = (bf16[4,8]{1,0}, f32[4]{0}, f32[4]{0}, f32[1]{0}, f32[1]{0}, /*index=5*/f32[1]{0},"
+    ' u8[16]{0}) custom-call(%p0), custom_call_target="te_norm_forward_ffi"'
+)
+_MODULE = "\n".join(
+    [
+        "HloModule step",
+        "",
+        "ENTRY %main (p0: bf16[4,8]) -> f32[4] {",
+        "  %p0 = bf16[4,8]{1,0} parameter(0)",
+        _NORM,
+        "  %gte = f32[4]{0} get-tuple-element(%norm), index=1",
+        "  ROOT %out = f32[4]{0} fusion(%gte), kind=kLoop, calls=%fused",
+        "}",
+    ]
+)
 
 
 def test_a_tuple_of_six_or_more_values_is_counted_whole():
