@@ -17,7 +17,9 @@ reorders the tokens before sharding so that every device holds early and late to
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from functools import partial
+from typing import NamedTuple
 
 import einops
 import jax
@@ -179,7 +181,8 @@ def context_parallel_attention(
       reduce-scatters of the key and value gradients.
     * ``"RING"``: passes its key/value block round the ring with ``ppermute``, ``cp`` steps,
       combining the blocks with an online softmax (running maximum and sum in float32),
-      skipping a block none of its queries attends; backward is autodiff of the loop.
+      skipping a block none of its queries attends; the backward pass (a custom VJP) runs
+      the ring again from the saved output and log-sum-exp (flash-attention style).
 
     Masks are computed from the tokens' original positions and segment ids, so the result is
     the one-device attention's (``segment_ids``: ``(q ids, kv ids)`` ``[batch, len]``, 0 for
@@ -248,6 +251,18 @@ def _gather_keys_backward(axis: str, _: None, grad: Array) -> tuple[Array]:
 _gather_keys.defvjp(_gather_keys_forward, _gather_keys_backward)
 
 
+class _RingConfig(NamedTuple):
+    """The ring's static settings (hashable: the custom VJP's non-differentiated argument)."""
+
+    causal: bool
+    window: tuple[int, int] | None
+    scale: float
+    axis: str
+    cp_size: int
+    skip: bool
+    has_sink: bool
+
+
 def _ring(
     q: Array,
     block: tuple[Array, Array, Array, Array],
@@ -263,59 +278,205 @@ def _ring(
 ) -> Array:
     """Ring attention on one device: ``block`` = its (keys, values, key positions, key ids),
     passed on to the next device after each step; online softmax in float32. With ``skip``,
-    a block no query attends is skipped at run time."""
+    a block no query attends is skipped at run time. The backward pass (a custom VJP) runs
+    the ring again from the saved output and log-sum-exp, so no block outlives its step."""
+    k, v, kv_tok, kv_ids = block
+    config = _RingConfig(causal, window, float(scale), axis, cp_size, skip, sink is not None)
+    heads = q.shape[2]
+    sink_arg = jnp.zeros((1, heads, 1, 1), jnp.float32) if sink is None else sink
+    # Varying over the axis, so that autodiff sums the sink's per-device gradients.
+    sink_arg = _vary(sink_arg.astype(jnp.float32), axis)
+    return _ring_attention(config, q, k, v, q_tok, kv_tok, q_ids, kv_ids, sink_arg)
+
+
+def _vary(x: Array, axis: str) -> Array:
+    """``x`` marked as varying over ``axis`` (unchanged where it already is)."""
+    return x + lax.pcast(jnp.zeros((), x.dtype), (axis,), to="varying")
+
+
+def _ring_pass(
+    config: _RingConfig,
+    carry: tuple[Array, ...],
+    moving: tuple[Array, ...],
+    step_fn: Callable[
+        [tuple[Array, ...], tuple[Array, ...], Array], tuple[tuple[Array, ...], tuple[Array, ...]]
+    ],
+    q_tok: Array,
+    q_ids: Array,
+) -> tuple[tuple[Array, ...], tuple[Array, ...]]:
+    """``cp_size`` ring steps: ``moving`` = (keys, values, key positions, key ids, extras...)
+    visits every device, ``step_fn(carry, moving, keep)`` -> (carry, moving) at each; a block
+    no query attends is skipped (with ``config.skip``, never a device's own block). The steps
+    after the first are a loop, so one block's scores are live at a time."""
+    to_next = [(rank, (rank + 1) % config.cp_size) for rank in range(config.cp_size)]
+
+    def keep_of(moving: tuple[Array, ...]) -> Array:
+        return _block_keep(q_tok, q_ids, moving[2], moving[3], config.causal, config.window)
+
+    # A device's own block holds the diagonal: always computed.
+    carry, moving = step_fn(carry, moving, keep_of(moving))
+
+    def step(
+        state: tuple[tuple[Array, ...], tuple[Array, ...]], _: None
+    ) -> tuple[tuple[tuple[Array, ...], tuple[Array, ...]], None]:
+        # The next block waits for this one's step: its scores are freed first (a loop of one
+        # step is unrolled by XLA, whose scheduler would otherwise overlap the two).
+        carry, moving = lax.optimization_barrier(state)
+        moving = tuple(lax.ppermute(t, config.axis, to_next) for t in moving)
+        keep = keep_of(moving)
+        if config.skip:  # a block no query attends (causal, windows, other documents)
+            state = lax.cond(jnp.any(keep), step_fn, lambda c, m, keep: (c, m), carry, moving, keep)
+        else:
+            state = step_fn(carry, moving, keep)
+        return state, None
+
+    (carry, moving), _ = lax.scan(step, (carry, moving), None, length=config.cp_size - 1)
+    return carry, moving
+
+
+def _scores(config: _RingConfig, grouped: Array, k: Array, keep: Array) -> Array:
+    """``[batch, heads, q, kv]`` float32 scaled logits, -inf where not attended."""
     from te_flax.attention import _logits
 
-    kv_heads = block[0].shape[2]
+    logits = _logits(grouped, k)  # [b, kv_heads, group, q, kv] float32
+    logits = einops.rearrange(logits, "b k g q s -> b (k g) q s") * jnp.float32(config.scale)
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+def _ring_forward(
+    config: _RingConfig, q: Array, k: Array, v: Array, q_tok: Array, kv_tok: Array,
+    q_ids: Array, kv_ids: Array, sink: Array,
+) -> tuple[Array, Array]:  # fmt: skip
+    """The output ``[b, q, h, d]`` and the rows' log-sum-exp ``[b, h, q]`` (float32)."""
+    kv_heads = k.shape[2]
     grouped = einops.rearrange(q, "b q (k g) d -> b q k g d", k=kv_heads)
     batch, q_len, heads = q.shape[:3]
     # Running max, sum and weighted values; the sink is one more logit every row starts with.
-    if sink is None:
+    if config.has_sink:
+        row_max = jnp.broadcast_to(sink[..., 0], (batch, heads, q_len))
+        row_sum = jnp.ones((batch, heads, q_len), jnp.float32)
+    else:
         row_max = jnp.full((batch, heads, q_len), -jnp.inf, jnp.float32)
         row_sum = jnp.zeros((batch, heads, q_len), jnp.float32)
-    else:
-        # exp(sink - max) with the max held constant: 1, with the sink's gradient.
-        start = sink[..., 0] - lax.stop_gradient(sink[..., 0])
-        row_max = jnp.broadcast_to(lax.stop_gradient(sink[..., 0]), (batch, heads, q_len))
-        row_sum = jnp.broadcast_to(jnp.exp(start), (batch, heads, q_len))
     acc = jnp.zeros((batch, heads, q_len, q.shape[3]), jnp.float32)
-    to_next = [(rank, (rank + 1) % cp_size) for rank in range(cp_size)]
 
     def attend(
-        state: tuple[Array, Array, Array], k: Array, v: Array, keep: Array
-    ) -> tuple[Array, Array, Array]:
+        state: tuple[Array, ...], moving: tuple[Array, ...], keep: Array
+    ) -> tuple[tuple[Array, ...], tuple[Array, ...]]:
         """One block into the running (max, sum, weighted values)."""
         row_max, row_sum, acc = state
-        logits = _logits(grouped, k)  # [b, kv_heads, group, q, kv] float32
-        logits = einops.rearrange(logits, "b k g q s -> b (k g) q s") * jnp.float32(scale)
-        logits = jnp.where(keep, logits, -jnp.inf)
-        # The result does not depend on the running max: no gradient through it.
-        new_max = lax.stop_gradient(jnp.maximum(row_max, jnp.max(logits, axis=-1)))
+        logits = _scores(config, grouped, moving[0], keep)
+        new_max = jnp.maximum(row_max, jnp.max(logits, axis=-1))
         shift = jnp.where(jnp.isfinite(new_max), new_max, jnp.float32(0.0))
         correction = jnp.exp(row_max - shift)
         probs = jnp.exp(logits - shift[..., None])  # masked: exp(-inf) = 0
         row_sum = row_sum * correction + jnp.sum(probs, axis=-1)
+        v = moving[1]
         probs = einops.rearrange(probs.astype(v.dtype), "b (k g) q s -> b k g q s", k=kv_heads)
         weighted = jnp.einsum("bkgqs,bskd->bkgqd", probs, v, preferred_element_type=jnp.float32)
         acc = acc * correction[..., None] + einops.rearrange(weighted, "b k g q d -> b (k g) q d")
-        return new_max, row_sum, acc
+        return (new_max, row_sum, acc), moving
 
     # Every device's state varies over the axis (the blocks do), whatever it starts from.
-    state = tuple(lax.pcast(t, (axis,), to="varying") for t in (row_max, row_sum, acc))
-    for step in range(cp_size):
-        k, v, kv_tok, kv_ids = block
-        keep = _block_keep(q_tok, q_ids, kv_tok, kv_ids, causal, window)
-        if step == 0 or not skip:  # a device's own block holds the diagonal
-            state = attend(state, k, v, keep)
-        else:  # a block no query attends (causal, windows, other documents) is skipped
-            state = lax.cond(
-                jnp.any(keep), lambda s, k, v, keep: attend(s, k, v, keep),
-                lambda s, k, v, keep: s, state, k, v, keep,
-            )  # fmt: skip
-        if step + 1 < cp_size:
-            k, v, kv_tok, kv_ids = (lax.ppermute(t, axis, to_next) for t in block)
-            block = (k, v, kv_tok, kv_ids)
-    row_max, row_sum, acc = state
+    state = tuple(_vary(t, config.axis) for t in (row_max, row_sum, acc))
+    (row_max, row_sum, acc), _ = _ring_pass(
+        config, state, (k, v, kv_tok, kv_ids), attend, q_tok, q_ids
+    )
     # A query that sees no key (padding) gets zeros, as on one device.
-    out = jnp.where(row_sum[..., None] > 0, acc / jnp.maximum(row_sum, 1e-30)[..., None], 0.0)
-    return einops.rearrange(out, "b h q d -> b q h d").astype(q.dtype)
+    seen = row_sum > 0
+    out = jnp.where(seen[..., None], acc / jnp.maximum(row_sum, 1e-30)[..., None], 0.0)
+    lse = jnp.where(seen, row_max + jnp.log(jnp.maximum(row_sum, 1e-30)), jnp.float32(0.0))
+    return einops.rearrange(out, "b h q d -> b q h d").astype(q.dtype), lse
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring_attention(
+    config: _RingConfig, q: Array, k: Array, v: Array, q_tok: Array, kv_tok: Array,
+    q_ids: Array, kv_ids: Array, sink: Array,
+) -> Array:  # fmt: skip
+    return _ring_forward(config, q, k, v, q_tok, kv_tok, q_ids, kv_ids, sink)[0]
+
+
+def _ring_attention_forward(
+    config: _RingConfig, q: Array, k: Array, v: Array, q_tok: Array, kv_tok: Array,
+    q_ids: Array, kv_ids: Array, sink: Array,
+) -> tuple[Array, tuple[Array, ...]]:  # fmt: skip
+    """Saves the local q, k, v, the output and the log-sum-exp (and the small ids)."""
+    out, lse = _ring_forward(config, q, k, v, q_tok, kv_tok, q_ids, kv_ids, sink)
+    return out, (q, k, v, out, lse, q_tok, kv_tok, q_ids, kv_ids, sink)
+
+
+def _ring_attention_backward(
+    config: _RingConfig, saved: tuple[Array, ...], grad: Array
+) -> tuple[Array | None, ...]:
+    """Flash-attention backward round the ring: each step recomputes a block's probabilities
+    from the log-sum-exp; the block's key/value gradients travel with it (float32) and are
+    back on their device after one more hop."""
+    q, k, v, out, lse, q_tok, kv_tok, q_ids, kv_ids, sink = saved
+    # Not the forward's blocks: the backward recomputes its own (no common subexpression
+    # keeps the forward's scores alive until here).
+    q, k, v, out, lse, grad = lax.optimization_barrier((q, k, v, out, lse, grad))
+    kv_heads = k.shape[2]
+    group = q.shape[2] // kv_heads
+    grouped = einops.rearrange(q, "b q (k g) d -> b q k g d", k=kv_heads)
+    grad_grouped = einops.rearrange(grad, "b q (k g) d -> b q k g d", k=kv_heads)
+    # D = rowsum(dO * O): the softmax's correction, [b, h, q].
+    delta = jnp.einsum("bqhd,bqhd->bhq", grad.astype(jnp.float32), out.astype(jnp.float32))
+    scale = jnp.float32(config.scale)
+
+    def block_grads(
+        carry: tuple[Array, ...], moving: tuple[Array, ...], keep: Array
+    ) -> tuple[tuple[Array, ...], tuple[Array, ...]]:
+        (dq,) = carry
+        k, v, kv_tok, kv_ids, dk, dv = moving
+        probs = jnp.where(keep, jnp.exp(_scores(config, grouped, k, keep) - lse[..., None]), 0.0)
+        probs = einops.rearrange(probs, "b (k g) q s -> b k g q s", k=kv_heads)
+        dprobs = jnp.einsum(
+            "bqkgd,bskd->bkgqs", grad_grouped, v, preferred_element_type=jnp.float32
+        )
+        dscores = probs * (
+            dprobs - einops.rearrange(delta, "b (k g) q -> b k g q", k=kv_heads)[..., None]
+        )
+        dq = dq + scale * jnp.einsum(
+            "bkgqs,bskd->bqkgd", dscores, k, preferred_element_type=jnp.float32
+        )
+        dk = dk + scale * jnp.einsum(
+            "bkgqs,bqkgd->bskd", dscores, grouped, preferred_element_type=jnp.float32
+        )
+        dv = dv + jnp.einsum(
+            "bkgqs,bqkgd->bskd", probs, grad_grouped, preferred_element_type=jnp.float32
+        )
+        return (dq,), (k, v, kv_tok, kv_ids, dk, dv)
+
+    dq = jnp.zeros(grouped.shape, jnp.float32)
+    dk = jnp.zeros(k.shape, jnp.float32)
+    dv = jnp.zeros(v.shape, jnp.float32)
+    state = (_vary(dq, config.axis),)
+    zeros = tuple(_vary(t, config.axis) for t in (dk, dv))
+    (dq,), moving = _ring_pass(
+        config, state, (k, v, kv_tok, kv_ids, *zeros), block_grads, q_tok, q_ids
+    )
+    # The key/value gradients are one hop from home.
+    to_next = [(rank, (rank + 1) % config.cp_size) for rank in range(config.cp_size)]
+    dk, dv = (lax.ppermute(t, config.axis, to_next) for t in moving[4:])
+    dq = einops.rearrange(dq, "b q k g d -> b q (k g) d", g=group)
+    dsink = None
+    if config.has_sink:
+        # The sink is a logit whose value is 0: its gradient is -sum p_sink * D.
+        dsink = -jnp.sum(jnp.exp(sink[..., 0] - lse) * delta, axis=(0, 2))
+        dsink = dsink.reshape(sink.shape)
+    else:
+        dsink = jnp.zeros_like(sink)
+    return (
+        dq.astype(q.dtype),
+        dk.astype(k.dtype),
+        dv.astype(v.dtype),
+        None,
+        None,
+        None,
+        None,
+        dsink,
+    )
+
+
+_ring_attention.defvjp(_ring_attention_forward, _ring_attention_backward)
