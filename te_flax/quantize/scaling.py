@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import Array, lax
-from jax.typing import DTypeLike
+from jax.typing import ArrayLike, DTypeLike
 
 __all__ = [
     "amax",
@@ -31,6 +31,25 @@ __all__ = [
 ]
 
 _F32 = jnp.finfo(jnp.float32)
+
+
+def _where(condition: Array, x: ArrayLike, y: ArrayLike) -> Array:
+    """``jnp.where`` as one ``select`` in the program, not a call of a jitted helper: the scale
+    math runs once per quantizer per step, and each call is one more function to trace and
+    compile."""
+    dtype = jnp.result_type(x, y)
+    shape = jnp.broadcast_shapes(jnp.shape(condition), jnp.shape(x), jnp.shape(y))
+    return lax.select(
+        jnp.broadcast_to(condition, shape),
+        jnp.broadcast_to(jnp.asarray(x, dtype), shape),
+        jnp.broadcast_to(jnp.asarray(y, dtype), shape),
+    )
+
+
+def _clip_normal(x: Array) -> Array:
+    """``jnp.clip(x, tiny, max)`` of float32 (NaN stays NaN), without the call ``jnp.clip``
+    lowers to."""
+    return jnp.minimum(_F32.max, jnp.maximum(_F32.tiny, x))
 
 
 def fp8_max(dtype: DTypeLike) -> float:
@@ -100,17 +119,17 @@ def compute_scale_inv(
     if power_2_scale:
         assert margin == 0, "power-of-two scales take no margin"
         scale = jnp.float32(fp8_max(dtype)) / amax_value.astype(jnp.float32)
-        scale = jnp.where(jnp.isinf(scale), _F32.max, scale)
+        scale = _where(jnp.isinf(scale), _F32.max, scale)
         # Dropping the mantissa bits rounds a positive float32 down to a power of two.
         bits = lax.bitcast_convert_type(scale, jnp.uint32) & jnp.uint32(0xFF800000)
         scale_inv = 1.0 / lax.bitcast_convert_type(bits, jnp.float32)
     else:
         scale_inv = amax_value * (2.0**margin / fp8_max(dtype))
     valid = jnp.isfinite(amax_value) & (amax_value > 0)
-    scale_inv = jnp.where(valid, scale_inv, previous_scale_inv)
+    scale_inv = _where(valid, scale_inv, previous_scale_inv)
     # A denormal amax would underflow to 0 and a huge one overflow to inf; both break the next
     # quantization, so keep the scale inside float32's normal range.
-    return jnp.clip(scale_inv, _F32.tiny, _F32.max).astype(jnp.float32)
+    return _clip_normal(scale_inv).astype(jnp.float32)
 
 
 def scale_inv_from_scaling_factor(
@@ -146,7 +165,7 @@ def push_amax(history: Array, amax_value: Array) -> Array:
     A NaN or infinite amax is recorded as 0 ("no information"), so one bad step cannot pin the
     scale for the next ``len(history)`` steps; the scale of that step stays as it was.
     """
-    recorded = jnp.where(jnp.isfinite(amax_value), amax_value, 0.0).astype(history.dtype)
+    recorded = _where(jnp.isfinite(amax_value), amax_value, 0.0).astype(history.dtype)
     return jnp.concatenate([recorded.reshape(1), history[:-1]])
 
 
@@ -170,7 +189,8 @@ def quantize(x: Array, dtype: DTypeLike, scale_inv: Array) -> Array:
     """
     limit = fp8_max(dtype)
     scaled = x.astype(jnp.float32) / scale_inv.astype(jnp.float32)
-    return jnp.clip(scaled, -limit, limit).astype(dtype)
+    # jnp.clip's arithmetic, without the call it lowers to (one per quantization).
+    return jnp.minimum(limit, jnp.maximum(-limit, scaled)).astype(dtype)
 
 
 def dequantize(q: Array, scale_inv: Array, dtype: DTypeLike = jnp.float32) -> Array:
