@@ -391,13 +391,22 @@ CASES = [
              {}, jnp.ones((2, 4, 4, 8), F32), jnp.ones((2, 4, 4, 8), F32),
              jnp.ones((2, 4, 4, 8), F32),
              sequence_descriptor=te_flax.attention.SequenceDescriptor.from_segment_ids_and_pos(
-                 jnp.ones((2, 5), jnp.int32), jnp.zeros((2, 5), jnp.int32))),
+                 jnp.ones((2, 5), jnp.int32), jnp.tile(jnp.arange(5), (2, 1)))),
          ValueError, r"^segment_ids must be \[batch, seq\] with seq 4",
          r"the tensors' sequence axis"),
     case("attention-segment-pos-missing",
          lambda: te_flax.attention.SequenceDescriptor.from_segment_ids_and_pos(
              jnp.ones((2, 4), jnp.int32)),
          ValueError, r"^from_segment_ids_and_pos needs segment_pos", r"pass \[0, 1, 0, 1, 2\]"),
+    case("attention-segment-pos-mismatch",
+         lambda: te_flax.attention.SequenceDescriptor.from_segment_ids_and_pos(
+             jnp.array([[1, 1, 1, 1]]), jnp.array([[0, 1, 0, 1]])),
+         ValueError, r"^segment_pos does not match segment_ids: segment 1 of row 0 has 4 tokens",
+         r"restart at 0 per document.*do not reuse an id"),
+    case("attention-segment-ids-negative",
+         lambda: te_flax.attention.SequenceDescriptor.from_segment_ids_and_pos(
+             jnp.array([[1, -1]]), jnp.array([[0, 0]])),
+         ValueError, r"^segment_ids must be >= 0 .*got -1", r"pad with 0"),
     case("attention-reorder-length",
          lambda: te_flax.attention.reorder_causal_load_balancing(
              jnp.ones((2, 6, 4), F32), te_flax.attention.ReorderStrategy.DualChunkSwap, 2, 1),
