@@ -5,7 +5,10 @@ on import; the repository's top-level conftest.py imports it too, so the doctest
 run under the same rules.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _FLAGS = (
@@ -15,6 +18,20 @@ _FLAGS = (
 )
 _existing = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join([_existing, *(f for f in _FLAGS if f not in _existing)]).strip()
+
+# One persistent compilation cache for the whole run: the first process to import this module
+# (the pytest controller) makes a temporary folder and removes it at exit; the xdist workers and
+# every subprocess the tests launch (the examples, scripts/gpu_check, the docs build) inherit the
+# environment, so a program compiled once is loaded, not recompiled, by every other process.
+# Every compile is kept (no minimum compile time or size); executables with host callbacks are
+# never cached by JAX. JAX_COMPILATION_CACHE_DIR set beforehand (a folder kept between runs)
+# is used as it is; JAX_ENABLE_COMPILATION_CACHE=false turns the cache off.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache_dir = tempfile.mkdtemp(prefix="te-flax-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import jax  # noqa: E402
 
@@ -30,3 +47,34 @@ settings.register_profile(
 )
 settings.register_profile("long", max_examples=50, deadline=None, database=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+# The modules with the longest cases (a minute or more each on two CPU cores), longest first.
+_LONGEST_FIRST = (
+    "test_gpu_check.py",
+    "test_long_run.py",
+    "test_example_lm.py",
+    "test_readme.py",
+    "test_checkpoint_faults.py",
+    "test_attention_packing.py",
+    "test_example_encoder.py",
+    "test_docs.py",
+    "test_moe.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Runs the longest modules first, then the other modules with slow cases, then the rest.
+
+    Under `pytest -n auto --dist worksteal` (scripts/test) the idle worker takes work from the
+    end of the busy one's queue, so with the long cases at the front the run ends on short ones
+    and has no long tail on one worker. Each module's cases stay together and in their order.
+    """
+    slow_modules = {item.path for item in items if item.get_closest_marker("slow")}
+
+    def rank(item):
+        if item.path.name in _LONGEST_FIRST:
+            return _LONGEST_FIRST.index(item.path.name)
+        return len(_LONGEST_FIRST) + (0 if item.path in slow_modules else 1)
+
+    items[:] = sorted(items, key=rank)
