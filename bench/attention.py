@@ -214,7 +214,7 @@ def main() -> None:
         "step's blocks and probabilities for the backward pass), the ring's per-device bytes "
         "at 8192 tokens were 2640.4 / 1322.7 / 677.5 MiB on 2 / 4 / 8 devices (4096 tokens: "
         "680.2 / 341.3 / 178.7 MiB), by the same command. From 4 devices on the custom VJP "
-        "is 2-4x smaller; on 2 it is larger (3648 against 2640 MiB at 8192 tokens): one "
+        "is 2.4-4.4x smaller; on 2 it is larger (3648 against 2640 MiB at 8192 tokens): one "
         "4096 x 4096 block's backward working set (scores, probabilities, their gradients and "
         "transposed copies) is about 7 float32 score-sized buffers.",
         "",

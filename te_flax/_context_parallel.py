@@ -429,7 +429,8 @@ def _ring_attention_backward(
     ) -> tuple[tuple[Array, ...], tuple[Array, ...]]:
         (dq,) = carry
         k, v, kv_tok, kv_ids, dk, dv = moving
-        probs = jnp.where(keep, jnp.exp(_scores(config, grouped, k, keep) - lse[..., None]), 0.0)
+        # Masked scores are -inf: their probabilities are exp(-inf) = 0.
+        probs = jnp.exp(_scores(config, grouped, k, keep) - lse[..., None])
         probs = einops.rearrange(probs, "b (k g) q s -> b k g q s", k=kv_heads)
         dprobs = jnp.einsum(
             "bqkgd,bskd->bkgqs", grad_grouped, v, preferred_element_type=jnp.float32
