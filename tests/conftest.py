@@ -34,6 +34,19 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import jax  # noqa: E402
+from jax._src import compilation_cache  # noqa: E402
+
+# CPU programs only: a deviceless GPU executable (the gpu_compile tests) is written to the cache
+# but cannot be read back without a GPU client ("PjRtCompiler must be constructed with a
+# Client"), so a second compile of the same deviceless program would fail on the cache read.
+_cache_used_by_jax = compilation_cache.is_cache_used
+
+
+def _cache_used_on_cpu(backend) -> bool:
+    return backend.platform == "cpu" and _cache_used_by_jax(backend)
+
+
+compilation_cache.is_cache_used = _cache_used_on_cpu
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
