@@ -213,10 +213,13 @@ def main() -> None:
         "Before the ring's custom VJP (autodiff through the ring's loop, which keeps every "
         "step's blocks and probabilities for the backward pass), the ring's per-device bytes "
         "at 8192 tokens were 2640.4 / 1322.7 / 677.5 MiB on 2 / 4 / 8 devices (4096 tokens: "
-        "680.2 / 341.3 / 178.7 MiB), by the same command. From 4 devices on the custom VJP "
-        "is 2.4-4.4x smaller; on 2 it is larger (3648 against 2640 MiB at 8192 tokens): one "
-        "4096 x 4096 block's backward working set (scores, probabilities, their gradients and "
-        "transposed copies) is about 7 float32 score-sized buffers.",
+        "680.2 / 341.3 / 178.7 MiB), by the same command. Every ring step, a device's own "
+        "block included, is one loop iteration, forward and backward: with the own block "
+        "outside the loop (and on 2 devices the loop of one step unrolled), XLA merged the "
+        "backward's recomputed scores with the forward's and kept them from one to the other "
+        "(3648 / 562 / 153 MiB at 8192 tokens). A device's peak is now one block's backward "
+        "working set, about 4 float32 `heads x seq/cp x seq/cp` buffers: 2 devices need about "
+        "4x the bytes of 4.",
         "",
         "| strategy | seq | "
         + " | ".join(f"{cp} device{'s' * (cp > 1)} (MiB)" for cp in sizes)

@@ -305,32 +305,34 @@ def _ring_pass(
     q_ids: Array,
 ) -> tuple[tuple[Array, ...], tuple[Array, ...]]:
     """``cp_size`` ring steps: ``moving`` = (keys, values, key positions, key ids, extras...)
-    visits every device, ``step_fn(carry, moving, keep)`` -> (carry, moving) at each; a block
-    no query attends is skipped (with ``config.skip``, never a device's own block). The steps
-    after the first are a loop, so one block's scores are live at a time."""
+    visits every device, ``step_fn(carry, moving, keep)`` -> (carry, moving) at each, then
+    passes on to the next device; a block no query attends is skipped (with ``config.skip``).
+
+    Every step, a device's own block included, is one loop of ``cp_size`` iterations, so that
+    ``moving`` is back home at the end (one hop more than the blocks need; the backward's key
+    and value gradients need it). Outside a loop the own block's forward scores and the
+    backward's would be one value (common subexpressions are merged across the optimization
+    barrier on the CPU), kept alive from the forward to the backward; and a loop of one step
+    (2 devices) would be unrolled into the forward's and backward's straight-line code, which
+    then share every block's scores. One block's scores are live at a time."""
     to_next = [(rank, (rank + 1) % config.cp_size) for rank in range(config.cp_size)]
-
-    def keep_of(moving: tuple[Array, ...]) -> Array:
-        return _block_keep(q_tok, q_ids, moving[2], moving[3], config.causal, config.window)
-
-    # A device's own block holds the diagonal: always computed.
-    carry, moving = step_fn(carry, moving, keep_of(moving))
 
     def step(
         state: tuple[tuple[Array, ...], tuple[Array, ...]], _: None
     ) -> tuple[tuple[tuple[Array, ...], tuple[Array, ...]], None]:
-        # The next block waits for this one's step: its scores are freed first (a loop of one
-        # step is unrolled by XLA, whose scheduler would otherwise overlap the two).
+        # The next block waits for this one's step: its scores are freed first.
         carry, moving = lax.optimization_barrier(state)
-        moving = tuple(lax.ppermute(t, config.axis, to_next) for t in moving)
-        keep = keep_of(moving)
+        keep = _block_keep(q_tok, q_ids, moving[2], moving[3], config.causal, config.window)
         if config.skip:  # a block no query attends (causal, windows, other documents)
-            state = lax.cond(jnp.any(keep), step_fn, lambda c, m, keep: (c, m), carry, moving, keep)
+            carry, moving = lax.cond(
+                jnp.any(keep), step_fn, lambda c, m, keep: (c, m), carry, moving, keep
+            )
         else:
-            state = step_fn(carry, moving, keep)
-        return state, None
+            carry, moving = step_fn(carry, moving, keep)
+        moving = tuple(lax.ppermute(t, config.axis, to_next) for t in moving)
+        return (carry, moving), None
 
-    (carry, moving), _ = lax.scan(step, (carry, moving), None, length=config.cp_size - 1)
+    (carry, moving), _ = lax.scan(step, (carry, moving), None, length=config.cp_size)
     return carry, moving
 
 
@@ -411,10 +413,10 @@ def _ring_attention_backward(
 ) -> tuple[Array | None, ...]:
     """Flash-attention backward round the ring: each step recomputes a block's probabilities
     from the log-sum-exp; the block's key/value gradients travel with it (float32) and are
-    back on their device after one more hop."""
+    back on their device when the ring ends."""
     q, k, v, out, lse, q_tok, kv_tok, q_ids, kv_ids, sink = saved
-    # Not the forward's blocks: the backward recomputes its own (no common subexpression
-    # keeps the forward's scores alive until here).
+    # Not the forward's blocks: the backward recomputes its own, in its own loop (the barrier
+    # alone does not stop XLA from merging straight-line recomputation with the forward's).
     q, k, v, out, lse, grad = lax.optimization_barrier((q, k, v, out, lse, grad))
     kv_heads = k.shape[2]
     group = q.shape[2] // kv_heads
@@ -457,9 +459,7 @@ def _ring_attention_backward(
     (dq,), moving = _ring_pass(
         config, state, (k, v, kv_tok, kv_ids, *zeros), block_grads, q_tok, q_ids
     )
-    # The key/value gradients are one hop from home.
-    to_next = [(rank, (rank + 1) % config.cp_size) for rank in range(config.cp_size)]
-    dk, dv = (lax.ppermute(t, config.axis, to_next) for t in moving[4:])
+    dk, dv = moving[4:]  # back home with their blocks
     dq = einops.rearrange(dq, "b q k g d -> b q (k g) d", g=group)
     dsink = None
     if config.has_sink:

@@ -114,7 +114,9 @@ def test_context_parallel_equals_one_device(cp_size, strategy, balanced, packed,
     "strategy, collective", [("all_gather", "all-gather"), ("ring", "collective-permute")]
 )
 def test_the_strategies_communicate_as_named(strategy, collective):
-    """All-gather gathers K/V (no permutes); the ring passes them on, 3 steps for 4 devices."""
+    """All-gather gathers K/V (no permutes); the ring passes them on in a loop of 4 steps for 4
+    devices, and its training step on 2 devices is two loops (forward and backward rings), not
+    unrolled into code where the backward would share the forward's score blocks."""
     q, k, v = _qkv()
     module = _module(strategy, True)
     with jax.set_mesh(_mesh(4)):
@@ -122,16 +124,23 @@ def test_the_strategies_communicate_as_named(strategy, collective):
     assert collective in hlo
     other = "collective-permute" if strategy == "all_gather" else "all-gather"
     assert other not in hlo
-    if strategy == "ring":  # k, v and their positions and ids, in the loop of 3 steps
+    if strategy == "ring":  # k, v and their positions and ids, in the loop of 4 steps
         assert hlo.count("collective-permute-start(") + hlo.count("collective-permute(") == 4
-        assert "while(" in hlo
+        assert hlo.count("while(") == 1
         # Load balanced causal blocks are all partly attended: none is tested for skipping;
-        # without balancing each block after a device's own is skipped where unattended.
+        # without balancing each block is skipped where unattended.
         assert "conditional(" not in hlo
         plain = _module(strategy, False)
         with jax.set_mesh(_mesh(4)):
             lowered = jax.jit(lambda q, k, v: plain.apply({}, q, k, v)).lower(q, k, v)
         assert lowered.compile().as_text().count("conditional(") == 1  # in the loop
+
+        def loss(q, k, v):
+            return jnp.sum(module.apply({}, q, k, v))
+
+        with jax.set_mesh(_mesh(2)):
+            step = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile()
+        assert step.as_text().count("while(") == 2
 
 
 def test_bf16_all_gather_gradients_are_summed_in_float32():
