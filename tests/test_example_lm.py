@@ -124,7 +124,7 @@ def _final_checkpoint(directory: Path, step: int):
 def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(tmp_path, frontend):
     # Two command-line runs (each one costs its start-up, not its few steps): an uninterrupted
     # one, checkpointed at steps 2 and 4, and one resumed in a new process from a copy of its
-    # step-2 checkpoint alone (train.stop_at, which splits a run, is used by the next test).
+    # step-2 checkpoint alone.
     common = [*TINY, f"model.frontend={frontend}", "train.steps=4", "checkpoint_every=2"]
     _run_cli(*common, "train.eval_batches=1", f"output_dir={tmp_path / 'whole'}")
     whole_dir = tmp_path / "whole" / "train" / "checkpoints"
@@ -142,14 +142,16 @@ def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(tmp_path, frontend
 @pytest.mark.parametrize("frontend", ["linen", "nnx"])
 def test_one_device_checkpoint_restores_sharded_onto_eight_devices(tmp_path, corpus, frontend):
     assert jax.device_count() == 8
-    base = [f"model.frontend={frontend}", "train.steps=6", "checkpoint_every=3"]
+    base = [f"model.frontend={frontend}", "train.steps=4", "checkpoint_every=2"]
+    base += ["train.eval_batches=1"]
     fsdp8 = ["rules=fsdp", "mesh.fsdp=8"]
     quiet = dict(corpus=corpus, progress=False)
-    first = train(_config(tmp_path, *base, "train.stop_at=3"), "run", **quiet)
-    assert first.steps == [1, 2, 3]
-    single = train(_config(tmp_path / "copy", *base), "run", **quiet)
+    # The one-device run, checkpointed at steps 2 and 4; its step-2 checkpoint alone is resumed.
+    single = train(_config(tmp_path / "single", *base), "run", **quiet)
+    checkpoints = Path("run", "checkpoints", "2")
+    shutil.copytree(tmp_path / "single" / checkpoints, tmp_path / checkpoints)
     resumed = train(_config(tmp_path, *base, *fsdp8), "run", resume=True, **quiet)
-    assert resumed.steps == [4, 5, 6]
+    assert single.steps == [1, 2, 3, 4] and resumed.steps == [3, 4]
     # Restored sharded as the fsdp rules say: the MLP kernels' embed axis over 8 devices.
     specs = resumed.partition_specs["params"]["blocks"]["mlp"]
     # ([layers, embed, act, mlp] and [layers, mlp, embed]; JAX drops trailing Nones.)
