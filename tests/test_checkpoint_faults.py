@@ -267,10 +267,16 @@ def _checkpoints(output_dir: Path) -> Path:
     return output_dir / "train" / "checkpoints"
 
 
+def _restore_step(output_dir: Path, step: int):
+    with ocp.CheckpointManager(_checkpoints(output_dir).resolve()) as manager:
+        return manager.restore(step, args=ocp.args.StandardRestore())
+
+
 def _restore(output_dir: Path, step: int):
+    """The latest checkpoint, which must be ``step``'s."""
     with ocp.CheckpointManager(_checkpoints(output_dir).resolve()) as manager:
         assert manager.latest_step() == step
-        return manager.restore(step, args=ocp.args.StandardRestore())
+    return _restore_step(output_dir, step)
 
 
 @pytest.fixture(scope="module")
@@ -281,36 +287,41 @@ def uninterrupted(tmp_path_factory):
     return output_dir, json.loads((output_dir / "run.json").read_text())
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("kill", "last_complete", "unfinished"),
-    [("save:6", 4, ["6.orbax-checkpoint-tmp"]), ("step:7", 6, [])],
-    ids=["during_a_save", "between_saves"],
-)
-def test_a_killed_run_resumes_from_the_last_complete_checkpoint_bit_for_bit(
-    tmp_path, uninterrupted, kill, last_complete, unfinished
-):
-    whole_dir, whole = uninterrupted
-    killed = _run(tmp_path, kill=kill)
+def _assert_killed(output_dir: Path, killed, measured: str, complete: list[int], unfinished):
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    assert not (tmp_path / "run.json").exists()
+    assert not (output_dir / measured).exists()
     # On disk: complete steps (the two newest kept), and the killed save's temporary directory.
-    complete = [last_complete - 2, last_complete]
-    names = sorted(path.name for path in _checkpoints(tmp_path).iterdir())
+    names = sorted(path.name for path in _checkpoints(output_dir).iterdir())
     assert names == sorted([str(step) for step in complete] + unfinished)
     for step in complete:
-        assert (_checkpoints(tmp_path) / str(step) / "commit_success.txt").exists()
-    with ocp.CheckpointManager(_checkpoints(tmp_path).resolve()) as manager:
-        assert list(manager.all_steps()) == complete  # the unfinished save is not a step
+        assert (_checkpoints(output_dir) / str(step) / "commit_success.txt").exists()
+    with ocp.CheckpointManager(_checkpoints(output_dir).resolve()) as manager:
+        assert list(manager.all_steps()) == complete  # an unfinished save is not a step
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_from_the_last_complete_checkpoint_bit_for_bit(
+    tmp_path, uninterrupted
+):
+    # One run killed twice (each launch costs its start-up, not its steps): during a save, then,
+    # resumed, between saves; resumed again, it ends as the uninterrupted run does.
+    whole_dir, whole = uninterrupted
+    _assert_killed(
+        tmp_path, _run(tmp_path, kill="save:6"), "run.json", [2, 4], ["6.orbax-checkpoint-tmp"]
+    )
+    killed = _run(tmp_path, resume=True, kill="step:7")
+    # The unfinished save was deleted and the run continued after step 4: step 6 saved again,
+    # bit for bit as the uninterrupted run saved it.
+    _assert_killed(tmp_path, killed, "resumed.json", [4, 6], [])
+    jax.tree.map(np.testing.assert_array_equal, _restore(tmp_path, 6), _restore_step(whole_dir, 6))
 
     resumed = _run(tmp_path, resume=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    # The unfinished save was deleted, the run continued after the last complete step.
     assert sorted(path.name for path in _checkpoints(tmp_path).iterdir()) == ["6", "8"]
     measured = json.loads((tmp_path / "resumed.json").read_text())
-    assert measured["steps"] == list(range(last_complete + 1, 9))
+    assert measured["steps"] == [7, 8]
     # The same losses, to the last bit (JSON keeps a float's shortest exact repr).
-    assert measured["train_loss"] == whole["train_loss"][last_complete:]
+    assert measured["train_loss"] == whole["train_loss"][6:]
     assert measured["eval_loss"][-1] == whole["eval_loss"][-1]
     # Parameters, FP8 state, optimizer state, step and data position, bit for bit.
     jax.tree.map(np.testing.assert_array_equal, _restore(tmp_path, 8), _restore(whole_dir, 8))
