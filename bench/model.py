@@ -51,6 +51,7 @@ from bench.h100 import _sharding, available  # noqa: E402
 from bench.models import AMAX_HISTORY_LEN  # noqa: E402
 from te_flax import attention as te_attention  # noqa: E402
 from te_flax._hlo import (  # noqa: E402
+    _INDEX_COMMENT,
     _INSTRUCTION,
     _OPERAND_NAME,
     FP8_GEMM,
@@ -231,7 +232,8 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
     computations: dict[str, list[str]] = {}
     entry = ""
     current: list[str] | None = None
-    for line in hlo_text.splitlines():
+    # without the ``/*index=5*/`` comments of long tuples, whose "=" ends an instruction's type
+    for line in _INDEX_COMMENT.sub("", hlo_text).splitlines():
         header = _COMPUTATION.match(line)
         if header:
             current = computations.setdefault(header.group(2), [])
