@@ -242,6 +242,23 @@ def test_user_text_file_is_used(tmp_path):
         load_corpus(str(text))
 
 
+def test_fp8_attention_trains_and_updates_the_attention_state(tmp_path, corpus):
+    config = _config(
+        tmp_path,
+        "train.fp8_attention=true",
+        "train.steps=12",
+        "train.eval_every=12",
+        "checkpoint_every=0",
+    )
+    result = train(config, "run", corpus=corpus, progress=False)
+    assert result.eval_loss[-1] < result.eval_loss[0]
+    core = result.variables["_overwrite_with_gradient"]["blocks"]["attention"]["core"]
+    # q.k and p.v each carry one GEMM's state; the probabilities' amax (x of p.v) is in (0, 1].
+    assert {"x_qk_amax_history", "grad_pv_scale_inv"} <= set(core)
+    probabilities = np.asarray(core["x_pv_amax_history"])  # [layers, history]
+    assert (probabilities[:, 0] > 0).all() and (probabilities <= 1).all()
+
+
 @pytest.mark.parametrize(
     ("overrides", "error", "key"),
     [
@@ -252,6 +269,8 @@ def test_user_text_file_is_used(tmp_path):
         (["model.block=transformer"], ValueError, "model.block"),
         (["model.block=te", "model.head_dim=16"], ValueError, "model.d_model = model.heads"),
         (["train.steps=0"], ValueError, "train.steps"),
+        (["train.fp8_attention=true", "train.recipe=mxfp8"], ValueError, "train.fp8_attention"),
+        (["train.fp8_attention=true", "model.frontend=nnx"], ValueError, "train.fp8_attention"),
         (["steps"], ValueError, "key=value"),
     ],
 )

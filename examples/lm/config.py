@@ -66,6 +66,9 @@ class TrainConfig:
     # "delayed", "current", "blockwise", "mxfp8", "nvfp4" or "none" (BF16)
     recipe: str = "delayed"
     amax_history_len: int = 16
+    # FP8 attention (the recipe's fp8_dpa): q.k and p.v on float8 operands; delayed or current
+    # scaling, the Linen front end (its attention is te_flax's DotProductAttention).
+    fp8_attention: bool = False
     # Stop after this step, keeping the schedule of train.steps (to split a run in parts).
     stop_at: int | None = None
 
@@ -139,5 +142,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             f"model.moe.experts={m.moe.experts} needs model.frontend=linen and "
             f"model.block=handwritten (the MoE blocks are written in the Linen model); got "
             f"frontend={m.frontend}, block={m.block}"
+        )
+    t = config.train
+    if t.fp8_attention and (t.recipe not in ("delayed", "current") or m.frontend != "linen"):
+        raise ValueError(
+            "train.fp8_attention=true needs train.recipe=delayed or current and "
+            f"model.frontend=linen; got recipe={t.recipe}, frontend={m.frontend}"
         )
     return OmegaConf.to_object(config)

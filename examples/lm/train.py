@@ -87,9 +87,9 @@ class RunResult:
 def make_recipe(config: Config):
     t = config.train
     if t.recipe == "delayed":
-        return DelayedScaling(amax_history_len=t.amax_history_len)
+        return DelayedScaling(amax_history_len=t.amax_history_len, fp8_dpa=t.fp8_attention)
     if t.recipe == "current":
-        return Float8CurrentScaling()
+        return Float8CurrentScaling(fp8_dpa=t.fp8_attention)
     if t.recipe == "blockwise":
         return Float8BlockScaling()
     if t.recipe == "mxfp8":
