@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import te_flax
 from examples.lm import model_linen
 from examples.lm.config import DEFAULT_CONFIG, load_config
-from examples.lm.train import _loss, make_optimizer, make_recipe
-from te_flax.training import apply_gradients, init_optimizer, value_and_grad
+from examples.lm.train import make_optimizer, make_recipe, make_train_step
+from te_flax.training import init_optimizer
 
 RESULTS = Path(__file__).with_name("RESULTS_compile_time.md")
 RECIPES = ("none", "delayed", "current")
@@ -65,13 +65,7 @@ def step_and_state(recipe: str, layout: str, layers: int):
     tx = make_optimizer(config)
     tokens = jax.ShapeDtypeStruct((config.train.batch, config.train.seq_len), jnp.int32)
 
-    def train_step(state, tokens, targets):
-        def loss_fn(variables):
-            return _loss(frontend, variables, tokens, targets)
-
-        (_, parts), grads = value_and_grad(loss_fn, has_aux=True)(state["variables"])
-        variables, opt_state = apply_gradients(tx, state["variables"], grads, state["opt_state"])
-        return {"variables": variables, "opt_state": opt_state}, parts
+    train_step = make_train_step(frontend, tx)
 
     rec = make_recipe(config)
     with te_flax.autocast(enabled=rec is not None, recipe=rec):

@@ -189,8 +189,8 @@ def compile_gpt_step(
 
     import te_flax
     from examples.lm import model_linen
-    from examples.lm.train import _loss, make_optimizer, make_recipe
-    from te_flax.training import apply_gradients, init_optimizer, value_and_grad
+    from examples.lm.train import make_optimizer, make_recipe, make_train_step
+    from te_flax.training import init_optimizer
 
     config = gpt_config(hidden, layers, fp8, batch, seq)
     c = config.model
@@ -209,13 +209,7 @@ def compile_gpt_step(
     tx = make_optimizer(config)
     recipe = make_recipe(config) if impl != "flax" else None
 
-    def train_step(state, tokens, targets):
-        def loss_fn(variables):
-            return _loss(frontend, variables, tokens, targets)
-
-        (_, parts), grads = value_and_grad(loss_fn, has_aux=True)(state["variables"])
-        variables, opt_state = apply_gradients(tx, state["variables"], grads, state["opt_state"])
-        return {"variables": variables, "opt_state": opt_state}, parts
+    train_step = make_train_step(frontend, tx)
 
     with te_flax.autocast(enabled=recipe is not None, recipe=recipe):
         variables = jax.eval_shape(model.init, jax.random.key(0), tokens)

@@ -221,6 +221,22 @@ def _kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def make_train_step(frontend, tx):
+    """The training step, not jitted: ``(state, tokens, targets) -> (state, loss parts)``, with
+    ``state = {"variables", "opt_state"}``."""
+
+    def train_step(state, tokens, targets):
+        def loss_fn(variables):
+            return _loss(frontend, variables, tokens, targets)
+
+        # te_flax's value_and_grad max-merges the FP8 state of the layers' reuses.
+        (_, parts), grads = value_and_grad(loss_fn, has_aux=True)(state["variables"])
+        variables, opt_state = apply_gradients(tx, state["variables"], grads, state["opt_state"])
+        return {"variables": variables, "opt_state": opt_state}, parts
+
+    return train_step
+
+
 def _killed_before_commit(step: int) -> type:
     """orbax's temporary directory, made to kill the run before it commits ``step``'s save."""
 
@@ -382,17 +398,7 @@ def train(
                 start = int(restored["data_position"])
                 state = {"variables": restored["variables"], "opt_state": restored["opt_state"]}
 
-        @jax.jit
-        def train_step(state, tokens, targets):
-            def loss_fn(variables):
-                return _loss(frontend, variables, tokens, targets)
-
-            # te_flax's value_and_grad max-merges the FP8 state of the layers' reuses.
-            (_, parts), grads = value_and_grad(loss_fn, has_aux=True)(state["variables"])
-            variables, opt_state = apply_gradients(
-                tx, state["variables"], grads, state["opt_state"]
-            )
-            return {"variables": variables, "opt_state": opt_state}, parts
+        train_step = jax.jit(make_train_step(frontend, tx))
 
         @jax.jit
         def eval_loss(variables, tokens, targets):
