@@ -241,7 +241,7 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
 
 def _fusion_bytes(line: str, fused: list[str], results: dict[str, str]) -> float | None:
     """The bytes of a fusion that slices or updates in place: an operand read only through
-    ``dynamic-slice`` counts the slices, the buffer a root ``dynamic-update-slice`` updates in
+    ``dynamic-slice`` (directly or through bitcasts) counts the slices, the buffer a root ``dynamic-update-slice`` updates in
     place is not read and only the update is written (as XLA's cost analysis counts them).
     None for any other fusion (the plain count applies)."""
     parsed = [match.groups() for text in fused if (match := _INSTRUCTION.match(text))]
@@ -263,9 +263,16 @@ def _fusion_bytes(line: str, fused: list[str], results: dict[str, str]) -> float
     outer = _INSTRUCTION.match(line)
     assert outer is not None, line
     operand_names = _OPERAND_NAME.findall(outer.group(4))
+    def through_bitcasts(name: str) -> list[tuple[str, int, str]]:
+        """The uses of ``name``, a bitcast's (a view of the same bytes) replaced by its own."""
+        uses = []
+        for opcode, position, user in users[name]:
+            uses += through_bitcasts(user) if opcode == "bitcast" else [(opcode, position, user)]
+        return uses
+
     read: dict[str, float] = {}
     for parameter, index in parameters.items():
-        uses = users[parameter]
+        uses = through_bitcasts(parameter)
         if uses and all(op == "dynamic-slice" and pos == 0 for op, pos, _ in uses):
             size = sum(shape_bytes(results[user]) for *_, user in uses)
         elif uses and all(op == "dynamic-update-slice" and pos == 0 for op, pos, _ in uses):
