@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental.layout import Layout, with_layout_constraint
 from jax.typing import DTypeLike
 
 from te_flax._activations import ClampedSwigluParams, activation_backward, activation_forward
@@ -259,7 +260,10 @@ def one_pass_layouts(
     tensor's producer; but a reduction (the amax) and a transpose (the layout a ``LEADING``
     GEMM reads) do not share a fusion, and XLA puts the cast with the transpose: the tensor is
     then read twice in high precision. A barrier (no copy) on the data keeps the transpose to
-    a pass over the float8 data.
+    a pass over the float8 data. The data's layout is pinned to row-major as well: otherwise
+    XLA's layout assignment moves the transpose up to the high-precision tensor, and where that
+    is a parameter stacked over a scan it transposes the whole float32 stack before the loop
+    (8 bytes per element; in the example GPT's scanned step at hidden 4096, 3 GiB of 39).
     """
     operand, new_quantizer = quantized
     if (
@@ -268,7 +272,9 @@ def one_pass_layouts(
         and operand.scale_inv is not None
         and isinstance(new_quantizer, DelayedScaleQuantizer)
     ):
-        operand = operand._replace(data=lax.optimization_barrier(operand.data))
+        row_major = Layout(major_to_minor=tuple(range(operand.data.ndim)))
+        data = with_layout_constraint(operand.data, row_major)
+        operand = operand._replace(data=lax.optimization_barrier(data))
     return operand, new_quantizer
 
 
@@ -279,11 +285,14 @@ def kernel_operand(
     n_contract: int,
     for_backward: bool,
     axes: LogicalAxes,
+    in_scan: bool = False,
 ) -> tuple[GemmOperand, Quantizer | None]:
     """A kernel ``[K..., F...]`` as a GEMM operand, constrained to its logical ``axes``.
 
     Quantized for the forward GEMM (which contracts its ``n_contract`` leading axes) and, with
     ``for_backward``, for dgrad (its trailing axes); cast to ``dtype`` without a quantizer.
+    ``in_scan``: the kernel was traced in a scan body (``traced_in_scan``), where it is a slice
+    of a stacked parameter: the XLA stage then reads the slice in place.
     """
     uses = kernel_uses(for_backward)
 
@@ -291,8 +300,14 @@ def kernel_operand(
         return one_pass_layouts(quantize_operand(kernel, quantizer, dtype, n_contract, uses), uses)
 
     # Per-tensor FP8 on GPUs: one Pallas kernel reads the kernel once and writes the float8
-    # data in both layouts and the amax (see te_flax._kernels); elsewhere the XLA stage.
-    operand, new_quantizer = tiled_quantize_operand(kernel, quantizer, n_contract, uses, xla_stage)
+    # data in both layouts and the amax (see te_flax._kernels); elsewhere, and for a scanned
+    # kernel (which a custom call would first copy out of its stack), the XLA stage.
+    if in_scan:
+        operand, new_quantizer = xla_stage()
+    else:
+        operand, new_quantizer = tiled_quantize_operand(
+            kernel, quantizer, n_contract, uses, xla_stage
+        )
     return constrained(operand, axes), new_quantizer
 
 

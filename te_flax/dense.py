@@ -14,6 +14,7 @@ from jax import Array, lax
 
 from te_flax import _grouped
 from te_flax import _validation as check
+from te_flax._kernels import traced_in_scan
 from te_flax._stages import (
     constrained,
     dense_backward,
@@ -50,6 +51,7 @@ class _Config:
     output_axes: tuple[str | None, ...] | None
     kernel_dtype: Any
     bias_dtype: Any  # None without a bias
+    kernel_in_scan: bool = False  # traced in a scan body (_stages.kernel_operand)
 
 
 class _Residuals(NamedTuple):
@@ -77,7 +79,13 @@ def _forward(
     )
     lhs = constrained(lhs, config.input_axes)
     rhs, kernel_quantizer = kernel_operand(
-        kernel, quantizer_set.kernel, x.dtype, config.n_contract, for_backward, config.kernel_axes
+        kernel,
+        quantizer_set.kernel,
+        x.dtype,
+        config.n_contract,
+        for_backward,
+        config.kernel_axes,
+        config.kernel_in_scan,
     )
     # [batch..., K...] x [K..., features...] -> [batch..., features...]
     out = dense_forward(lhs, rhs, config.n_contract, x.dtype, bias, quantizer_set.precision)
@@ -254,6 +262,7 @@ def dense(
         output_axes=check.check_axes(output_axes, out_ndim, "output_axes", "the output"),
         kernel_dtype=kernel.dtype,
         bias_dtype=None if bias is None else bias.dtype,
+        kernel_in_scan=traced_in_scan(kernel),
     )
     kernel, bias = vary_like(x, (kernel, bias))
     return _dense(config, x, kernel, bias, float32_state(quantizer_set))

@@ -10,6 +10,7 @@ import jax
 from jax import Array
 
 from te_flax import _validation as check
+from te_flax._kernels import traced_in_scan
 from te_flax._stages import (
     NormSpec,
     NormStats,
@@ -48,6 +49,7 @@ class _Config:
     bias_dtype: Any  # None without a bias
     # Also return the norm output (in x's dtype), for return_layernorm_output and LoRA.
     return_norm_output: bool = False
+    kernel_in_scan: bool = False  # traced in a scan body (_stages.kernel_operand)
 
 
 class _Residuals(NamedTuple):
@@ -92,8 +94,9 @@ def _forward(
         source_axes=config.layernorm_input_axes,
     )
     rhs, kernel_quantizer = kernel_operand(
-        kernel, quantizer_set.kernel, x.dtype, 1, for_backward, config.kernel_axes
-    )
+        kernel, quantizer_set.kernel, x.dtype, 1, for_backward, config.kernel_axes,
+        config.kernel_in_scan,
+    )  # fmt: skip
     # [batch..., hidden] x [hidden, features...] -> [batch..., features...]
     out = dense_forward(lhs, rhs, 1, x.dtype, bias, quantizer_set.precision)
     fp8 = not quantizer_set.is_noop
@@ -317,4 +320,5 @@ def _config(
         kernel_axes=check.check_axes(kernel_axes, kernel.ndim, "kernel_axes", "kernel"),
         kernel_dtype=kernel.dtype,
         bias_dtype=None if bias is None else bias.dtype,
+        kernel_in_scan=traced_in_scan(kernel),
     )

@@ -29,6 +29,7 @@ from te_flax._activations import (
     canonical_activation_params,
     canonical_activation_type,
 )
+from te_flax._kernels import traced_in_scan
 from te_flax._lora import lora_delta
 from te_flax._stages import (
     GradOperand,
@@ -89,6 +90,7 @@ class _Config:
     lora_alpha: float | None = None
     # Also return the norm output (in x's dtype), for return_layernorm_output.
     return_norm_output: bool = False
+    kernels_in_scan: tuple[bool, bool] = (False, False)  # see _stages.kernel_operand
 
 
 class _Residuals(NamedTuple):
@@ -203,8 +205,9 @@ def _forward(
     )
     # Kernels are [inputs, outputs...]: the forward contracts the leading axis.
     k_1, kernel_q_1 = kernel_operand(
-        kernel_1, set_1.kernel, x.dtype, 1, for_backward, config.kernel_1_axes
-    )
+        kernel_1, set_1.kernel, x.dtype, 1, for_backward, config.kernel_1_axes,
+        config.kernels_in_scan[0],
+    )  # fmt: skip
     fp8 = not (set_1.is_noop and set_2.is_noop)
     norm_output = None
     if config.return_norm_output or lora_kernels is not None:
@@ -242,8 +245,9 @@ def _forward(
         dropped = _activation_output(config, pre_activation, dropout_rng)
         activated, x_2 = _activation_operand(dropped, config, set_2.x, x.dtype, input_layouts)
     k_2, kernel_q_2 = kernel_operand(
-        kernel_2, set_2.kernel, x.dtype, 1, for_backward, config.kernel_2_axes
-    )
+        kernel_2, set_2.kernel, x.dtype, 1, for_backward, config.kernel_2_axes,
+        config.kernels_in_scan[1],
+    )  # fmt: skip
     # [batch..., intermediate] x [intermediate, hidden] -> [batch..., hidden]
     out = dense_forward(activated, k_2, 1, x.dtype, biases[1], set_2.precision)
     if lora_kernels is not None:
@@ -738,6 +742,7 @@ def _apply(arguments: dict[str, Any], return_norm_output: bool) -> _Output:
         dropout_dims=dropout_dims,
         lora_alpha=arguments["low_rank_adaptation_alpha"],
         return_norm_output=return_norm_output,
+        kernels_in_scan=(traced_in_scan(kernel_1), traced_in_scan(kernel_2)),
     )
     gamma, beta, kernels, biases = vary_like(x, (gamma, beta, tuple(kernels), tuple(biases)))
     if lora_kernels is not None:

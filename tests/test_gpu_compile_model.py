@@ -16,6 +16,9 @@ layer: forward, recomputed forward, backward.
 
 from __future__ import annotations
 
+import math
+import re
+
 import jax
 import pytest
 
@@ -45,3 +48,29 @@ def test_scanned_remat_step_runs_every_projection_gemm_in_fp8(impl, layers):
         "attention_calls": 3 * layers,
     }, counts
     assert (figures["kernels"] > 0) == (impl == "te_flax"), figures["kernels"]
+
+
+_SLICE_COPY = re.compile(
+    r"^\s*%\S+ = f32\[([\d,]+)\]\S* fusion\(.*calls=%fused_dynamic_slice\b", re.M
+)
+_STACK_TRANSPOSE = re.compile(
+    r"^\s*%\S+ = f32\[[\d,]+\]\S* fusion\(%\S*params\S*\).*transpose", re.M
+)
+
+
+@pytest.mark.parametrize("remat", ["on", "off"])
+def test_scanned_kernels_are_quantized_without_copying_their_slices(remat):
+    # A scanned layer's kernel is a dynamic-slice of its stacked parameter: a Pallas kernel
+    # would take a copy of it (8 bytes per element) and a transposing cast would have XLA
+    # transpose the whole float32 stack before the loop. The ops quantize it in the XLA stage,
+    # which reads the slice in place, its float8 data pinned to row-major.
+    h100_sharding()
+    hlo_text, _ = compile_gpt_step(HIDDEN, True, layers=2, remat=remat, batch=2, seq=128)
+    copies = [shape for shape in _SLICE_COPY.findall(hlo_text) if _elements(shape) >= HIDDEN**2]
+    assert copies == [], copies
+    assert _STACK_TRANSPOSE.findall(hlo_text) == []
+    assert modelled(hlo_text, HIDDEN)["fp8_gemms"] == (15 if remat == "on" else 12) * 2
+
+
+def _elements(shape: str) -> int:
+    return math.prod(int(d) for d in shape.split(","))

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from te_flax import _stages
-from te_flax._kernels import ENV_VAR, mode, pallas_kernels
+from te_flax._kernels import ENV_VAR, mode, pallas_kernels, traced_in_scan
 from te_flax.dense import dense
 from te_flax.layernorm_dense import layernorm_dense
 from te_flax.layernorm_mlp import layernorm_mlp
@@ -609,3 +609,35 @@ def test_norm_backward_matches_xla_stage(shape, dtype, norm_type, zero_centered)
         )
         assert np.mean(np.asarray(actual[0] != expected[0])) < 0.01
         assert_f32_close(actual[1:], expected[1:])
+
+
+def test_traced_in_scan_tells_a_scanned_kernel_from_a_closed_over_one():
+    import flax.linen as nn
+
+    seen: dict[str, bool] = {}
+
+    def step(kernels, x, outer):
+        def body(carry, kernel):
+            seen["slice"] = traced_in_scan(kernel)
+            seen["closed_over"] = traced_in_scan(outer)  # a tracer of the enclosing jit
+            return carry @ kernel @ outer, None
+
+        seen["outside"] = traced_in_scan(kernels)
+        return jax.lax.scan(body, x, kernels)[0]
+
+    jax.jit(step)(jnp.ones((3, 4, 4)), jnp.ones((2, 4)), jnp.ones((4, 4)))
+    assert seen == {"outside": False, "slice": True, "closed_over": False}
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            kernel = self.param("kernel", nn.initializers.ones, (4, 4))
+            seen["flax"] = traced_in_scan(kernel)
+            return x @ kernel, None
+
+    blocks = nn.scan(
+        nn.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True}, length=2
+    )()
+    jax.jit(blocks.init)(jax.random.key(0), jnp.ones((2, 4)), None)
+    assert seen["flax"] is True
+    assert traced_in_scan(jnp.ones(3)) is False

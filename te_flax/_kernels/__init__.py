@@ -21,7 +21,7 @@ from te_flax._kernels.operands import (
     norm_quantize_operand,
     tiled_quantize_operand,
 )
-from te_flax._kernels.switch import ENV_VAR, dispatch, mode, pallas_kernels
+from te_flax._kernels.switch import ENV_VAR, dispatch, mode, pallas_kernels, traced_in_scan
 
 __all__ = [
     "ENV_VAR",
@@ -34,4 +34,5 @@ __all__ = [
     "norm_quantize_operand",
     "pallas_kernels",
     "tiled_quantize_operand",
+    "traced_in_scan",
 ]

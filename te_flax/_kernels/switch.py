@@ -36,7 +36,7 @@ from jax._src.interpreters.batching import BatchTracer  # no public name in JAX 
 
 from te_flax._kernels.partition import mesh_partitioned
 
-__all__ = ["AUTO", "ENV_VAR", "MODES", "dispatch", "mode", "pallas_kernels"]
+__all__ = ["AUTO", "ENV_VAR", "MODES", "dispatch", "mode", "pallas_kernels", "traced_in_scan"]
 
 ENV_VAR = "TE_FLAX_PALLAS"
 MODES = ("auto", "0", "1")
@@ -120,6 +120,31 @@ def _batched_on_mesh(args: tuple[Any, ...]) -> bool:
     partitioning rule (``custom_partitioning``) has no batching rule, so the XLA stage runs."""
     batched = any(isinstance(leaf, BatchTracer) for leaf in jax.tree.leaves(args))
     return batched and mesh_partitioned()
+
+
+def traced_in_scan(x: Any) -> bool:
+    """True for an array traced in the body of a ``lax.scan`` (``nn.scan``, ``nnx.scan``, a
+    static ``fori_loop``), or in a transform (``remat``, ``vmap``) inside one.
+
+    A layer stacked over a scan gets its kernel as a ``dynamic-slice`` of the stacked
+    parameter in each iteration. XLA reads such a slice inside the fusions that consume it,
+    but a kernel's custom call takes a buffer, so the slice is first copied out: for a float32
+    kernel 8 bytes per element before the quantize kernel reads its 4 (in the example GPT's
+    scanned training step with remat at hidden 4096, 6 of 40 GiB; ``bench/RESULTS_model.md``).
+    The XLA stage reads the slice in its cast instead, so the ops quantize such kernels there.
+
+    A kernel closed over by a scan from outside it (a decoding loop's weights) is traced
+    outside the body and keeps the kernel. JAX has no public query for where a value was
+    traced; this reads the tracer's trace and its parents (``jax._src``, JAX 0.10), and says
+    False where those attributes are missing.
+    """
+    trace = getattr(x, "_trace", None)
+    while trace is not None:
+        info = getattr(getattr(trace, "frame", None), "debug_info", None)
+        if getattr(info, "traced_for", None) == "scan":
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
 
 
 def dispatch(
