@@ -241,9 +241,9 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
 
 def _fusion_bytes(line: str, fused: list[str], results: dict[str, str]) -> float | None:
     """The bytes of a fusion that slices or updates in place: an operand read only through
-    ``dynamic-slice`` (directly or through bitcasts) counts the slices, the buffer a root ``dynamic-update-slice`` updates in
-    place is not read and only the update is written (as XLA's cost analysis counts them).
-    None for any other fusion (the plain count applies)."""
+    ``dynamic-slice`` (directly or through bitcasts) counts the slices, the buffer a root
+    ``dynamic-update-slice`` updates in place is not read and only the update is written (as
+    XLA's cost analysis counts them). None for any other fusion (the plain count applies)."""
     parsed = [match.groups() for text in fused if (match := _INSTRUCTION.match(text))]
     if not any(opcode in ("dynamic-slice", "dynamic-update-slice") for *_, opcode, _ in parsed):
         return None
@@ -263,6 +263,7 @@ def _fusion_bytes(line: str, fused: list[str], results: dict[str, str]) -> float
     outer = _INSTRUCTION.match(line)
     assert outer is not None, line
     operand_names = _OPERAND_NAME.findall(outer.group(4))
+
     def through_bitcasts(name: str) -> list[tuple[str, int, str]]:
         """The uses of ``name``, a bitcast's (a view of the same bytes) replaced by its own."""
         uses = []
@@ -578,28 +579,31 @@ NOTES = [
     "written with Flax's FP8 ops: Flax quantizes with separate XLA fusions (amax of every "
     "operand each step, the scaled copies written and read back), te_flax quantizes once into "
     "both layouts in its kernels and fuses the norm and activation quantization.",
-    "- GPT as the example trains it (scan, no remat): te_flax FP8 moves 0.84 (hidden 4096) "
-    "and 0.89 (8192) of Flax FP8's bytes at batch 2, 0.59 at batch 8, where Flax FP8 keeps "
-    "large residuals for its backward. With remat on every block the ratio is about 1.0: "
-    "Flax FP8 recomputes instead of keeping those residuals (its bytes fall), while te_flax "
-    "runs its quantize kernels again in the recomputation (its bytes rise). With remat "
-    "saving the GEMM outputs (`--remat dots`) te_flax FP8 moves 1.10 (4096) / 1.13 (8192) of "
-    "Flax FP8's bytes: Flax's saved FP8 dot outputs spare its backward the recomputation, "
-    "while te_flax's GEMMs run inside its custom-gradient ops, whose quantized operands the "
-    "policy does not save, so its norm and quantize kernels run again (27 kernel calls, as "
-    "with full remat, against 17 without remat).",
-    "- Within the scanned GPT te_flax pays for its quantize kernel being a custom call: XLA "
-    "cannot fuse the scan's `dynamic-slice` of a float32 weight into it, so each weight slice "
-    "is first copied out (`fusion kCustom __custom_fusion` in the top ops, 8 bytes per weight "
-    "element per use: 6.0 of te_flax's 40.4 GiB at hidden 4096, batch 2, remat on) and then "
-    "read by the kernel, where BF16 and Flax FP8 read the slice inside their conversion "
-    "fusion.",
+    "- GPT as the example trains it (scan, no remat): te_flax FP8 moves 0.81 (hidden 4096) "
+    "and 0.86 (8192) of Flax FP8's bytes at batch 2, where Flax FP8 keeps large residuals for "
+    "its backward. With remat on every block 0.94 / 0.95: Flax FP8 recomputes instead of "
+    "keeping those residuals (its bytes fall), as te_flax does. With remat saving the GEMM "
+    "outputs (`--remat dots`) 0.99: Flax's saved FP8 dot outputs spare its backward the "
+    "recomputation, while te_flax's GEMMs run inside its custom-gradient ops, whose quantized "
+    "operands the policy does not save, so its norm and activation kernels run again (11 "
+    "kernel calls, as with full remat, against 9 without remat). In every layout the FP8 "
+    "step moves fewer bytes than the BF16 step (0.98-0.99 at batch 2).",
+    "- A scanned layer's kernel is a `dynamic-slice` of its stacked float32 parameter. A "
+    "Pallas kernel's custom call takes a buffer, so XLA copied each slice out before te_flax's "
+    "quantize kernel read it (8 bytes per weight element per use), and an XLA cast that "
+    "writes the transposed float8 layout made XLA's layout assignment transpose the whole "
+    "float32 stack before the loop (Flax FP8 pays that: four `wrapped_transpose` fusions of "
+    "the stacked kernels, 3 GiB at hidden 4096). te_flax quantizes a kernel traced in a "
+    "scan body in its XLA stage, which reads the slice inside its cast, with the float8 data "
+    "pinned to row-major so that only float8 is transposed: at hidden 4096, batch 2, the step "
+    "went from 40.4 to 34.9 GiB with remat and from 38.6 to 35.9 GiB without. Layers that "
+    "are not scanned keep the quantize kernel, which writes both layouts in one pass.",
     "- The modelled FP8 / BF16 speed-up of the GPT step (a model) stays below the layer's "
     "because the step also holds per-parameter work that FP8 does not shorten: AdamW's "
-    "update of the float32 parameters ('optimizer update': 3.9 of 17.7 ms at hidden 4096 and "
-    "15.6 of 64.8 ms at 8192, batch 2, remat on), the float32 weight slices and gradient "
-    "stacks of the scan, the embedding. Its share falls with the tokens per step: 1.21x / "
-    "1.24x at 4096 tokens per step, 1.46x / 1.56x at 16384 (batch 8).",
+    "update of the float32 parameters ('optimizer update': 3.9 of 15.9 ms at hidden 4096 and "
+    "15.6 of 57.8 ms at 8192, batch 2, remat on), the float32 weight slices and gradient "
+    "stacks of the scan, the embedding. Its share falls with the tokens per step: 1.34x / "
+    "1.40x at 4096 tokens per step, 1.52x / 1.63x at 16384 (batch 8), with remat on.",
 ]
 
 
