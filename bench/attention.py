@@ -80,6 +80,13 @@ PACKING_HEADING = "## Packed against padded rows: attention FLOPs at 8192 tokens
 ROW, TILE = 8192, 128
 
 
+def _produced(command: str, start: float) -> str:
+    """A section's opening: the command, its minutes since ``start`` and the time."""
+    minutes = (time.time() - start) / 60
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    return f"Produced by `{command}` ({minutes:.1f} min, {when})."
+
+
 def corpus(n_docs: int = 256, seed: int = 0) -> list[int]:
     """Document lengths: log-normal (median about 900 tokens), clipped to 32 .. ROW."""
     lengths = np.random.default_rng(seed).lognormal(np.log(900.0), 1.0, n_docs)
@@ -161,12 +168,10 @@ def packing_section(command: str) -> list[str]:
         rows.append((name, len(layout), flops, tiles * tile_pairs * pair_flops, pairs * pair_flops))
         print(name, len(layout), f"{flops:.3e}", f"{tiles:,}", f"{pairs:,}", flush=True)
     tokens = sum(lengths)
-    minutes = (time.time() - start) / 60
     lines = [
         PACKING_HEADING,
         "",
-        f"Produced by `{command}` ({minutes:.1f} min, "
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}). {len(lengths)} documents, "
+        f"{_produced(command, start)} {len(lengths)} documents, "
         f"{tokens:,} tokens (log-normal lengths, median about 900, clipped to 32 .. {ROW}; "
         f"seed 0), causal attention with {HEADS} heads of {HEAD_DIM}, in rows of {ROW} "
         "tokens: one document per row (padded), or packed first-fit decreasing with segment "
@@ -256,12 +261,10 @@ def fp8_error_rows(seqs: tuple[int, ...]) -> list[tuple[str, int, list[float]]]:
 def fp8_section(seqs: tuple[int, ...], command: str) -> list[str]:
     start = time.time()
     rows = fp8_error_rows(seqs)
-    minutes = (time.time() - start) / 60
     lines = [
         FP8_HEADING,
         "",
-        f"Produced by `{command}` ({minutes:.1f} min, "
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}). One training step of a causal "
+        f"{_produced(command, start)} One training step of a causal "
         f"`DotProductAttention`, inputs `[1, seq, {HEADS}, {HEAD_DIM}]` drawn from N(0, 1) and "
         "rounded to bf16, the output cotangent N(0, 1); relative L2 error "
         "`||x - x_f32|| / ||x_f32||` of the output and the q, k, v gradients against the "
@@ -325,15 +328,13 @@ def main() -> None:
             mib = [peak_bytes(seq, cp, strategy) / 2**20 for cp in sizes]
             rows.append((strategy, seq, mib))
             print(strategy, seq, " ".join(f"{m:.1f}" for m in mib), flush=True)
-    minutes = (time.time() - start) / 60
-    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     command = "JAX_PLATFORMS=cpu python -m bench.attention" + (" --quick" if args.quick else "")
     command += " --only cp" if args.only == "cp" else ""
     lines = [
         "# Context-parallel attention: peak bytes per device",
         "",
-        f"Produced by `{command}` ({minutes:.1f} min, {when}). One "
-        "training step (forward + backward) of `DotProductAttention`, causal, bf16 inputs "
+        f"{_produced(command, start)} One training step (forward + backward) of "
+        "`DotProductAttention`, causal, bf16 inputs "
         f"`[1, seq, {HEADS}, {HEAD_DIM}]`, float32 logits, the sequence over a `context` mesh "
         "axis (load balanced when it has more than one device); per-device bytes from the "
         "compiled CPU program (`memory_analysis()`: arguments + outputs + temporaries - "

@@ -50,6 +50,7 @@ __all__ = [
     "NormStats",
     "activation_grad",
     "activation_operand",
+    "activation_output",
     "apply_norm",
     "blockwise_gemm_exact",
     "constrained",
@@ -62,6 +63,7 @@ __all__ = [
     "norm_operand",
     "normalize",
     "normalize_backward",
+    "one_pass_layouts",
     "saved_operand",
     "sum_to_bias",
 ]
@@ -561,18 +563,29 @@ def activation_operand(
     """
 
     def xla_stage() -> tuple[GemmOperand, Quantizer | None]:
-        if quantizer is None:
-            activated = activation_forward(pre_activation, activation_type, activation_params)
-        else:
-            # Quantized: computed in float32 and rounded once to the pre-activation's dtype, as
-            # the kernel (and TransformerEngine's activation kernels) compute it.
-            pre32 = pre_activation.astype(jnp.float32)
-            activated = activation_forward(pre32, activation_type, activation_params)
-            activated = activated.astype(pre_activation.dtype)
+        activated = activation_output(
+            pre_activation, activation_type, activation_params, quantizer is not None
+        )
         operand = quantize_operand(activated, quantizer, dtype, activated.ndim - 1, uses)
         return one_pass_layouts(operand, uses)
 
     return activation_quantize_operand(pre_activation, activation_type, quantizer, uses, xla_stage)
+
+
+def activation_output(
+    pre_activation: Array,
+    activation_type: tuple[str, ...],
+    activation_params: ClampedSwigluParams | None,
+    quantized: bool,
+) -> Array:
+    """``activation_forward(pre_activation)`` in the pre-activation's dtype. For a quantized
+    GEMM input (``quantized``) computed in float32 and rounded once to that dtype, as the
+    activation kernel (and TransformerEngine's activation kernels) compute it."""
+    if not quantized:
+        return activation_forward(pre_activation, activation_type, activation_params)
+    pre32 = pre_activation.astype(jnp.float32)
+    activated = activation_forward(pre32, activation_type, activation_params)
+    return activated.astype(pre_activation.dtype)
 
 
 def activation_grad(

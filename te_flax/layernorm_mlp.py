@@ -25,7 +25,6 @@ from te_flax import _validation as check
 from te_flax._activations import (
     ClampedSwigluParams,
     activation_backward,
-    activation_forward,
     canonical_activation_params,
     canonical_activation_type,
 )
@@ -37,6 +36,7 @@ from te_flax._stages import (
     NormStats,
     activation_grad,
     activation_operand,
+    activation_output,
     apply_norm,
     constrained,
     dense_backward,
@@ -46,6 +46,7 @@ from te_flax._stages import (
     norm_operand,
     normalize,
     normalize_backward,
+    one_pass_layouts,
     saved_operand,
 )
 from te_flax.quantize import (
@@ -156,9 +157,14 @@ def _norm_output(
     return apply_norm(x, stats, gamma, beta, config.norm).astype(x.dtype)
 
 
-def _activation_output(config: _Config, pre_activation: Array, rng: Array | None) -> Array:
-    """``[batch..., n_act, intermediate]`` -> the activation after dropout, GEMM 2's input."""
-    activated = activation_forward(pre_activation, config.activation_type, config.activation_params)
+def _activation_output(
+    config: _Config, pre_activation: Array, rng: Array | None, quantized: bool
+) -> Array:
+    """``[batch..., n_act, intermediate]`` -> the activation after dropout, GEMM 2's input
+    (``quantized``: an FP8 input, see ``activation_output``)."""
+    activated = activation_output(
+        pre_activation, config.activation_type, config.activation_params, quantized
+    )
     return _dropped(config, activated, rng)
 
 
@@ -171,7 +177,8 @@ def _activation_operand(
 ) -> tuple[GemmOperand, Quantizer | None]:
     # The dropout mask is already applied: the quantization (and its amax) sees the dropped
     # and rescaled values that GEMM 2 multiplies.
-    operand, new_quantizer = quantize_operand(activated, quantizer, dtype, activated.ndim - 1, uses)
+    quantized = quantize_operand(activated, quantizer, dtype, activated.ndim - 1, uses)
+    operand, new_quantizer = one_pass_layouts(quantized, uses)
     return constrained(operand, config.dot_2_input_axes), new_quantizer
 
 
@@ -242,7 +249,7 @@ def _forward(
         )
         activated = constrained(activated, config.dot_2_input_axes)
     else:
-        dropped = _activation_output(config, pre_activation, dropout_rng)
+        dropped = _activation_output(config, pre_activation, dropout_rng, set_2.x is not None)
         activated, x_2 = _activation_operand(dropped, config, set_2.x, x.dtype, input_layouts)
     k_2, kernel_q_2 = kernel_operand(
         kernel_2, set_2.kernel, x.dtype, 1, for_backward, config.kernel_2_axes,
@@ -317,7 +324,7 @@ def _gemm_operands(
         config.dot_1_input_axes,
         source_axes=config.norm_input_axes,
     )
-    dropped = _activation_output(config, residuals.pre_activation, residuals.dropout_rng)
+    dropped = _activation_output(config, residuals.pre_activation, residuals.dropout_rng, False)
     activated, _ = _activation_operand(dropped, config, None, dtype, ())
     # Without FP8 the kernel residuals are the parameters themselves.
     kernel_1 = ScaledTensor(cast(Array, residuals.kernel_1_operand).astype(dtype))
@@ -373,7 +380,7 @@ def _backward(
         rng = lax.optimization_barrier(rng)
     if lora_kernels is not None:
         # The adapter of GEMM 2 reads the (dropped) activation output in high precision.
-        dropped = _activation_output(config, residuals.pre_activation, rng)
+        dropped = _activation_output(config, residuals.pre_activation, rng, set_2.x is not None)
         _, lora_2_vjp = jax.vjp(partial(_lora, config), dropped, *lora_kernels[2:])
         d_dropped_lora, *lora_grads = lora_2_vjp(out_grad)
         d_dropped = d_dropped + d_dropped_lora
