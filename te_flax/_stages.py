@@ -253,7 +253,9 @@ def saved_operand(operand: GemmOperand, use: str, name: str | None) -> GemmOpera
 
 
 def one_pass_layouts(
-    quantized: tuple[GemmOperand, Quantizer | None], uses: tuple[str, ...]
+    quantized: tuple[GemmOperand, Quantizer | None],
+    uses: tuple[str, ...],
+    pin_row_major: bool = False,
 ) -> tuple[GemmOperand, Quantizer | None]:
     """An XLA stage's delayed-scaling float8 operand, kept for XLA to write in one pass with
     its amax.
@@ -262,10 +264,13 @@ def one_pass_layouts(
     tensor's producer; but a reduction (the amax) and a transpose (the layout a ``LEADING``
     GEMM reads) do not share a fusion, and XLA puts the cast with the transpose: the tensor is
     then read twice in high precision. A barrier (no copy) on the data keeps the transpose to
-    a pass over the float8 data. The data's layout is pinned to row-major as well: otherwise
-    XLA's layout assignment moves the transpose up to the high-precision tensor, and where that
-    is a parameter stacked over a scan it transposes the whole float32 stack before the loop
-    (8 bytes per element; in the example GPT's scanned step at hidden 4096, 3 GiB of 39).
+    a pass over the float8 data.
+
+    ``pin_row_major`` also pins the data's layout, for a kernel sliced from a stack by a scan
+    (``kernel_operand``): otherwise XLA's layout assignment moves the transpose up to the
+    float32 operand, i.e. transposes the whole stacked parameter before the loop (8 bytes per
+    element; in the example GPT's scanned step at hidden 4096, 3 GiB of 39). Not in a program
+    partitioned over a mesh, where the pinned layout changes which layouts XLA gathers.
     """
     operand, new_quantizer = quantized
     if (
@@ -274,8 +279,10 @@ def one_pass_layouts(
         and operand.scale_inv is not None
         and isinstance(new_quantizer, DelayedScaleQuantizer)
     ):
-        row_major = Layout(major_to_minor=tuple(range(operand.data.ndim)))
-        data = with_layout_constraint(operand.data, row_major)
+        data = operand.data
+        mesh = jax.sharding.get_abstract_mesh()
+        if pin_row_major and (mesh.empty or mesh.size == 1):
+            data = with_layout_constraint(data, Layout(major_to_minor=tuple(range(data.ndim))))
         operand = operand._replace(data=lax.optimization_barrier(data))
     return operand, new_quantizer
 
@@ -299,7 +306,8 @@ def kernel_operand(
     uses = kernel_uses(for_backward)
 
     def xla_stage() -> tuple[GemmOperand, Quantizer | None]:
-        return one_pass_layouts(quantize_operand(kernel, quantizer, dtype, n_contract, uses), uses)
+        quantized = quantize_operand(kernel, quantizer, dtype, n_contract, uses)
+        return one_pass_layouts(quantized, uses, pin_row_major=in_scan)
 
     # Per-tensor FP8 on GPUs: one Pallas kernel reads the kernel once and writes the float8
     # data in both layouts and the amax (see te_flax._kernels); elsewhere, and for a scanned
