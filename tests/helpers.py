@@ -6,6 +6,9 @@ GEMMs, and a fake-quant variant that applies quantize-dequantize with given scal
 
 from __future__ import annotations
 
+import os
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,6 +52,13 @@ def assert_close(actual, expected, tol: float, what: str = "") -> None:
     assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
     scale = float(np.sqrt(np.mean(np.square(expected)))) or 1.0
     np.testing.assert_allclose(actual, expected, rtol=tol, atol=tol * scale, err_msg=what)
+
+
+def xla_flags(devices: int) -> str:
+    """The test run's ``XLA_FLAGS`` (tests/conftest.py) for a subprocess with ``devices`` CPU
+    devices instead of eight."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ["XLA_FLAGS"])
+    return f"{flags.strip()} --xla_force_host_platform_device_count={devices}"
 
 
 def relative_error(actual, expected) -> float:

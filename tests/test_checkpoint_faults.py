@@ -34,7 +34,7 @@ from examples.lm.train import KILL_HOOK, train
 from te_flax.convert import migrate_fp8_state
 from te_flax.quantize import DelayedScaling, Float8CurrentScaling
 from te_flax.training import OVERWRITE_WITH_GRADIENT
-from tests.helpers import F32, TINY_LM
+from tests.helpers import F32, TINY_LM, xla_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 FP8 = OVERWRITE_WITH_GRADIENT
@@ -253,7 +253,7 @@ def _run(
     output_dir: Path, *, resume: bool = False, kill: str | None = None
 ) -> subprocess.CompletedProcess:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    env["XLA_FLAGS"] = xla_flags(1)
     env.pop(KILL_HOOK, None)
     if kill is not None:
         env[KILL_HOOK] = kill

@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.helpers import xla_flags
+
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 240
 STEPS = 5  # more than amax_history_len=4: the histories roll over
@@ -34,7 +36,7 @@ def _environment(local_devices: int) -> dict[str, str]:
         if key not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
     }
     env["JAX_PLATFORMS"] = "cpu"
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={local_devices}"
+    env["XLA_FLAGS"] = xla_flags(local_devices)
     return env
 
 

@@ -21,7 +21,7 @@ from examples.lm.data import load_corpus
 from examples.lm.report import loss_ratios
 from examples.lm.train import RunResult, _linen_frontend, _nnx_frontend, eval_interval, train
 from te_flax.sharding import load_axis_rules
-from tests.helpers import TINY_LM, relative_error
+from tests.helpers import TINY_LM, relative_error, xla_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = TINY_LM
@@ -101,7 +101,7 @@ def test_te_transformer_layer_blocks_follow_the_shipped_rules(tmp_path, frontend
 
 def _run_cli(*arguments, devices=1):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = xla_flags(devices)
     completed = subprocess.run(
         [sys.executable, "-m", "examples.lm", "train", "--no-progress", *arguments],
         cwd=ROOT,
