@@ -150,27 +150,20 @@ def _select(keep_new: Array, new: Any, old: Any) -> Any:
 def _keep_unused(new_fp8: Any, old_fp8: Any) -> Any:
     """The old value where a state got no update in the step (it came back all zeros).
 
-    An FP8 state that no op read in the step has a zero gradient, and a zero ``scale_inv`` can
-    never be a real update (scales are never 0); a history of zeros after an update means the
-    state saw only zeros, for which keeping the old history changes nothing that matters.
+    An FP8 state that no op read in the step can have a zero gradient (``merge_by_max``), and a
+    zero ``scale_inv`` can never be a real update (scales are never 0); a history of zeros after
+    an update means the state saw only zeros, for which keeping the old history changes nothing
+    that matters.
 
-    The states of one shape are stacked and decided together: one comparison, reduction and
-    select for a whole model's histories (and one for its scales), not one per variable.
+    Decided per variable: stacking a model's states into one array to decide them together
+    makes fewer operations but one concatenation of every state, which XLA compiles slowly (the
+    12-layer example's unrolled delayed step: 10.6 s stacked, 6.9 s per variable).
     """
-    new_leaves, tree = jax.tree.flatten(new_fp8)
-    old_leaves = jax.tree.leaves(old_fp8)
-    groups: dict[tuple[tuple[int, ...], Any], list[int]] = {}
-    for i, leaf in enumerate(new_leaves):
-        groups.setdefault((jnp.shape(leaf), jnp.result_type(leaf)), []).append(i)
-    kept: list[Any] = list(new_leaves)
-    for indices in groups.values():
-        new = jnp.stack([new_leaves[i] for i in indices])
-        old = jnp.stack([old_leaves[i] for i in indices])
-        unused = jnp.all(new == 0, axis=tuple(range(1, new.ndim)))
-        chosen = jnp.where(unused.reshape((-1,) + (1,) * (new.ndim - 1)), old, new)
-        for row, i in enumerate(indices):
-            kept[i] = chosen[row]
-    return jax.tree.unflatten(tree, kept)
+
+    def keep(new: Array, old: Array) -> Array:
+        return jnp.where(jnp.all(new == 0), old, new)
+
+    return jax.tree.map(keep, new_fp8, old_fp8)
 
 
 def _multi_steps_state(tx_state: optax.OptState) -> optax.MultiStepsState | None:

@@ -591,8 +591,11 @@ def test_merged_state_without_update_is_kept_by_the_update_rule():
     unused = _state_after_one_step(81)
     inputs = make_inputs(82, *SMALL)
 
-    def loss(states):
-        merged_used, _ = merge_by_max(states)
+    def loss(states, marked_together):
+        if marked_together:
+            merged_used, _ = merge_by_max(states)
+        else:
+            merged_used, _ = merge_by_max(states[0]), merge_by_max(states[1])
         out = layernorm_dense(
             inputs["x"],
             inputs["kernel"],
@@ -603,9 +606,15 @@ def test_merged_state_without_update_is_kept_by_the_update_rule():
         )
         return jnp.sum(out * inputs["cotangent"])
 
-    new_used, new_unused = jax.jit(jax.grad(loss))((used, unused))
+    gradient = jax.jit(jax.grad(loss), static_argnums=1)
+    # Marked together with a state that is read, the unread state comes back as it was.
+    new_used, new_unused = gradient((used, unused), True)
     assert_tree_equal(new_used, run_op(inputs, used)[1]["quantizer_set"], rtol=1e-6)
-    # JAX gives a state that no op read a zero gradient; the update rule keeps the old value.
+    assert_tree_equal(new_unused, unused)
+    # Marked alone, JAX gives a state that no op read a zero gradient; the update rule keeps
+    # the old value.
+    new_used, new_unused = gradient((used, unused), False)
+    assert_tree_equal(new_used, run_op(inputs, used)[1]["quantizer_set"], rtol=1e-6)
     assert all(not np.any(leaf) for leaf in jax.tree.leaves(new_unused))
     variables = {"params": {}, OVERWRITE_WITH_GRADIENT: {"used": used, "unused": unused}}
     grads = {"params": {}, OVERWRITE_WITH_GRADIENT: {"used": new_used, "unused": new_unused}}

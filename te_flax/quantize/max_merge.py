@@ -14,6 +14,7 @@ differentiated function must be jitted: JAX adds extended-dtype cotangents only 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
@@ -27,39 +28,58 @@ __all__ = ["UnmergedFp8StateWarning", "check_merged", "float32_state", "merge_by
 T = TypeVar("T")
 
 
+# Both conversions take a whole tuple of leaves: one custom_vjp per marked tree (a model's state,
+# an op's quantizer set), not one per leaf, which a model's hundreds of leaves made a large part
+# of the step's trace time. Autodiff still accumulates each leaf's cotangent by itself.
 @jax.custom_vjp
-def _to_max_merged(state: Array) -> Array:
-    return lax.convert_element_type(state, fp32_max_grad)
+def _to_max_merged(states: tuple[Array, ...]) -> tuple[Array, ...]:
+    return tuple(lax.convert_element_type(state, fp32_max_grad) for state in states)
 
 
-def _to_max_merged_fwd(state: Array) -> tuple[Array, Array]:
-    return _to_max_merged(state), state
+def _to_max_merged_fwd(states: tuple[Array, ...]) -> tuple[tuple[Array, ...], tuple[Array, ...]]:
+    return _to_max_merged(states), states
 
 
-def _to_max_merged_bwd(state: Array, merged_update: Array) -> tuple[Array]:
-    update = lax.convert_element_type(merged_update, jnp.float32)
-    # The zero of fp32_max_grad is -inf: a state that no use updated keeps its value instead of
-    # being overwritten with -inf.
-    return (jnp.where(update == -jnp.inf, state, update),)
+def _to_max_merged_bwd(
+    states: tuple[Array, ...], merged_updates: tuple[Array, ...]
+) -> tuple[tuple[Array, ...]]:
+    kept = []
+    for state, merged_update in zip(states, merged_updates, strict=True):
+        update = lax.convert_element_type(merged_update, jnp.float32)
+        # The zero of fp32_max_grad is -inf: a state that no use updated keeps its value
+        # instead of being overwritten with -inf.
+        kept.append(jnp.where(update == -jnp.inf, state, update))
+    return (tuple(kept),)
 
 
 _to_max_merged.defvjp(_to_max_merged_fwd, _to_max_merged_bwd)
 
 
 @jax.custom_vjp
-def _from_max_merged(state: Array) -> Array:
-    return lax.convert_element_type(state, jnp.float32)
+def _from_max_merged(states: tuple[Array, ...]) -> tuple[Array, ...]:
+    return tuple(lax.convert_element_type(state, jnp.float32) for state in states)
 
 
-def _from_max_merged_fwd(state: Array) -> tuple[Array, None]:
-    return _from_max_merged(state), None
+def _from_max_merged_fwd(states: tuple[Array, ...]) -> tuple[tuple[Array, ...], None]:
+    return _from_max_merged(states), None
 
 
-def _from_max_merged_bwd(_: None, update: Array) -> tuple[Array]:
-    return (lax.convert_element_type(update, fp32_max_grad),)
+def _from_max_merged_bwd(_: None, updates: tuple[Array, ...]) -> tuple[tuple[Array, ...]]:
+    return (tuple(lax.convert_element_type(update, fp32_max_grad) for update in updates),)
 
 
 _from_max_merged.defvjp(_from_max_merged_fwd, _from_max_merged_bwd)
+
+
+def _convert_where(state: T, selected: Callable[[Any], bool], convert: Callable) -> T:
+    """``state`` with its ``selected`` leaves passed through ``convert`` all at once."""
+    leaves, tree = jax.tree.flatten(state)
+    chosen = [i for i, leaf in enumerate(leaves) if selected(leaf)]
+    if chosen:
+        converted = convert(tuple(leaves[i] for i in chosen))
+        for i, leaf in zip(chosen, converted, strict=True):
+            leaves[i] = leaf
+    return jax.tree.unflatten(tree, leaves)
 
 
 def _is_max_merged(leaf: object) -> bool:
@@ -73,8 +93,10 @@ def merge_by_max(state: T) -> T:
     fans out to its uses (outside any ``lax.scan`` / ``nn.scan`` that reads it: inside a scan
     body the per-iteration updates would already have been added up); pass the result to the
     ops as usual. The gradient with respect to the original float32 state is then the
-    max-merged new state. A state that no op reads gets a zero gradient (JAX never calls the
-    backward of an unused value); ``te_flax.training.apply_gradients`` keeps such states.
+    max-merged new state. A state that no op reads comes back as it was when another state
+    marked in the same call is read, and as zeros when nothing marked in the call is (JAX never
+    calls the backward of an unused value); ``te_flax.training.apply_gradients`` keeps such
+    states.
 
     Args:
       state: a ``QuantizerSet`` or any pytree of them (float32 leaves).
@@ -110,12 +132,10 @@ def merge_by_max(state: T) -> T:
                 "collection (variables['_overwrite_with_gradient']) or the quantizer sets"
             )
 
-    def mark(leaf: Array) -> Array:
-        if _is_max_merged(leaf) or jnp.dtype(leaf.dtype) != jnp.float32:
-            return leaf
-        return _to_max_merged(leaf)
+    def unmarked(leaf: Array) -> bool:
+        return not _is_max_merged(leaf) and jnp.dtype(leaf.dtype) == jnp.float32
 
-    return jax.tree.map(mark, state)
+    return _convert_where(state, unmarked, _to_max_merged)
 
 
 def float32_state(state: T) -> T:
@@ -124,10 +144,7 @@ def float32_state(state: T) -> T:
     Leaves that are already float32 pass through unchanged.
     """
 
-    def to_float32(leaf: Array) -> Array:
-        return _from_max_merged(leaf) if _is_max_merged(leaf) else leaf
-
-    return jax.tree.map(to_float32, state)
+    return _convert_where(state, _is_max_merged, _from_max_merged)
 
 
 class UnmergedFp8StateWarning(UserWarning):
