@@ -71,7 +71,11 @@ def _from_max_merged_bwd(_: None, updates: tuple[Array, ...]) -> tuple[tuple[Arr
 _from_max_merged.defvjp(_from_max_merged_fwd, _from_max_merged_bwd)
 
 
-def _convert_where(state: T, selected: Callable[[Any], bool], convert: Callable) -> T:
+def _convert_where(
+    state: T,
+    selected: Callable[[Any], bool],
+    convert: Callable[[tuple[Array, ...]], tuple[Array, ...]],
+) -> T:
     """``state`` with its ``selected`` leaves passed through ``convert`` all at once."""
     leaves, tree = jax.tree.flatten(state)
     chosen = [i for i, leaf in enumerate(leaves) if selected(leaf)]
