@@ -15,6 +15,11 @@ measurement: every non-GEMM kernel ``bytes / HBM bandwidth + 2 us``, the GEMMs t
 ``max(flops / peak, GEMM bytes / HBM bandwidth) + 2 us`` each, with the layer's GEMM flops
 (the same GEMMs in both libraries). Also the wall time to trace and lower, and to compile.
 Writes ``bench/RESULTS_te_peer.md``. Not part of the test suite.
+
+TransformerLayer's attention is each library's H100 default, cuDNN's fused kernel (TE's
+``NVTE_FUSED_ATTN=1``; te_flax's ``implementation="cudnn"``, which it picks on a GPU), or with
+``--attention unfused`` both libraries' unfused softmax paths. The fused kernels' flops are in
+the GEMM term of the model (at the BF16 peak) and their bytes among the other kernels'.
 """
 
 from __future__ import annotations
@@ -42,6 +47,10 @@ TARGET_CONFIG = Path(__file__).parents[1] / "tests" / "data" / "h100_sxm.gpu_tar
 PEAK_FLOPS = {"bf16": 989e12, "fp8": 1979e12}
 HBM_BYTES_PER_S = 3.35e12
 LAUNCH_S = 2e-6
+ATTENTION = {
+    "fused": "cuDNN's fused kernel in both libraries (their H100 default)",
+    "unfused": "each library's unfused softmax path (TE: NVTE_FUSED_ATTN=0; te_flax: 'xla')",
+}
 LAYERS = ("DenseGeneral", "LayerNormDenseGeneral", "LayerNormMLP", "TransformerLayer")
 VARIANTS = ("TE", "te_flax kernels", "te_flax XLA stages")
 
@@ -77,21 +86,26 @@ def gemm_flops(layer: str, s: Shape) -> tuple[float, float]:
 # ----------------------------------------------------------------------------- the two libraries
 
 
-def _te_deviceless() -> None:
+def _te_deviceless(fused_attention: bool) -> None:
     """Lets TE's CUDA primitives be traced without a driver: its few runtime queries answered
-    here (compute capability 90, no fused-attention backend, four streams, one-byte workspaces;
-    a workspace is scratch memory and changes no operand). TE's CUDA custom calls are switched
+    here (compute capability 90, four streams, one-byte workspaces: a workspace is scratch memory
+    and changes no operand; with ``fused_attention`` cuDNN's arbitrary-sequence-length backend,
+    the one TE picks on an H100 for these shapes, else none). TE's CUDA custom calls are switched
     on (the environment's interpreter wrapper switches them off for the parity suite)."""
     os.environ["NVTE_JAX_CUSTOM_CALLS"] = "true"
+    os.environ["NVTE_FUSED_ATTN"] = "1" if fused_attention else "0"
     import transformer_engine.jax  # noqa: F401
     import transformer_engine_jax as tej
 
+    backends = tej.NVTE_Fused_Attn_Backend
+    backend = backends.NVTE_F16_arbitrary_seqlen if fused_attention else backends.NVTE_No_Backend
     tej.get_device_compute_capability = lambda gpu_id=0: 90
-    tej.get_fused_attn_backend = lambda *a, **k: (
-        tej.NVTE_Fused_Attn_Backend.NVTE_No_Backend,
-        "no GPU",
-    )
+    tej.get_fused_attn_backend = lambda *a, **k: (backend, "deviceless")
     tej.get_num_compute_streams = lambda *a, **k: 4
+    # The attention queries answer one (shape, dtype) pair, the norm queries a list of them.
+    attention_queries = ["get_fused_attn_fwd_workspace_sizes", "get_fused_attn_bwd_workspace_sizes"]
+    for query in attention_queries:
+        setattr(tej, query, lambda *a, **k: ((1,), tej.DType.kByte))
     queries = [
         "get_norm_fwd_workspace_sizes",
         "get_norm_bwd_workspace_sizes",
@@ -100,7 +114,8 @@ def _te_deviceless() -> None:
     ]
     for query in queries:
         setattr(tej, query, lambda *a, **k: (((1,), tej.DType.kByte),))
-    names = [*queries, "get_device_compute_capability", "get_fused_attn_backend"]
+    names = [*queries, *attention_queries]
+    names += ["get_device_compute_capability", "get_fused_attn_backend"]
     names.append("get_num_compute_streams")
     for module_name, module in list(sys.modules.items()):
         if (
@@ -117,11 +132,17 @@ def _te_deviceless() -> None:
                     setattr(module, name, getattr(tej, name))
 
 
-def _module(library, layer: str, s: Shape, fp8_recipe):
-    """The layer from ``library`` (TE's ``transformer_engine.jax.flax`` or ``te_flax.linen``)."""
+def _module(library, layer: str, s: Shape, fp8_recipe, fused_attention: bool = True):
+    """The layer from ``library`` (TE's ``transformer_engine.jax.flax`` or ``te_flax.linen``).
+
+    ``fused_attention``: each library's attention on an H100, cuDNN's fused kernel (TE:
+    ``NVTE_FUSED_ATTN``, set by ``_te_deviceless``), or its unfused softmax path.
+    """
     common = dict(dtype=jnp.bfloat16)  # TE: the parameters' and the computation's dtype
     if library.__name__.startswith("te_flax"):  # the same bf16 parameters
         common.update(recipe=fp8_recipe, param_dtype=jnp.bfloat16)
+        if layer == "TransformerLayer":
+            common["implementation"] = "cudnn" if fused_attention else "xla"
     if layer == "DenseGeneral":
         return library.DenseGeneral(features=s.mlp, **common)
     if layer == "LayerNormDenseGeneral":
@@ -159,7 +180,9 @@ class _Apply:
         return out[0] if isinstance(out, tuple) else out
 
 
-def compile_step(variant: str, layer: str, s: Shape, recipe: str) -> dict:
+def compile_step(
+    variant: str, layer: str, s: Shape, recipe: str, fused_attention: bool = True
+) -> dict:
     """Trace, lower and compile one training step for the H100; its HLO and timings."""
     import contextlib
 
@@ -185,7 +208,8 @@ def compile_step(variant: str, layer: str, s: Shape, recipe: str) -> dict:
         from te_flax._kernels import pallas_kernels
         from te_flax.quantize import DelayedScaling
 
-        model = _module(library, layer, s, DelayedScaling() if recipe == "delayed" else None)
+        fp8_recipe = DelayedScaling() if recipe == "delayed" else None
+        model = _module(library, layer, s, fp8_recipe, fused_attention)
         switch = "auto" if variant == "te_flax kernels" else "0"
         context = pallas_kernels(switch, assume_gpu=True)
     x = jax.ShapeDtypeStruct((s.batch, s.seq, s.hidden), jnp.bfloat16, sharding=sharding)
@@ -266,7 +290,7 @@ MODEL_LAYOUTS = {
 }
 
 
-def model_step(s: Shape, layout: str, switch: str, recipe: str) -> dict:
+def model_step(s: Shape, layout: str, switch: str, recipe: str, fused_attention: bool) -> dict:
     """Two te_flax TransformerLayers, one training step on 1 or 8 deviceless H100s."""
     import flax.linen as nn
     from jax.experimental import topologies
@@ -289,7 +313,7 @@ def model_step(s: Shape, layout: str, switch: str, recipe: str) -> dict:
         @nn.compact
         def __call__(self, x):
             for _ in range(2):
-                layer = _module(te_nn, "TransformerLayer", s, fp8_recipe)
+                layer = _module(te_nn, "TransformerLayer", s, fp8_recipe, fused_attention)
                 x = _output(layer(x, deterministic=True))
             return x
 
@@ -355,7 +379,7 @@ def _ratios(te: dict, ours: list[dict], key: str) -> str:
     return "; ".join(f"{o[key] / te[key]:.2f}" for o in ours)
 
 
-def report(results: dict, shapes: list[Shape], command: str) -> str:
+def report(results: dict, shapes: list[Shape], command: str, attention: str) -> str:
     lines = [
         "# te_flax beside TransformerEngine 2.20.2: deviceless H100 training steps",
         "",
@@ -367,6 +391,7 @@ def report(results: dict, shapes: list[Shape], command: str) -> str:
         "max(flops / peak, bytes / bandwidth) + 2 us each (peaks: BF16 989, FP8 1979 TFLOP/s,",
         "dense), with the layer's analytic GEMM flops. SwiGLU MLPs, RMSNorm, bf16 activations",
         "and parameters; delayed scaling is each library's DelayedScaling().",
+        f"TransformerLayer's attention: {ATTENTION[attention]}.",
         "",
     ]
     for s in shapes:
@@ -420,7 +445,7 @@ def report(results: dict, shapes: list[Shape], command: str) -> str:
     return "\n".join(lines)
 
 
-def model_report(s: Shape, command: str) -> str:
+def model_report(s: Shape, command: str, fused_attention: bool) -> str:
     lines = [
         MODEL_HEADING + ": two TransformerLayers, one step, per device",
         "",
@@ -436,8 +461,8 @@ def model_report(s: Shape, command: str) -> str:
     ]
     for layout in MODEL_LAYOUTS:
         for switch in ("auto", "0"):
-            bf16 = model_step(s, layout, switch, "none")
-            fp8 = model_step(s, layout, switch, "delayed")
+            bf16 = model_step(s, layout, switch, "none", fused_attention)
+            fp8 = model_step(s, layout, switch, "delayed", fused_attention)
             for recipe, r in (("none", bf16), ("delayed", fp8)):
                 speedup = bf16["model_s"] / fp8["model_s"] if recipe == "delayed" else 1.0
                 lines.append(
@@ -458,6 +483,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--recipes", nargs="+", default=["none", "delayed"])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument(
+        "--attention",
+        choices=("fused", "unfused"),
+        default="fused",
+        help="TransformerLayer's attention in both libraries: cuDNN's fused kernel (each "
+        "library's H100 default) or the unfused softmax path",
+    )
+    parser.add_argument(
         "--list", action="store_true", help="print every non-GEMM instruction, largest first"
     )
     parser.add_argument(
@@ -472,9 +504,10 @@ def main(argv: list[str] | None = None) -> None:
         s = Shape(args.tokens, args.seq, args.hidden[0], 4 * args.hidden[0], args.hidden[0] // 128)
         text = RESULTS.read_text() if RESULTS.exists() else ""
         text = text.split(MODEL_HEADING)[0].rstrip() + "\n\n" if text else ""
-        RESULTS.write_text(text + model_report(s, command.strip()))
+        RESULTS.write_text(text + model_report(s, command.strip(), args.attention == "fused"))
         return
-    _te_deviceless()
+    fused = args.attention == "fused"
+    _te_deviceless(fused)
     shapes = [
         Shape(args.tokens, args.seq, hidden, 4 * hidden, max(hidden // 128, 1))
         for hidden in args.hidden
@@ -486,7 +519,7 @@ def main(argv: list[str] | None = None) -> None:
                 for variant in args.variants:
                     key = (s, layer, recipe, variant)
                     try:
-                        compiled = compile_step(variant, layer, s, recipe)
+                        compiled = compile_step(variant, layer, s, recipe, fused)
                     except Exception as error:  # a layer one library cannot compile: reported
                         results[key] = {"error": f"{type(error).__name__}: {error}"[:300]}
                         print(layer, recipe, variant, results[key]["error"], flush=True)
@@ -508,7 +541,7 @@ def main(argv: list[str] | None = None) -> None:
                             print(f"    {size / 1e6:9.1f} MB  {name}  {result}", flush=True)
     if args.no_write:
         return
-    text = report(results, shapes, command.strip())
+    text = report(results, shapes, command.strip(), args.attention)
     # The sections written otherwise (by hand, by --model) are kept.
     old = RESULTS.read_text() if RESULTS.exists() else ""
     for heading in (HISTORY_HEADING, MODEL_HEADING):  # in this order in the file
