@@ -114,9 +114,8 @@ def _te_deviceless(fused_attention: bool) -> None:
     ]
     for query in queries:
         setattr(tej, query, lambda *a, **k: (((1,), tej.DType.kByte),))
-    names = [*queries, *attention_queries]
-    names += ["get_device_compute_capability", "get_fused_attn_backend"]
-    names.append("get_num_compute_streams")
+    names = [*queries, *attention_queries, "get_device_compute_capability"]
+    names += ["get_fused_attn_backend", "get_num_compute_streams"]
     for module_name, module in list(sys.modules.items()):
         if (
             module_name.startswith("transformer_engine")
@@ -446,14 +445,16 @@ def report(results: dict, shapes: list[Shape], command: str, attention: str) -> 
 
 
 def model_report(s: Shape, command: str, fused_attention: bool) -> str:
+    attention = "cuDNN's fused kernel" if fused_attention else "te_flax's XLA softmax ('xla')"
     lines = [
         MODEL_HEADING + ": two TransformerLayers, one step, per device",
         "",
         f"Command: `{command}`",
         "",
         f"tokens {s.tokens} (seq {s.seq}), hidden {s.hidden}, MLP {s.mlp}, heads {s.heads}; "
-        "te_flax FP8 (delayed) and BF16, kernels (auto) and XLA stages (0). Time: the MODEL "
-        "above, the GEMM flops split over the devices; collectives are not modelled.",
+        "te_flax FP8 (delayed) and BF16, kernels (auto) and XLA stages (0); attention: "
+        f"{attention}. Time: the MODEL above, the GEMM flops split over the devices; "
+        "collectives are not modelled.",
         "",
         "| layout | recipe | kernels | Pallas kernels | non-GEMM GB | model ms | FP8/BF16 "
         "| compile s |",
