@@ -67,7 +67,7 @@ from jax import Array
 
 from te_flax._fp8_state import OVERWRITE_WITH_GRADIENT, StaleFp8StateWarning
 from te_flax.accumulate import accumulate_gradients, split_microbatches
-from te_flax.quantize import check_merged, merge_by_max
+from te_flax.quantize import check_merged, merge_by_max, scaling
 
 __all__ = [
     "OVERWRITE_WITH_GRADIENT",
@@ -144,7 +144,7 @@ def all_finite(tree: Any) -> Array:
 
 
 def _select(keep_new: Array, new: Any, old: Any) -> Any:
-    return jax.tree.map(lambda n, o: jnp.where(keep_new, n, o), new, old)
+    return jax.tree.map(lambda n, o: scaling.where(keep_new, n, o), new, old)
 
 
 def _keep_unused(new_fp8: Any, old_fp8: Any) -> Any:
@@ -162,7 +162,7 @@ def _keep_unused(new_fp8: Any, old_fp8: Any) -> Any:
     """
 
     def keep(new: Array, old: Array) -> Array:
-        return jnp.where(jnp.all(new == 0), old, new)
+        return scaling.where(jnp.all(new == 0), old, new)
 
     return jax.tree.map(keep, new_fp8, old_fp8)
 
@@ -250,11 +250,11 @@ def apply_gradients(
             merged = jax.tree.map(jnp.maximum, pending, new_fp8)
             applied = multi.mini_step == 0  # MultiSteps has just applied the accumulated step
             new_fp8 = jax.tree.map(
-                lambda m, old: jnp.where(applied, m, old),
+                lambda m, old: scaling.where(applied, m, old),
                 merged,
                 variables[OVERWRITE_WITH_GRADIENT],
             )
-            pending = jax.tree.map(lambda m: jnp.where(applied, -jnp.inf, m), merged)
+            pending = jax.tree.map(lambda m: scaling.where(applied, -jnp.inf, m), merged)
         new_variables[OVERWRITE_WITH_GRADIENT] = new_fp8
     skipped = opt_state.skipped_steps
     if skip_nonfinite:

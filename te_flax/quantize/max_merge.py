@@ -23,6 +23,8 @@ import numpy as np
 from flax.linen.fp8_ops import fp32_max_grad
 from jax import Array, lax
 
+from te_flax.quantize import scaling
+
 __all__ = ["UnmergedFp8StateWarning", "check_merged", "float32_state", "merge_by_max"]
 
 T = TypeVar("T")
@@ -48,7 +50,7 @@ def _to_max_merged_bwd(
         update = lax.convert_element_type(merged_update, jnp.float32)
         # The zero of fp32_max_grad is -inf: a state that no use updated keeps its value
         # instead of being overwritten with -inf.
-        kept.append(jnp.where(update == -jnp.inf, state, update))
+        kept.append(scaling.where(update == -jnp.inf, state, update))
     return (tuple(kept),)
 
 

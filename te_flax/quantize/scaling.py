@@ -28,15 +28,16 @@ __all__ = [
     "quantize",
     "reduce_history",
     "scale_inv_from_scaling_factor",
+    "where",
 ]
 
 _F32 = jnp.finfo(jnp.float32)
 
 
-def _where(condition: Array, x: ArrayLike, y: ArrayLike) -> Array:
-    """``jnp.where`` as one ``select`` in the program, not a call of a jitted helper: the scale
-    math runs once per quantizer per step, and each call is one more function to trace and
-    compile."""
+def where(condition: Array, x: ArrayLike, y: ArrayLike) -> Array:
+    """``jnp.where`` as one ``select`` in the program, not a call of a jitted helper: the FP8
+    state math runs once per quantizer (or state variable) per step, and each call is one more
+    function to lower and compile (the 12-layer example's unrolled delayed step had 576)."""
     dtype = jnp.result_type(x, y)
     shape = jnp.broadcast_shapes(jnp.shape(condition), jnp.shape(x), jnp.shape(y))
     return lax.select(
@@ -119,14 +120,14 @@ def compute_scale_inv(
     if power_2_scale:
         assert margin == 0, "power-of-two scales take no margin"
         scale = jnp.float32(fp8_max(dtype)) / amax_value.astype(jnp.float32)
-        scale = _where(jnp.isinf(scale), _F32.max, scale)
+        scale = where(jnp.isinf(scale), _F32.max, scale)
         # Dropping the mantissa bits rounds a positive float32 down to a power of two.
         bits = lax.bitcast_convert_type(scale, jnp.uint32) & jnp.uint32(0xFF800000)
         scale_inv = 1.0 / lax.bitcast_convert_type(bits, jnp.float32)
     else:
         scale_inv = amax_value * (2.0**margin / fp8_max(dtype))
     valid = jnp.isfinite(amax_value) & (amax_value > 0)
-    scale_inv = _where(valid, scale_inv, previous_scale_inv)
+    scale_inv = where(valid, scale_inv, previous_scale_inv)
     # A denormal amax would underflow to 0 and a huge one overflow to inf; both break the next
     # quantization, so keep the scale inside float32's normal range.
     return _clip_normal(scale_inv).astype(jnp.float32)
@@ -165,7 +166,7 @@ def push_amax(history: Array, amax_value: Array) -> Array:
     A NaN or infinite amax is recorded as 0 ("no information"), so one bad step cannot pin the
     scale for the next ``len(history)`` steps; the scale of that step stays as it was.
     """
-    recorded = _where(jnp.isfinite(amax_value), amax_value, 0.0).astype(history.dtype)
+    recorded = where(jnp.isfinite(amax_value), amax_value, 0.0).astype(history.dtype)
     return jnp.concatenate([recorded.reshape(1), history[:-1]])
 
 
