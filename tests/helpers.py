@@ -54,6 +54,13 @@ def assert_close(actual, expected, tol: float, what: str = "") -> None:
     np.testing.assert_allclose(actual, expected, rtol=tol, atol=tol * scale, err_msg=what)
 
 
+# XLA's own optimization level for the code it emits, as users compile. The suite compiles at
+# level 0 (tests/conftest.py); a test that asserts two different programs agree bit for bit
+# compiles both at this level, since whether two roundings coincide depends on the code
+# generator (level 0 contracts no multiply-add into an FMA).
+USERS_OPTIMIZATION = {"xla_backend_optimization_level": 2}
+
+
 def xla_flags(devices: int) -> str:
     """The test run's ``XLA_FLAGS`` (tests/conftest.py) for a subprocess with ``devices`` CPU
     devices instead of eight."""

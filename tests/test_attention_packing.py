@@ -90,7 +90,8 @@ def test_packed_transformer_layer_equals_documents_one_by_one(window):
         out = layer.apply(variables, x, attention_mask=descriptor, deterministic=True)
         return jnp.sum(out * cotangent), out
 
-    (_, packed), (grads, grad_x) = jax.value_and_grad(packed_loss, (0, 1), has_aux=True)(
+    # Jitted: run op by op, the layer's backward compiles hundreds of small programs.
+    (_, packed), (grads, grad_x) = jax.jit(jax.value_and_grad(packed_loss, (0, 1), has_aux=True))(
         variables, x
     )
 
@@ -103,7 +104,7 @@ def test_packed_transformer_layer_equals_documents_one_by_one(window):
             outs.append(out[0])
         return total, outs
 
-    (_, outs), alone_grads = jax.value_and_grad(alone_loss, has_aux=True)(variables)
+    (_, outs), alone_grads = jax.jit(jax.value_and_grad(alone_loss, has_aux=True))(variables)
     for (row, start, length), out in zip(_documents(), outs, strict=True):
         np.testing.assert_allclose(packed[row, start : start + length], out, rtol=2e-5, atol=2e-5)
     jax.tree.map(

@@ -29,7 +29,7 @@ from te_flax.quantize import (
     MXFP8BlockScaling,
     QuantizerFactory,
 )
-from tests.helpers import normal
+from tests.helpers import USERS_OPTIMIZATION, normal
 
 # (shape of x, dtype): whole blocks, then partial row blocks and a hidden size padded to 128.
 SHAPES = [((4, 16, 128), jnp.float32), ((3, 5, 100), jnp.bfloat16), ((37, 96), jnp.float32)]
@@ -53,11 +53,13 @@ def assert_same_bits(actual, expected) -> None:
 
 
 def both(function, *args):
-    """``function(*args)`` jitted with the kernels off and on (interpret mode on a CPU)."""
+    """``function(*args)`` jitted with the kernels off and on (interpret mode on a CPU), both
+    compiled at XLA's default optimization level: the comparisons are bit for bit."""
     results = []
     for switch in ("0", "1"):
         with pallas_kernels(switch):
-            results.append(jax.jit(lambda *a: function(*a))(*args))
+            jitted = jax.jit(lambda *a: function(*a), compiler_options=USERS_OPTIMIZATION)
+            results.append(jitted(*args))
     return results
 
 

@@ -85,9 +85,13 @@ PARAMS = {"limit": 1.5, "alpha": 2.0, "glu_linear_offset": 0.5}
 
 
 def _loss_of(fn):
+    # A fixed random cotangent, not a function of the output such as sum(out * sin(out)): with
+    # the clamped SwiGLU's outputs of about 20, that loss amplified float32 rounding until the
+    # reference's own gradient moved by the tolerance between XLA's optimization levels.
     def loss(x, gamma, beta, kernels, biases):
         out = fn(x, gamma, beta, kernels, biases)
-        return jnp.sum(out * jnp.sin(out)), out
+        cotangent = jax.random.normal(jax.random.key(7), out.shape, out.dtype)
+        return jnp.sum(out * cotangent), out
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
 
