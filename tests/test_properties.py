@@ -70,9 +70,6 @@ RECIPE_NAMES = ("none", "delayed", "current", "mxfp8", "nvfp4")
 BLOCK = {"mxfp8": 32, "nvfp4": 16}
 DTYPES = (jnp.dtype(F32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 ACTIVATION_TYPES = (*((name,) for name in ACTIVATIONS), *((name, "linear") for name in ACTIVATIONS))
-# The properties are about the maths, not XLA's code generation: compiling without the backend
-# optimizations halves the compile time, which is most of each example's time.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 # Examples run per op, printed when the module finishes.
 EXAMPLES: collections.Counter[str] = collections.Counter()
@@ -377,7 +374,7 @@ def _step(op: str, options: tuple):
         )
         return out, grads, new_state, expected_out, expected_grads
 
-    return jax.jit(step, compiler_options=FAST_COMPILE)
+    return jax.jit(step)
 
 
 # ----------------------------------------------------------------------------- the property
