@@ -5,18 +5,30 @@ The example's default configuration (``configs/lm_small.yaml``) with 12 layers, 
 blocks under ``nn.scan`` (as the example stacks them) and unrolled (a Python loop of the same
 blocks). For each recipe (none = BF16, delayed, current): the trace time (``jax.jit(...).trace``
 and ``.lower()``), the XLA compile time (``.compile()``), the StableHLO op count of the lowered
-program and which ops the FP8 program adds over BF16.
+program, the fusions of the compiled one (XLA:CPU emits each as a function of its own, so their
+number is what the compile time follows) and which ops the FP8 program adds over BF16.
 
 Command: ``JAX_PLATFORMS=cpu python -m bench.compile_time`` (``--repeats N``: best of N, default
-3; ``--layers``). Writes ``bench/RESULTS_compile_time.md``.
+3; ``--layers``). Writes the first section of ``bench/RESULTS_compile_time.md`` and keeps the
+sections after it.
+
+``--without PART [PART ...]`` is an experiment, not a configuration: it leaves parts of delayed
+scaling's state bookkeeping out of the step (the numerics are then wrong) to measure what each
+costs, prints the delayed rows and writes nothing. Parts: ``keep_unused`` (``apply_gradients``
+keeping the state no op read), ``check_merged`` (its check that the new state was max-merged)
+and ``scale_update`` (each quantizer's history roll and new scale; only this step's amax is
+recorded).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import re
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,12 +40,36 @@ import te_flax
 from examples.lm import model_linen
 from examples.lm.config import DEFAULT_CONFIG, load_config
 from examples.lm.train import make_optimizer, make_recipe, make_train_step
+from te_flax import training
+from te_flax.quantize import DelayedScaleQuantizer
 from te_flax.training import init_optimizer
 
 RESULTS = Path(__file__).with_name("RESULTS_compile_time.md")
 RECIPES = ("none", "delayed", "current")
 LAYOUTS = ("scan", "unrolled")
 _OP = re.compile(r"\b((?:stablehlo|chlo|sdy|mhlo|func|call)\.[a-z_0-9]+|call)\b")
+_FUSION = re.compile(r"^\s*(?:ROOT )?%\S+ = .* fusion\(", re.MULTILINE)
+PARTS = ("keep_unused", "check_merged", "scale_update")
+
+
+def _record_amax_only(quantizer: DelayedScaleQuantizer, amax_value):
+    return dataclasses.replace(quantizer, amax_history=quantizer.amax_history.at[0].set(amax_value))
+
+
+@contextlib.contextmanager
+def without(parts: tuple[str, ...]) -> Iterator[None]:
+    """The step with ``parts`` of the state bookkeeping stubbed out (see the module docstring)."""
+    saved = (training._keep_unused, training.check_merged, DelayedScaleQuantizer.update)
+    if "keep_unused" in parts:
+        training._keep_unused = lambda new, old: new
+    if "check_merged" in parts:
+        training.check_merged = lambda old, new: None
+    if "scale_update" in parts:
+        DelayedScaleQuantizer.update = _record_amax_only  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        training._keep_unused, training.check_merged, DelayedScaleQuantizer.update = saved
 
 
 class UnrolledGPT(nn.Module):
@@ -98,7 +134,7 @@ def measure(recipe: str, layout: str, layers: int, repeats: int) -> dict:
             began = time.perf_counter()
             lowered = step.lower(state, tokens, tokens)
             traced, cpu = time.perf_counter(), time.process_time()
-            lowered.compile()
+            compiled = lowered.compile()
             done, cpu_done = time.perf_counter(), time.process_time()
         trace_s.append(traced - began)
         compile_s.append(done - traced)
@@ -111,6 +147,7 @@ def measure(recipe: str, layout: str, layers: int, repeats: int) -> dict:
         "compile_cpu_s": min(compile_cpu_s),
         "ops": ops,
         "op_count": sum(ops.values()),
+        "fusions": len(_FUSION.findall(compiled.as_text())),
         "lines": len(text.splitlines()),
     }
 
@@ -126,13 +163,14 @@ def render(results: dict, layers: int, repeats: int) -> str:
         f"`.compile()` (XLA CPU); best of {repeats} after `jax.clear_caches()`, on a shared "
         "2-core host (only the ratios mean something; the process CPU time of the compile is "
         "less sensitive to the other work on the host than its wall time). Ops: the lowered "
-        "StableHLO's op lines.",
+        "StableHLO's op lines; fusions: the compiled program's fusion instructions.",
         "",
-        "Command: `JAX_PLATFORMS=cpu python -m bench.compile_time`",
+        "Command: `JAX_PLATFORMS=cpu python -m bench.compile_time"
+        + ("`" if repeats == 3 else f" --repeats {repeats}`"),
         "",
         "| layout | recipe | trace (s) | compile (s) | trace+compile (s) | / BF16 | "
-        "compile CPU time (s) | / BF16 | StableHLO ops | ops / BF16 |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "compile CPU time (s) | / BF16 | StableHLO ops | ops / BF16 | fusions | fusions / BF16 |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for layout in LAYOUTS:
         base = results[(layout, "none")]
@@ -144,7 +182,8 @@ def render(results: dict, layers: int, repeats: int) -> str:
                 f"| {layout} | {'BF16' if recipe == 'none' else recipe} | {r['trace_s']:.2f} | "
                 f"{r['compile_s']:.2f} | {total:.2f} | {total / base_total:.2f}x | "
                 f"{r['compile_cpu_s']:.2f} | {r['compile_cpu_s'] / base['compile_cpu_s']:.2f}x | "
-                f"{r['op_count']} | {r['op_count'] / base['op_count']:.2f}x |"
+                f"{r['op_count']} | {r['op_count'] / base['op_count']:.2f}x | "
+                f"{r['fusions']} | {r['fusions'] / base['fusions']:.2f}x |"
             )
     for layout in LAYOUTS:
         base = results[(layout, "none")]["ops"]
@@ -155,27 +194,49 @@ def render(results: dict, layers: int, repeats: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _print(label: str, r: dict) -> None:
+    print(
+        f"{label:30} trace {r['trace_s']:.2f} s compile {r['compile_s']:.2f} s "
+        f"(CPU {r['compile_cpu_s']:.2f} s) ops {r['op_count']} fusions {r['fusions']}",
+        flush=True,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument(
+        "--without", nargs="+", choices=PARTS, help="an experiment: see the module docstring"
+    )
     args = parser.parse_args()
+    if args.without:
+        for layout in args.layouts:
+            for recipe in ("none", "delayed"):
+                _print(f"{layout} {recipe}", measure(recipe, layout, args.layers, args.repeats))
+            for part in args.without:
+                with without((part,)):
+                    r = measure("delayed", layout, args.layers, args.repeats)
+                _print(f"{layout} delayed without {part}", r)
+            if len(args.without) > 1:
+                with without(tuple(args.without)):
+                    r = measure("delayed", layout, args.layers, args.repeats)
+                _print(f"{layout} delayed without all {len(args.without)}", r)
+        return
     results = {}
     for layout in args.layouts:
         for recipe in RECIPES:
             results[(layout, recipe)] = r = measure(recipe, layout, args.layers, args.repeats)
-            print(
-                f"{layout:8} {recipe:8} trace {r['trace_s']:.2f} s compile {r['compile_s']:.2f} s "
-                f"(CPU {r['compile_cpu_s']:.2f} s) ops {r['op_count']}",
-                flush=True,
-            )
+            _print(f"{layout} {recipe}", r)
     if set(args.layouts) == set(LAYOUTS):
         text = render(results, args.layers, args.repeats)
         print(text)
         if not args.no_write:
-            RESULTS.write_text(text)
+            # The sections after the first are written by hand (history, analysis): kept.
+            kept = RESULTS.read_text().partition("\n## ") if RESULTS.exists() else ("", "", "")
+            RESULTS.write_text(text + (f"\n## {kept[2]}" if kept[1] else ""))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The step-level FP8 state bookkeeping, checked across variables at once: the summed-update
 check and the keep-unused rule see each variable (and each layer of a scanned stack) alone."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -45,3 +46,35 @@ def test_keep_unused_decides_each_variable_alone():
     np.testing.assert_array_equal(kept["h2"], new["h2"])  # one nonzero row: the update
     np.testing.assert_array_equal(kept["s"], old["s"])
     assert kept["h1"].dtype == jnp.float32 and kept["s"].shape == (1,)
+
+
+def test_keep_unused_decides_a_quantizer_by_its_scale():
+    """A quantizer whose new scale_inv is zero keeps its scale and its history (Linen leaves
+    and NNX Fp8Meta states alike); one with a scale takes both, even an all-zero history."""
+    from flax import nnx
+
+    import te_flax.nnx as te_nnx
+    from te_flax.nnx._fp8_meta import Fp8Meta
+    from te_flax.quantize import DelayedScaling
+
+    old = {
+        "used": {"x_amax_history": jnp.ones(4), "x_scale_inv": jnp.ones(1)},
+        "unused": {"x_amax_history": jnp.full(4, 2.0), "x_scale_inv": jnp.full(1, 3.0)},
+    }
+    new = {
+        "used": {"x_amax_history": jnp.zeros(4), "x_scale_inv": jnp.full(1, 0.5)},
+        "unused": {"x_amax_history": jnp.array([0.0, 7, 0, 0]), "x_scale_inv": jnp.zeros(1)},
+    }
+    kept = _keep_unused(new, old)
+    np.testing.assert_array_equal(kept["used"]["x_amax_history"], jnp.zeros(4))
+    np.testing.assert_array_equal(kept["used"]["x_scale_inv"], [0.5])
+    np.testing.assert_array_equal(kept["unused"]["x_amax_history"], old["unused"]["x_amax_history"])
+    np.testing.assert_array_equal(kept["unused"]["x_scale_inv"], [3.0])
+
+    layer = te_nnx.DenseGeneral(8, 4, recipe=DelayedScaling(amax_history_len=4), rngs=nnx.Rngs(0))
+    state = nnx.state(layer, Fp8Meta)
+    zeros = jax.tree.map(jnp.zeros_like, state)
+    grown = jax.tree.map(lambda leaf: leaf + 1.0, state)
+    kept = _keep_unused(zeros, grown)
+    for old_leaf, kept_leaf in zip(jax.tree.leaves(grown), jax.tree.leaves(kept), strict=True):
+        np.testing.assert_array_equal(kept_leaf, old_leaf)

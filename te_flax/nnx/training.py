@@ -118,8 +118,9 @@ def update_fp8_state(model: nnx.Module, grads: nnx.State[Any, Any]) -> None:
 
 def _overwrite_fp8_state(model: nnx.Module, new: nnx.State[Any, Any]) -> None:
     old = nnx.state(model, Fp8Meta)
-    check_merged(old, new)
-    nnx.update(model, _keep_unused(new, old))
+    kept = _keep_unused(new, old)
+    check_merged(old, kept)  # on the kept state, as te_flax.training.apply_gradients
+    nnx.update(model, kept)
 
 
 def train_step(

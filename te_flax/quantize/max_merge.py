@@ -188,12 +188,13 @@ def _summed_rows(old: Array, new: Array) -> tuple[Array, Array]:
     """Per row of ``[rows, L]`` histories (newest first): whether ``new`` is not a single use's
     update of ``old``, and the factor it seems to be.
 
-    A row that got no update comes back all zeros, and a row whose shifted part is still all
-    zeros (the first step) cannot tell a sum from a merge; neither counts.
+    A row that got no update comes back all zeros (a gradient) or as it was (a state kept by
+    ``apply_gradients``), and a row whose shifted part is still all zeros (the first step)
+    cannot tell a sum from a merge; none of them counts.
     """
     shifted_old = old[:, :-1].astype(jnp.float32)  # [rows, L - 1]
     shifted_new = new[:, 1:].astype(jnp.float32)
-    updated = jnp.any(new != 0, axis=-1)
+    updated = jnp.any(new != 0, axis=-1) & jnp.any(new != old, axis=-1)
     informative = jnp.any(shifted_old != 0, axis=-1)
     differs = jnp.any(shifted_new != shifted_old, axis=-1)
     unknown = shifted_old == 0

@@ -34,23 +34,41 @@ __all__ = [
 _F32 = jnp.finfo(jnp.float32)
 
 
+# The scale math below is written with lax primitives, not jnp functions: it runs once per
+# quantizer (or state variable) per step, and each jnp function is a traced call of a jitted
+# helper (a 12-layer model's unrolled delayed step traces 144 quantizers), where a primitive is
+# one equation. The arithmetic is the same.
+
+
+def _full(value: ArrayLike, dtype: DTypeLike, shape: tuple[int, ...]) -> Array:
+    """``value`` (a Python scalar or an array broadcastable to ``shape``) as ``dtype[shape]``."""
+    array = lax.convert_element_type(value, dtype)
+    if array.shape == shape:
+        return array
+    leading = len(shape) - array.ndim
+    return lax.broadcast_in_dim(array, shape, tuple(range(leading, len(shape))))
+
+
 def where(condition: Array, x: ArrayLike, y: ArrayLike) -> Array:
     """``jnp.where`` as one ``select`` in the program, not a call of a jitted helper: the FP8
     state math runs once per quantizer (or state variable) per step, and each call is one more
-    function to lower and compile (the 12-layer example's unrolled delayed step had 576)."""
+    function to trace, lower and compile (the 12-layer example's unrolled delayed step had
+    576)."""
     dtype = jnp.result_type(x, y)
     shape = jnp.broadcast_shapes(jnp.shape(condition), jnp.shape(x), jnp.shape(y))
-    return lax.select(
-        jnp.broadcast_to(condition, shape),
-        jnp.broadcast_to(jnp.asarray(x, dtype), shape),
-        jnp.broadcast_to(jnp.asarray(y, dtype), shape),
-    )
+    return lax.select(_full(condition, bool, shape), _full(x, dtype, shape), _full(y, dtype, shape))
 
 
 def _clip_normal(x: Array) -> Array:
-    """``jnp.clip(x, tiny, max)`` of float32 (NaN stays NaN), without the call ``jnp.clip``
-    lowers to."""
-    return jnp.minimum(_F32.max, jnp.maximum(_F32.tiny, x))
+    """``jnp.clip(x, tiny, max)`` of float32 (NaN stays NaN)."""
+    return lax.min(
+        _full(_F32.max, x.dtype, x.shape), lax.max(_full(_F32.tiny, x.dtype, x.shape), x)
+    )
+
+
+def _finite_positive(x: Array) -> Array:
+    """``isfinite(x) & (x > 0)`` of a float array."""
+    return lax.bitwise_and(lax.is_finite(x), lax.gt(x, _full(0, x.dtype, x.shape)))
 
 
 def fp8_max(dtype: DTypeLike) -> float:
@@ -95,7 +113,7 @@ def amax(x: Array) -> Array:
     axes: every device then quantizes with the same scale, the one a single device would use.
     """
     # Reduce in float32: a bfloat16 maximum is exact, but the scale math that follows is not.
-    value = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    value = lax.convert_element_type(jnp.max(lax.abs(x)), jnp.float32)
     manual = amax_axes()
     return lax.pmax(value, manual) if manual else value
 
@@ -125,12 +143,13 @@ def compute_scale_inv(
         bits = lax.bitcast_convert_type(scale, jnp.uint32) & jnp.uint32(0xFF800000)
         scale_inv = 1.0 / lax.bitcast_convert_type(bits, jnp.float32)
     else:
-        scale_inv = amax_value * (2.0**margin / fp8_max(dtype))
-    valid = jnp.isfinite(amax_value) & (amax_value > 0)
-    scale_inv = where(valid, scale_inv, previous_scale_inv)
+        amax_value = lax.convert_element_type(amax_value, jnp.float32)
+        factor = _full(2.0**margin / fp8_max(dtype), jnp.float32, amax_value.shape)
+        scale_inv = lax.mul(amax_value, factor)
+    scale_inv = where(_finite_positive(amax_value), scale_inv, previous_scale_inv)
     # A denormal amax would underflow to 0 and a huge one overflow to inf; both break the next
     # quantization, so keep the scale inside float32's normal range.
-    return _clip_normal(scale_inv).astype(jnp.float32)
+    return _clip_normal(lax.convert_element_type(scale_inv, jnp.float32))
 
 
 def scale_inv_from_scaling_factor(
@@ -166,8 +185,9 @@ def push_amax(history: Array, amax_value: Array) -> Array:
     A NaN or infinite amax is recorded as 0 ("no information"), so one bad step cannot pin the
     scale for the next ``len(history)`` steps; the scale of that step stays as it was.
     """
-    recorded = where(jnp.isfinite(amax_value), amax_value, 0.0).astype(history.dtype)
-    return jnp.concatenate([recorded.reshape(1), history[:-1]])
+    recorded = where(lax.is_finite(amax_value), amax_value, 0.0)
+    recorded = lax.convert_element_type(recorded, history.dtype).reshape(1)
+    return lax.concatenate([recorded, lax.slice_in_dim(history, 0, history.shape[0] - 1)], 0)
 
 
 def reduce_history(history: Array, amax_compute_algo: str | Callable[[Array], Array]) -> Array:
@@ -176,8 +196,8 @@ def reduce_history(history: Array, amax_compute_algo: str | Callable[[Array], Ar
     if callable(amax_compute_algo):
         return jnp.asarray(amax_compute_algo(history), jnp.float32).reshape(())
     if amax_compute_algo == "max":
-        return jnp.max(history)
-    return history[0]
+        return lax.reduce_max(history, tuple(range(history.ndim)))
+    return lax.index_in_dim(history, 0, keepdims=False)
 
 
 def quantize(x: Array, dtype: DTypeLike, scale_inv: Array) -> Array:
@@ -189,9 +209,12 @@ def quantize(x: Array, dtype: DTypeLike, scale_inv: Array) -> Array:
     an FSDP all-gather of a quantized kernel moves float8.
     """
     limit = fp8_max(dtype)
-    scaled = x.astype(jnp.float32) / scale_inv.astype(jnp.float32)
-    # jnp.clip's arithmetic, without the call it lowers to (one per quantization).
-    return jnp.minimum(limit, jnp.maximum(-limit, scaled)).astype(dtype)
+    x32 = lax.convert_element_type(x, jnp.float32)
+    scaled = lax.div(x32, _full(scale_inv, jnp.float32, x32.shape))
+    clipped = lax.min(
+        _full(limit, jnp.float32, x.shape), lax.max(_full(-limit, jnp.float32, x.shape), scaled)
+    )
+    return lax.convert_element_type(clipped, dtype)
 
 
 def dequantize(q: Array, scale_inv: Array, dtype: DTypeLike = jnp.float32) -> Array:
