@@ -131,11 +131,20 @@ def _te_deviceless(fused_attention: bool) -> None:
                     setattr(module, name, getattr(tej, name))
 
 
-def _module(library, layer: str, s: Shape, fp8_recipe, fused_attention: bool = True):
+def _module(
+    library,
+    layer: str,
+    s: Shape,
+    fp8_recipe,
+    fused_attention: bool = True,
+    sequence_parallel: bool = False,
+):
     """The layer from ``library`` (TE's ``transformer_engine.jax.flax`` or ``te_flax.linen``).
 
     ``fused_attention``: each library's attention on an H100, cuDNN's fused kernel (TE:
     ``NVTE_FUSED_ATTN``, set by ``_te_deviceless``), or its unfused softmax path.
+    ``sequence_parallel``: TransformerLayer's ``enable_sequence_parallel`` (the norm inputs
+    split over the sequence, under the ``tp_sp`` rule set).
     """
     common = dict(dtype=jnp.bfloat16)  # TE: the parameters' and the computation's dtype
     if library.__name__.startswith("te_flax"):  # the same bf16 parameters
@@ -163,6 +172,7 @@ def _module(library, layer: str, s: Shape, fp8_recipe, fused_attention: bool = T
         attention_dropout=0.0,
         self_attn_mask_type="causal",
         enable_relative_embedding=False,
+        enable_sequence_parallel=sequence_parallel,
         **common,
     )
 
@@ -286,6 +296,7 @@ MODEL_LAYOUTS = {
     "1 GPU": ("dp", {}),
     "8 GPUs fsdp": ("fsdp", {"fsdp": 8}),
     "8 GPUs tp": ("tp", {"tensor": 8}),
+    "8 GPUs tp+sp": ("tp_sp", {"tensor": 8}),  # TransformerLayer(enable_sequence_parallel=True)
 }
 
 
@@ -312,7 +323,9 @@ def model_step(s: Shape, layout: str, switch: str, recipe: str, fused_attention:
         @nn.compact
         def __call__(self, x):
             for _ in range(2):
-                layer = _module(te_nn, "TransformerLayer", s, fp8_recipe, fused_attention)
+                layer = _module(
+                    te_nn, "TransformerLayer", s, fp8_recipe, fused_attention, rule_set == "tp_sp"
+                )
                 x = _output(layer(x, deterministic=True))
             return x
 
@@ -456,9 +469,9 @@ def model_report(s: Shape, command: str, fused_attention: bool) -> str:
         f"{attention}. Time: the MODEL above, the GEMM flops split over the devices; "
         "collectives are not modelled.",
         "",
-        "| layout | recipe | kernels | Pallas kernels | non-GEMM GB | model ms | FP8/BF16 "
-        "| compile s |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| layout | recipe | kernels | Pallas kernels | non-GEMM kernels | non-GEMM GB | all GB "
+        "| model ms | FP8/BF16 | compile s |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for layout in MODEL_LAYOUTS:
         for switch in ("auto", "0"):
@@ -467,8 +480,9 @@ def model_report(s: Shape, command: str, fused_attention: bool) -> str:
             for recipe, r in (("none", bf16), ("delayed", fp8)):
                 speedup = bf16["model_s"] / fp8["model_s"] if recipe == "delayed" else 1.0
                 lines.append(
-                    f"| {layout} | {recipe} | {switch} | {r['pallas']} | "
-                    f"{_gb(r['other_bytes'])} | {r['model_s'] * 1e3:.3f} | {speedup:.2f}x | "
+                    f"| {layout} | {recipe} | {switch} | {r['pallas']} | {r['kernels']} | "
+                    f"{_gb(r['other_bytes'])} | {_gb(r['other_bytes'] + r['gemm_bytes'])} | "
+                    f"{r['model_s'] * 1e3:.3f} | {speedup:.2f}x | "
                     f"{r['compile_s']:.1f} |"
                 )
                 print(lines[-1], flush=True)
