@@ -71,8 +71,19 @@ _COLLECTIVE = re.compile(
 )
 # GEMMs XLA hands to a fusion instead of cuBLAS.
 _FUSION_GEMM_KINDS = ("__triton_gemm", "__cudnn$fusion")
-# Instructions that move no data of their own (a while loop's are its body's).
+# Instructions that move no data of their own (a while loop's are its body's; an async
+# operation's "-done" waits for the transfer its "-start" counted).
 _FREE = ("parameter", "get-tuple-element", "bitcast", "constant", "tuple", "while")
+# Async starts whose result tuple holds their operands (aliased, not written again) beside the
+# outputs; an all-reduce-start's result is its outputs alone.
+_ALIASING_STARTS = (
+    "all-gather-start",
+    "reduce-scatter-start",
+    "collective-permute-start",
+    "all-to-all-start",
+    "async-start",
+    "copy-start",
+)
 
 ValueType = tuple[str, tuple[int, ...]]  # (element type, dims) of a value (a tuple's first)
 
@@ -273,8 +284,9 @@ def computation_rows(lines: Iterable[str]) -> list[dict[str, Any]]:
 
     The accounting of XLA's cost analysis of a fusion (every distinct operand read once, the
     result written once), applied to custom calls too (cuBLAS GEMMs, Pallas kernels); a GEMM's
-    workspace is left out. The last part of the JAX op name says which line of the model an
-    instruction comes from.
+    workspace is left out. An async collective is one row, its start: operands read, outputs
+    written once (the start's result tuple repeats its operands, and the done only waits).
+    The last part of the JAX op name says which line of the model an instruction comes from.
     """
     types: dict[str, str] = {}
     rows = []
@@ -285,18 +297,21 @@ def computation_rows(lines: Iterable[str]) -> list[dict[str, Any]]:
             continue
         name, result, opcode, operands = match.groups()
         types[name] = result
-        if opcode in _FREE:
+        if opcode in _FREE or opcode.endswith("-done"):
             continue
         if opcode == "custom-call" and "__cublas$" in line:
             result = result.split(", s8[")[0]  # without the cuBLAS workspace
         operand_names = dict.fromkeys(_OPERAND_NAME.findall(operands))
         read = sum(shape_bytes(types.get(operand, "")) for operand in operand_names)
+        written = shape_bytes(result)
+        if opcode in _ALIASING_STARTS:
+            written -= read
         op_name = _OP_NAME.search(line)
         source = op_name.group(1) if op_name else ""
         rows.append(
             {
                 "name": name,
-                "bytes": read + shape_bytes(result),
+                "bytes": read + written,
                 "instruction": _describe(opcode, line),
                 "result": re.sub(r"\{[^}]*\}", "", result).strip("()"),
                 "pass": "backward" if "transpose(" in source else "forward",
