@@ -37,7 +37,8 @@ _F32 = jnp.finfo(jnp.float32)
 # The scale math below is written with lax primitives, not jnp functions: it runs once per
 # quantizer (or state variable) per step, and each jnp function is a traced call of a jitted
 # helper (a 12-layer model's unrolled delayed step traces 144 quantizers), where a primitive is
-# one equation. The arithmetic is the same.
+# one equation. The arithmetic is the same, except that a scale is now computed in float32 from a
+# bfloat16 amax too (the block-scaled recipes' block amax), as TransformerEngine computes it.
 
 
 def _full(value: ArrayLike, dtype: DTypeLike, shape: tuple[int, ...]) -> Array:
