@@ -5,8 +5,9 @@ The example's default configuration (``configs/lm_small.yaml``) with 12 layers, 
 blocks under ``nn.scan`` (as the example stacks them) and unrolled (a Python loop of the same
 blocks). For each recipe (none = BF16, delayed, current): the trace time (``jax.jit(...).trace``
 and ``.lower()``), the XLA compile time (``.compile()``), the StableHLO op count of the lowered
-program, the fusions of the compiled one (XLA:CPU emits each as a function of its own, so their
-number is what the compile time follows) and which ops the FP8 program adds over BF16.
+program, the fusions of the compiled one (identical fusions share one compiled kernel; the
+compile time follows the module's size more than their number, see the RESULTS file) and which
+ops the FP8 program adds over BF16.
 
 Command: ``JAX_PLATFORMS=cpu python -m bench.compile_time`` (``--repeats N``: best of N, default
 3; ``--layers``). Writes the first section of ``bench/RESULTS_compile_time.md`` and keeps the
