@@ -153,14 +153,14 @@ def _keep_unused(new_fp8: Any, old_fp8: Any) -> Any:
     An FP8 state that no op read in the step can have a zero gradient (``merge_by_max``), and a
     zero ``scale_inv`` can never be a real update (scales are never 0): a quantizer whose new
     ``scale_inv`` is all zeros keeps its old ``scale_inv`` and its old amax history (the
-    ``..._amax_history`` beside it). Deciding a quantizer from its ``[1]`` scale, not from a
-    reduction of its history, lets XLA compute the kept history in the fusion that writes the
-    new one. A leaf without a ``_scale_inv`` sibling is decided alone: kept when all zeros.
+    ``..._amax_history`` beside it), decided from its ``[1]`` scale instead of a reduction of
+    its history. A leaf without a ``_scale_inv`` sibling is decided alone: kept when all zeros.
+    With ``check_merged`` reading the kept state, this took the 12-layer example's unrolled
+    delayed step from 3239 to 2951 fusions (``bench.compile_time``).
 
     Decided per quantizer, not for the whole model at once: stacking a model's states into one
     array makes fewer operations but one concatenation of every state, which XLA compiled
-    slowly (the 12-layer example's unrolled delayed step compiled in about 10.6 s stacked, 7.4 s
-    per variable).
+    slowly (that step compiled in about 10.6 s stacked, 7.4 s per variable).
     """
     leaves, tree = jax.tree_util.tree_flatten_with_path(new_fp8)
     names = [jax.tree_util.keystr(path) for path, _ in leaves]
