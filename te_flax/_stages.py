@@ -143,11 +143,20 @@ def normalize_backward(
     gamma: Array,
     beta: Array | None,
     spec: NormSpec,
+    d_out_scale: Array | None = None,
 ) -> tuple[Array, Array, Array | None]:
-    """Gradients of ``normalize`` for x, gamma and beta, computed in float32."""
+    """Gradients of ``normalize`` for x, gamma and beta, computed in float32.
+
+    ``d_out_scale``: a float32 scale ``d_out`` still needs (a dgrad GEMM's, see
+    ``dense_backward(defer_dgrad_scale=True)``), applied in this pass.
+    """
+    if d_out_scale is not None:
+        d_out_scale = d_out_scale.reshape(())  # a per-tensor scale_inv has shape [1]
 
     def xla_stage() -> tuple[Array, Array, Array | None]:
         d_out32 = d_out.astype(jnp.float32)
+        if d_out_scale is not None:
+            d_out32 = d_out32 * d_out_scale
         x_hat = _normalized(x, stats)  # [batch..., hidden]
         batch_axes = tuple(range(x.ndim - 1))
         d_gamma = jnp.sum(d_out32 * x_hat, axis=batch_axes).astype(gamma.dtype)
@@ -170,6 +179,7 @@ def normalize_backward(
         gamma.dtype,
         None if beta is None else beta.dtype,
         xla_stage,
+        d_out_scale,
     )
 
 
@@ -472,25 +482,60 @@ def _gemm(
         lhs_matrix = lhs.for_contraction(contracting[0])
         return _block_gemm(lhs_matrix, rhs.for_contraction(contracting[1]), out_dtype)
     assert not isinstance(rhs, BlockOperand), "mixed block-scaled and per-tensor GEMM"
-    lhs_data, lhs_axes = _contraction_layout(lhs, contracting[0])
-    rhs_data, rhs_axes = _contraction_layout(rhs, contracting[1])
-    dimension_numbers = ((lhs_axes, rhs_axes), ((), ()))
     if lhs.scale_inv is None and rhs.scale_inv is None:
-        return lax.dot_general(
-            lhs_data, rhs_data, dimension_numbers, preferred_element_type=out_dtype
-        )
+        return _dot(lhs, rhs, contracting, out_dtype, None)
     assert lhs.scale_inv is not None and rhs.scale_inv is not None, "mixed FP8/non-FP8 GEMM"
     # float8 x float8 with the scales applied to the product: XLA folds the multiply into the
     # cuBLASLt FP8 GEMM as its alpha. Precision DEFAULT selects fast accumulation there.
     gemm_dtype = _accumulation_dtype(out_dtype)
-    out = lax.dot_general(
-        lhs_data,
-        rhs_data,
-        dimension_numbers,
-        precision=fp8_precision,
-        preferred_element_type=gemm_dtype,
+    out = _dot(lhs, rhs, contracting, gemm_dtype, fp8_precision)
+    return (out * _product_scale(lhs, rhs).astype(gemm_dtype)).astype(out_dtype)
+
+
+def _dot(
+    lhs: ScaledTensor,
+    rhs: ScaledTensor,
+    contracting: tuple[tuple[int, ...], tuple[int, ...]],
+    out_dtype: DTypeLike,
+    precision: lax.Precision | None,
+) -> Array:
+    """The product of two per-tensor operands' data (no scale), in the layouts it needs."""
+    lhs_data, lhs_axes = _contraction_layout(lhs, contracting[0])
+    rhs_data, rhs_axes = _contraction_layout(rhs, contracting[1])
+    dimension_numbers = ((lhs_axes, rhs_axes), ((), ()))
+    return lax.dot_general(
+        lhs_data, rhs_data, dimension_numbers, precision=precision, preferred_element_type=out_dtype
     )
-    return (out * (lhs.scale_inv * rhs.scale_inv).astype(gemm_dtype)).astype(out_dtype)
+
+
+def _product_scale(lhs: ScaledTensor, rhs: ScaledTensor) -> Array:
+    """The float32 scale that dequantizes the product of two per-tensor float8 operands."""
+    assert lhs.scale_inv is not None and rhs.scale_inv is not None, "mixed FP8/non-FP8 GEMM"
+    return lhs.scale_inv * rhs.scale_inv
+
+
+def _gemm_unscaled(
+    lhs: GemmOperand,
+    rhs: GemmOperand,
+    contracting: tuple[tuple[int, ...], tuple[int, ...]],
+    out_dtype: DTypeLike,
+    fp8_precision: lax.Precision,
+) -> tuple[Array, Array | None]:
+    """``_gemm``, with a per-tensor FP8 product's scale returned beside it instead of applied:
+    ``(product, scale)``; ``scale`` is None where ``_gemm`` applied it (no FP8, block scales,
+    or a float16 output, which cannot hold the unscaled product).
+
+    For a consumer that folds the scalar into a pass of its own. A GEMM contracting a sharded
+    axis (dgrad of a column-parallel GEMM under tensor parallelism) is followed by an
+    all-reduce of its partial sums; XLA folds the scale into the FP8 GEMM's alpha only when the
+    multiply follows the GEMM directly, so after the all-reduce it would be one more pass over
+    the whole [tokens, hidden] result on every device.
+    """
+    if isinstance(lhs, BlockOperand) or isinstance(rhs, BlockOperand):
+        return _gemm(lhs, rhs, contracting, out_dtype, fp8_precision), None
+    if lhs.scale_inv is None or _accumulation_dtype(out_dtype) != out_dtype:
+        return _gemm(lhs, rhs, contracting, out_dtype, fp8_precision), None
+    return _dot(lhs, rhs, contracting, out_dtype, fp8_precision), _product_scale(lhs, rhs)
 
 
 _DEFAULT_PRECISION = GemmPrecision()
@@ -534,6 +579,8 @@ class DenseGrads(NamedTuple):
     rhs: Array
     bias: Array | None
     dgrad_quantizer: Quantizer | None
+    # The scale ``lhs`` still needs (``dense_backward(defer_dgrad_scale=True)``), else None.
+    lhs_scale: Array | None = None
 
 
 def grad_operand(
@@ -637,6 +684,7 @@ def dense_backward(
     bias_dtype: DTypeLike | None = None,
     grad_axes: LogicalAxes = None,
     precision: GemmPrecision = _DEFAULT_PRECISION,
+    defer_dgrad_scale: bool = False,
 ) -> DenseGrads:
     """dgrad and wgrad of ``dense_forward`` (and dbias when ``bias_dtype`` is given).
 
@@ -649,6 +697,9 @@ def dense_backward(
     moves float8 (see ``constrained``). A ``GradOperand`` is used as prepared (by a kernel
     that made it with its producer); ``grad_quantizer``, ``bias_dtype`` and ``grad_axes`` are
     then not used. Per-tensor FP8 GEMMs run with ``precision.dgrad`` and ``precision.wgrad``.
+
+    ``defer_dgrad_scale``: a per-tensor FP8 ``dlhs`` is returned without its scale, which is
+    then ``lhs_scale`` (see ``_gemm_unscaled``), for a consumer that applies it in its own pass.
     """
     n_features = operand_ndim(rhs) - n_contract
     if not isinstance(grad, GradOperand):
@@ -661,14 +712,15 @@ def dense_backward(
     feature_axes_of_grad = tuple(range(n_batch, grad_ndim))
     feature_axes_of_rhs = tuple(range(n_contract, n_contract + n_features))
     # [batch..., F...] x [K..., F...] -> [batch..., K...]
-    d_lhs = _gemm(
-        grad_gemm_operand,
-        rhs,
-        (feature_axes_of_grad, feature_axes_of_rhs),
-        lhs_dtype,
-        precision.dgrad,
-    )
+    dgrad_axes = (feature_axes_of_grad, feature_axes_of_rhs)
+    if defer_dgrad_scale:
+        d_lhs, d_lhs_scale = _gemm_unscaled(
+            grad_gemm_operand, rhs, dgrad_axes, lhs_dtype, precision.dgrad
+        )
+    else:
+        d_lhs = _gemm(grad_gemm_operand, rhs, dgrad_axes, lhs_dtype, precision.dgrad)
+        d_lhs_scale = None
     # [batch..., K...] x [batch..., F...] -> [K..., F...]
     batch_axes = tuple(range(n_batch))
     d_rhs = _gemm(lhs, grad_gemm_operand, (batch_axes, batch_axes), rhs_dtype, precision.wgrad)
-    return DenseGrads(d_lhs, d_rhs, grad.bias, grad.quantizer)
+    return DenseGrads(d_lhs, d_rhs, grad.bias, grad.quantizer, d_lhs_scale)

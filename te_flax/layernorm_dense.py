@@ -170,12 +170,14 @@ def _backward(
         config.kernel_dtype,
         config.bias_dtype,
         precision=quantizers.precision,
+        # The norm backward applies the dgrad's scale, unless the norm output's is added first.
+        defer_dgrad_scale=d_ln_output is None,
     )
     d_ln = grads.lhs if d_ln_output is None else grads.lhs + d_ln_output
     d_ln = with_logical_constraint(d_ln, config.layernorm_input_axes)
     d_kernel = with_logical_constraint(grads.rhs, config.kernel_axes)
     d_x, d_gamma, d_beta = normalize_backward(
-        d_ln, x, residuals.stats, residuals.gamma, residuals.beta, config.norm
+        d_ln, x, residuals.stats, residuals.gamma, residuals.beta, config.norm, grads.lhs_scale
     )
     new_state = dataclasses.replace(quantizers, dgrad=grads.dgrad_quantizer)
     return d_x, d_kernel, d_gamma, d_beta, grads.bias, as_cotangent(new_state)

@@ -411,6 +411,7 @@ def _backward(
         d_ln_lora, *lora_1_grads = lora_1_vjp(d_pre_activation)
         lora_grads = lora_1_grads + lora_grads
     # GEMM 1: d pre-activation [batch..., n_act, intermediate] -> d norm output, d kernel_1.
+    extras = [extra for extra in (d_ln_lora, norm_output_grad) if extra is not None]
     grads_1 = dense_backward(
         d_pre_activation,
         ln,
@@ -421,16 +422,15 @@ def _backward(
         kernel_1_dtype,
         bias_1_dtype,
         precision=set_1.precision,
+        # The norm backward applies the dgrad's scale, unless other terms are added first.
+        defer_dgrad_scale=not extras,
     )
-    d_ln = grads_1.lhs
-    for extra in (d_ln_lora, norm_output_grad):
-        if extra is not None:
-            d_ln = d_ln + extra
+    d_ln = sum(extras, grads_1.lhs)
     # The norm-output gradient returns to the norm input's layout (a reduce-scatter under
     # sequence parallelism).
     d_ln = with_logical_constraint(d_ln, config.norm_input_axes)
     d_x, d_gamma, d_beta = normalize_backward(
-        d_ln, x, residuals.stats, residuals.gamma, residuals.beta, config.norm
+        d_ln, x, residuals.stats, residuals.gamma, residuals.beta, config.norm, grads_1.lhs_scale
     )
     d_kernels = (
         with_logical_constraint(grads_1.rhs, config.kernel_1_axes),

@@ -121,3 +121,26 @@ def test_partitioned_step_keeps_the_kernels_and_the_collectives(rule_set):
     assert not (reductions - xla_reductions).keys() - vectors(reductions), (tensors, xla_tensors)
     assert {t for t, _ in reductions} <= {t for t, _ in xla_reductions}
     assert small <= xla_small | {"f32"}
+
+
+def test_tensor_parallel_dgrad_scale_needs_no_pass_after_its_all_reduce():
+    """Under tp the first GEMM's dgrad contracts the sharded intermediate axis: its partial
+    sums are all-reduced, and XLA folds the FP8 GEMM's scale into its alpha only when the
+    multiply follows the GEMM directly. The norm backward kernel takes the scale instead, so
+    the all-reduced gradient goes to the kernel as it is, with no pass of its own."""
+    entry = step_hlo("tp", "auto")
+    entry = entry[entry.index("\nENTRY") :]
+    instruction = re.compile(r"\s*(?:ROOT )?(%[\w.\-]+) = (\S+) ([\w\-]+)\(([^)]*)\)")
+    rows = [m.groups() for line in entry.splitlines() if (m := instruction.match(line))]
+    reduced = {
+        name
+        for name, result, opcode, _ in rows
+        if opcode == "all-reduce-done" and result.startswith(f"bf16[{BATCH},{SEQ},{HIDDEN}]")
+    }
+    assert reduced, "no all-reduce of the norm-output gradient: not the tp program"
+    users = [
+        (opcode, result)
+        for _, result, opcode, operands in rows
+        if reduced & {operand.strip() for operand in operands.split(",")}
+    ]
+    assert users and all(opcode == "bitcast" for opcode, _ in users), users

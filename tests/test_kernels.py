@@ -613,6 +613,32 @@ def test_norm_backward_matches_xla_stage(shape, dtype, norm_type, zero_centered)
         assert_f32_close(actual[1:], expected[1:])
 
 
+@pytest.mark.parametrize(("norm_type", "zero_centered"), NORMS)
+def test_norm_backward_applies_a_deferred_scale(norm_type, zero_centered):
+    """``d_out_scale`` (a dgrad GEMM's scale left to the norm backward) gives the gradients of
+    the scaled ``d_out``, with the kernel (on gamma and the partial sums) and the XLA stage."""
+    spec = _stages.NormSpec(norm_type, zero_centered, 1e-6)
+    shape = (4, 16, 128)
+    x, gamma, beta = _inputs(shape, jnp.float32, norm_type)
+    d_out = normal(jax.random.key(7), shape) * 1e4  # an unscaled FP8 product's magnitude
+    scale = jnp.array([3.1e-5], jnp.float32)
+
+    def grads(d_out, x, gamma, beta, scale):
+        _, stats = _stages.normalize(x, gamma, beta, spec)
+        return _stages.normalize_backward(d_out, x, stats, gamma, beta, spec, scale)
+
+    def prescaled(d_out, x, gamma, beta, scale):
+        return grads(d_out * scale[0], x, gamma, beta, None)
+
+    for result in both(grads, d_out, x, gamma, beta, scale):
+        expected = jax.jit(prescaled)(d_out, x, gamma, beta, scale)
+        assert all(a is None for a in result[2:]) == (beta is None)
+        # The scale meets gamma before d_out: float32 rounding of another order.
+        for a, e in zip(jax.tree.leaves(result), jax.tree.leaves(expected), strict=True):
+            assert a.dtype == e.dtype and a.shape == e.shape
+            np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-6 * np.sqrt(np.mean(e * e)))
+
+
 def test_traced_in_scan_tells_a_scanned_kernel_from_a_closed_over_one():
     import flax.linen as nn
 

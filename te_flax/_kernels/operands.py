@@ -98,6 +98,8 @@ def norm_quantize_operand(
       gamma: f32 ``[hidden]``, the effective scale; beta: f32 ``[hidden]`` or None.
       quantizer: the operand's quantizer; only per-tensor FP8 quantizers use the kernel.
       fallback: the XLA stage, called without arguments.
+      d_out_scale: f32, a scale ``d_out`` still needs, or None. The gradients are linear in
+        ``d_out``: the kernel takes it with ``gamma`` (dx) and on its float32 partial sums.
     """
     hidden = x.shape[-1] if x.ndim else 0
     rows = math.prod(x.shape[:-1])
@@ -496,6 +498,7 @@ def norm_backward_grads(
     gamma_dtype: DTypeLike,
     beta_dtype: DTypeLike | None,
     fallback: Callable[[], _NormGrads],
+    d_out_scale: Array | None = None,
 ) -> _NormGrads:
     """``(dx, dgamma, dbeta)`` of the norm, by kernel (3) or ``fallback`` (the XLA stage).
 
@@ -506,6 +509,8 @@ def norm_backward_grads(
       gamma: f32 ``[hidden]``, the effective scale.
       gamma_dtype: the dtype of ``dgamma``; beta_dtype: of ``dbeta``, None without beta.
       fallback: the XLA stage, called without arguments.
+      d_out_scale: f32, a scale ``d_out`` still needs, or None. The gradients are linear in
+        ``d_out``: the kernel takes it with ``gamma`` (dx) and on its float32 partial sums.
     """
     hidden = x.shape[-1] if x.ndim else 0
     rows = math.prod(x.shape[:-1])
@@ -548,13 +553,16 @@ def norm_backward_grads(
             [None] + ["sum"] * (1 + with_beta),
             replicated=("h", "one"),  # each row's sums over the hidden axis
         )
-        d_gamma = outputs[1].astype(gamma_dtype)
-        d_beta = outputs[2].astype(beta_dtype) if with_beta else None
+        sums = outputs[1:] if d_out_scale is None else [s * d_out_scale for s in outputs[1:]]
+        d_gamma = sums[0].astype(gamma_dtype)
+        d_beta = sums[1].astype(beta_dtype) if with_beta else None
         return outputs[0], d_gamma, d_beta
 
     def xla(*_: object) -> _NormGrads:
         return fallback()
 
+    if d_out_scale is not None:  # dx = rsigma (gamma d_out - ...): linear in gamma
+        gamma = gamma * d_out_scale
     return dispatch(
         "norm_backward", kernel, xla, d_out, x, mean, rsigma, gamma, supported=blocks is not None
     )
