@@ -16,6 +16,9 @@ measurement: every non-GEMM kernel ``bytes / HBM bandwidth + 2 us``, the GEMMs t
 (the same GEMMs in both libraries). Also the wall time to trace and lower, and to compile.
 Writes ``bench/RESULTS_te_peer.md``. Not part of the test suite.
 
+``--model``: two TransformerLayers (TE's too where it imports) on one H100 and on eight under
+te_flax's FSDP, TP and TP+SP rule sets, TE's logical axes mapped onto the same mesh.
+
 TransformerLayer's attention is each library's H100 default, cuDNN's fused kernel (TE's
 ``NVTE_FUSED_ATTN=1``; te_flax's ``implementation="cudnn"``, which it picks on a GPU), or with
 ``--attention unfused`` both libraries' unfused softmax paths. The fused kernels' flops are in
@@ -300,14 +303,25 @@ MODEL_LAYOUTS = {
 }
 
 
-def model_step(s: Shape, layout: str, switch: str, recipe: str, fused_attention: bool) -> dict:
-    """Two te_flax TransformerLayers, one training step on 1 or 8 deviceless H100s."""
+def _te_mesh_resource(rule_set: str):
+    """TE's names for te_flax's mesh axes under one of te_flax's rule sets: the batch over
+    ``data`` (and ``fsdp``), the weights over ``fsdp``, the tensor-parallel axis ``tensor`` as
+    TE's ``tp_resource``, or its ``tpsp_resource`` where the sequence is split too."""
+    from transformer_engine.jax.sharding import MeshResource
+
+    tensor = {"tp": {"tp_resource": "tensor"}, "tp_sp": {"tpsp_resource": "tensor"}}
+    return MeshResource(dp_resource="data", fsdp_resource="fsdp", **tensor.get(rule_set, {}))
+
+
+def model_step(s: Shape, layout: str, variant: str, recipe: str, fused_attention: bool) -> dict:
+    """Two TransformerLayers of ``variant`` (TE's, or te_flax's with its kernels or its XLA
+    stages), one training step on 1 or 8 deviceless H100s: the same mesh, input sharding and
+    layout in both libraries (TE's logical axes mapped by ``_te_mesh_resource``)."""
+    import contextlib
+
     import flax.linen as nn
     from jax.experimental import topologies
 
-    import te_flax.linen as te_nn
-    from te_flax._kernels import pallas_kernels
-    from te_flax.quantize import DelayedScaling
     from te_flax.sharding import load_axis_rules, make_mesh
 
     rule_set, mesh_shape = MODEL_LAYOUTS[layout]
@@ -316,45 +330,67 @@ def model_step(s: Shape, layout: str, switch: str, recipe: str, fused_attention:
         platform="cuda", target_config=TARGET_CONFIG.read_text(), topology=f"1x1x{devices}"
     )
     mesh = make_mesh(mesh_shape, devices=topology.devices)
-    rules = load_axis_rules(rule_set)
-    fp8_recipe = DelayedScaling() if recipe == "delayed" else None
+    ours = load_axis_rules(rule_set)
+    if variant == "TE":
+        import transformer_engine.jax as te
+        import transformer_engine.jax.flax as library
+        from transformer_engine.common import recipe as te_recipes
+
+        fp8 = te_recipes.DelayedScaling() if recipe == "delayed" else None
+        context = te.autocast(
+            enabled=fp8 is not None, recipe=fp8, mesh_resource=_te_mesh_resource(rule_set)
+        )
+        fp8_recipe = None
+    else:
+        import te_flax.linen as library
+        from te_flax._kernels import pallas_kernels
+        from te_flax.quantize import DelayedScaling
+
+        switch = "auto" if variant == "te_flax kernels" else "0"
+        context = pallas_kernels(switch, assume_gpu=True)
+        fp8_recipe = DelayedScaling() if recipe == "delayed" else None
 
     class Two(nn.Module):
         @nn.compact
         def __call__(self, x):
             for _ in range(2):
                 layer = _module(
-                    te_nn, "TransformerLayer", s, fp8_recipe, fused_attention, rule_set == "tp_sp"
+                    library, "TransformerLayer", s, fp8_recipe, fused_attention, rule_set == "tp_sp"
                 )
                 x = _output(layer(x, deterministic=True))
             return x
 
     model = Two()
     shape = jax.ShapeDtypeStruct((s.batch, s.seq, s.hidden), jnp.bfloat16)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules), pallas_kernels(switch, assume_gpu=True):
-        boxed = jax.eval_shape(lambda x: model.init(jax.random.key(0), x), shape)
-        shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
-        variables = jax.tree.map(
-            lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-            jax.tree.map(
-                lambda leaf: leaf.value if isinstance(leaf, nn.Partitioned) else leaf,
-                boxed,
-                is_leaf=lambda leaf: isinstance(leaf, nn.Partitioned),
-            ),
-            shardings,
-        )
-        x_sharding = jax.sharding.NamedSharding(
-            mesh, nn.logical_to_mesh_axes(("batch", None, None), rules)
-        )
-        x = jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=x_sharding)
+    with jax.set_mesh(mesh), context if context is not None else contextlib.nullcontext():
+        # TE's rules map its own logical axis names once its mesh resource is set.
+        rules = library.extend_logical_axis_rules(()) if variant == "TE" else ours
+        with nn.logical_axis_rules(rules):
+            boxed = jax.eval_shape(lambda x: model.init(jax.random.key(0), x), shape)
+            shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
+            variables = jax.tree.map(
+                lambda leaf, sharding: jax.ShapeDtypeStruct(
+                    leaf.shape, leaf.dtype, sharding=sharding
+                ),
+                jax.tree.map(
+                    lambda leaf: leaf.value if isinstance(leaf, nn.Partitioned) else leaf,
+                    boxed,
+                    is_leaf=lambda leaf: isinstance(leaf, nn.Partitioned),
+                ),
+                shardings,
+            )
+            x_sharding = jax.sharding.NamedSharding(
+                mesh, nn.logical_to_mesh_axes(("batch", None, None), ours)
+            )
+            x = jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=x_sharding)
 
-        def loss(variables, x):
-            return jnp.mean(jnp.square(_output(model.apply(variables, x)).astype(jnp.float32)))
+            def loss(variables, x):
+                return jnp.mean(jnp.square(_output(model.apply(variables, x)).astype(jnp.float32)))
 
-        start = time.perf_counter()
-        lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(variables, x)
-        compiled = lowered.compile()
-        elapsed = time.perf_counter() - start
+            start = time.perf_counter()
+            lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(variables, x)
+            compiled = lowered.compile()
+            elapsed = time.perf_counter() - start
     hlo_text = compiled.as_text()
     # Every Pallas kernel call: in a partitioned program a kernel's call does not carry its name
     # in the op_name that te_flax._hlo.kernel_names reads.
@@ -457,35 +493,56 @@ def report(results: dict, shapes: list[Shape], command: str, attention: str) -> 
     return "\n".join(lines)
 
 
-def model_report(s: Shape, command: str, fused_attention: bool) -> str:
-    attention = "cuDNN's fused kernel" if fused_attention else "te_flax's XLA softmax ('xla')"
+def model_report(s: Shape, command: str, fused_attention: bool, variants: list[str]) -> str:
+    attention = "cuDNN's fused kernel" if fused_attention else "each library's unfused softmax"
     lines = [
         MODEL_HEADING + ": two TransformerLayers, one step, per device",
         "",
         f"Command: `{command}`",
         "",
         f"tokens {s.tokens} (seq {s.seq}), hidden {s.hidden}, MLP {s.mlp}, heads {s.heads}; "
-        "te_flax FP8 (delayed) and BF16, kernels (auto) and XLA stages (0); attention: "
-        f"{attention}. Time: the MODEL above, the GEMM flops split over the devices; "
-        "collectives are not modelled.",
+        "FP8 (delayed) and BF16; te_flax with its kernels (auto) and its XLA stages (0); "
+        f"attention: {attention}. Time: the MODEL above, the GEMM flops split over the "
+        "devices; collectives are not modelled.",
         "",
-        "| layout | recipe | kernels | Pallas kernels | non-GEMM kernels | non-GEMM GB | all GB "
+        "| layout | recipe | variant | Pallas kernels | non-GEMM kernels | non-GEMM GB | all GB "
         "| model ms | FP8/BF16 | compile s |",
         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    results = {}
     for layout in MODEL_LAYOUTS:
-        for switch in ("auto", "0"):
-            bf16 = model_step(s, layout, switch, "none", fused_attention)
-            fp8 = model_step(s, layout, switch, "delayed", fused_attention)
-            for recipe, r in (("none", bf16), ("delayed", fp8)):
-                speedup = bf16["model_s"] / fp8["model_s"] if recipe == "delayed" else 1.0
+        for variant in variants:
+            for recipe in ("none", "delayed"):
+                r = results[layout, variant, recipe] = model_step(
+                    s, layout, variant, recipe, fused_attention
+                )
+                bf16 = results[layout, variant, "none"]
                 lines.append(
-                    f"| {layout} | {recipe} | {switch} | {r['pallas']} | {r['kernels']} | "
+                    f"| {layout} | {recipe} | {variant} | {r['pallas']} | {r['kernels']} | "
                     f"{_gb(r['other_bytes'])} | {_gb(r['other_bytes'] + r['gemm_bytes'])} | "
-                    f"{r['model_s'] * 1e3:.3f} | {speedup:.2f}x | "
+                    f"{r['model_s'] * 1e3:.3f} | {bf16['model_s'] / r['model_s']:.2f}x | "
                     f"{r['compile_s']:.1f} |"
                 )
                 print(lines[-1], flush=True)
+    if "TE" in variants and len(variants) > 1:
+        ours = [v for v in variants if v != "TE"]
+        lines += [
+            "",
+            f"te_flax / TE ({'; '.join(ours)}):",
+            "",
+            "| layout | recipe | all bytes | model time |",
+            "| --- | --- | ---: | ---: |",
+        ]
+        for layout in MODEL_LAYOUTS:
+            for recipe in ("none", "delayed"):
+                te = results[layout, "TE", recipe]
+                mine = [results[layout, v, recipe] for v in ours]
+                for r in (te, *mine):
+                    r["all_bytes"] = r["other_bytes"] + r["gemm_bytes"]
+                lines.append(
+                    f"| {layout} | {recipe} | {_ratios(te, mine, 'all_bytes')} | "
+                    f"{_ratios(te, mine, 'model_s')} |"
+                )
     return "\n".join([*lines, ""])
 
 
@@ -511,18 +568,26 @@ def main(argv: list[str] | None = None) -> None:
         "--no-write", action="store_true", help=f"print only; leave {RESULTS.name} as it is"
     )
     parser.add_argument(
-        "--model", action="store_true", help="te_flax alone: two TransformerLayers, 1 and 8 GPUs"
+        "--model",
+        action="store_true",
+        help="two TransformerLayers on 1 and 8 GPUs (TE's beside te_flax's where TE imports)",
     )
     args = parser.parse_args(argv)
     command = "python -m bench.te_peer " + " ".join(argv if argv is not None else sys.argv[1:])
+    fused = args.attention == "fused"
+    variants = list(args.variants)
+    try:
+        _te_deviceless(fused)
+    except ImportError:  # te_flax alone, outside TE's environment
+        variants = [v for v in variants if v != "TE"]
     if args.model:
         s = Shape(args.tokens, args.seq, args.hidden[0], 4 * args.hidden[0], args.hidden[0] // 128)
         text = RESULTS.read_text() if RESULTS.exists() else ""
         text = text.split(MODEL_HEADING)[0].rstrip() + "\n\n" if text else ""
-        RESULTS.write_text(text + model_report(s, command.strip(), args.attention == "fused"))
+        model = model_report(s, command.strip(), fused, variants)
+        if not args.no_write:
+            RESULTS.write_text(text + model)
         return
-    fused = args.attention == "fused"
-    _te_deviceless(fused)
     shapes = [
         Shape(args.tokens, args.seq, hidden, 4 * hidden, max(hidden // 128, 1))
         for hidden in args.hidden
@@ -531,7 +596,7 @@ def main(argv: list[str] | None = None) -> None:
     for s in shapes:
         for layer in args.layers:
             for recipe in args.recipes:
-                for variant in args.variants:
+                for variant in variants:
                     key = (s, layer, recipe, variant)
                     try:
                         compiled = compile_step(variant, layer, s, recipe, fused)
