@@ -522,6 +522,7 @@ def norm_backward_grads(
         mean: Array | None,
         rsigma: Array,
         gamma: Array,
+        scale: Array | None,
         *,
         interpret: bool,
     ) -> _NormGrads:
@@ -529,9 +530,16 @@ def norm_backward_grads(
         with_beta = beta_dtype is not None
 
         def local(
-            d_out: Array, x: Array, mean: Array | None, rsigma: Array, gamma: Array
+            d_out: Array,
+            x: Array,
+            mean: Array | None,
+            rsigma: Array,
+            gamma: Array,
+            scale: Array | None,
         ) -> list[Array]:
             rows, hidden = math.prod(x.shape[:-1]), x.shape[-1]
+            if scale is not None:  # dx = rsigma (gamma d_out - ...): linear in gamma
+                gamma = gamma * scale
             d_x, d_gamma, d_beta = norm_backward(
                 d_out.reshape(rows, hidden), x.reshape(rows, hidden),
                 None if mean is None else mean.reshape(rows), rsigma.reshape(rows), gamma,
@@ -541,28 +549,28 @@ def norm_backward_grads(
             sums = [jnp.sum(d_gamma, axis=0)]
             if d_beta is not None:
                 sums.append(jnp.sum(d_beta, axis=0))
+            if scale is not None:
+                sums = [s * scale for s in sums]
             return [d_x.reshape(x.shape), *sums]
 
         dims = (*(f"b{d}" for d in range(x.ndim - 1)), "h")  # [batch..., hidden]
         stats = (*dims[:-1], "one")
+        # The scale meets gamma on each device, so that a partitioned program gathers the
+        # same gamma as the forward's norm kernel.
         outputs = per_shard(
             local,
-            (d_out, x, mean, rsigma, gamma),
-            (dims, dims, stats, stats, ("h",)),
+            (d_out, x, mean, rsigma, gamma, scale),
+            (dims, dims, stats, stats, ("h",), None),
             [dims] + [("h",)] * (1 + with_beta),
             [None] + ["sum"] * (1 + with_beta),
             replicated=("h", "one"),  # each row's sums over the hidden axis
         )
-        sums = outputs[1:] if d_out_scale is None else [s * d_out_scale for s in outputs[1:]]
-        d_gamma = sums[0].astype(gamma_dtype)
-        d_beta = sums[1].astype(beta_dtype) if with_beta else None
+        d_gamma = outputs[1].astype(gamma_dtype)
+        d_beta = outputs[2].astype(beta_dtype) if with_beta else None
         return outputs[0], d_gamma, d_beta
 
     def xla(*_: object) -> _NormGrads:
         return fallback()
 
-    if d_out_scale is not None:  # dx = rsigma (gamma d_out - ...): linear in gamma
-        gamma = gamma * d_out_scale
-    return dispatch(
-        "norm_backward", kernel, xla, d_out, x, mean, rsigma, gamma, supported=blocks is not None
-    )
+    operands = (d_out, x, mean, rsigma, gamma, d_out_scale)
+    return dispatch("norm_backward", kernel, xla, *operands, supported=blocks is not None)
