@@ -516,16 +516,8 @@ def norm_backward_grads(
     rows = math.prod(x.shape[:-1])
     blocks = row_blocks(rows, hidden) if x.ndim and d_out.shape == x.shape else None
 
-    def kernel(
-        d_out: Array,
-        x: Array,
-        mean: Array | None,
-        rsigma: Array,
-        gamma: Array,
-        scale: Array | None,
-        *,
-        interpret: bool,
-    ) -> _NormGrads:
+    def kernel(*operands: Array | None, interpret: bool) -> _NormGrads:
+        """``operands``: ``(d_out, x, mean, rsigma, gamma, scale)``, as ``local`` takes them."""
         assert blocks is not None
         with_beta = beta_dtype is not None
 
@@ -559,7 +551,7 @@ def norm_backward_grads(
         # same gamma as the forward's norm kernel.
         outputs = per_shard(
             local,
-            (d_out, x, mean, rsigma, gamma, scale),
+            operands,
             (dims, dims, stats, stats, ("h",), None),
             [dims] + [("h",)] * (1 + with_beta),
             [None] + ["sum"] * (1 + with_beta),
