@@ -639,6 +639,23 @@ def test_norm_backward_applies_a_deferred_scale(norm_type, zero_centered):
             np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-6 * np.sqrt(np.mean(e * e)))
 
 
+def test_identical_kernel_calls_are_lowered_once():
+    """Two calls of a kernel with the same shapes and settings (a model's repeated layers) are
+    one lowered function called twice: the Pallas kernel is traced and lowered once."""
+    spec = _stages.NormSpec("rmsnorm", False, 1e-6)
+    x, gamma, _ = _inputs((64, 128), jnp.float32, "rmsnorm")
+
+    def twice(d_out, x, gamma):
+        _, stats = _stages.normalize(x, gamma, None, spec)
+        first = _stages.normalize_backward(d_out, x, stats, gamma, None, spec)
+        return first, _stages.normalize_backward(d_out * 2.0, x, stats, gamma, None, spec)
+
+    with pallas_kernels("1"):
+        text = jax.jit(twice).lower(x, x, gamma).as_text()
+    assert text.count("func.func private @norm_backward(") == 1
+    assert text.count("call @norm_backward(") == 2
+
+
 def test_traced_in_scan_tells_a_scanned_kernel_from_a_closed_over_one():
     import flax.linen as nn
 

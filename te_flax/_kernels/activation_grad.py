@@ -25,7 +25,7 @@ from jax.experimental.pallas import triton as plgpu
 from jax.typing import DTypeLike
 
 from te_flax._activations import activation_backward_of_slices
-from te_flax._kernels.common import block_amax, saturating_cast
+from te_flax._kernels.common import block_amax, lowered_once, saturating_cast
 from te_flax._kernels.quantize import Tiles
 
 __all__ = ["KERNEL_ACTIVATIONS", "activation_grad_tiles"]
@@ -83,6 +83,7 @@ def _kernel(
         )
 
 
+@lowered_once("activation_type", "q_dtype", "with_bias", "interpret")
 def activation_grad_tiles(
     pre_activation: Array,
     grad: Array,

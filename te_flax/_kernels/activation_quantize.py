@@ -23,6 +23,7 @@ from jax.experimental.pallas import triton as plgpu
 from jax.typing import DTypeLike
 
 from te_flax._activations import activation_of_slices
+from te_flax._kernels.common import lowered_once
 from te_flax._kernels.quantize import Tiles, layouts_call, store_quantized
 
 __all__ = ["activation_quantize_tiles"]
@@ -50,6 +51,7 @@ def _kernel(
     store_quantized(activated, scale_inv_ref, out_refs, tiles, q_dtype, layouts)
 
 
+@lowered_once("activation_type", "q_dtype", "layouts", "interpret")
 def activation_quantize_tiles(
     pre_activation: Array,
     scale_inv: Array,

@@ -22,6 +22,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.typing import DTypeLike
 
+from te_flax._kernels.common import lowered_once
+
 __all__ = ["BLOCK", "blockwise_gemm_kernel", "whole_operands"]
 
 BLOCK = 128  # K chunk: one scale per operand row and chunk
@@ -72,6 +74,7 @@ def _kernel(
     plgpu.store(out_ref.at[row[:, None], column[None, :]], out, mask=mask)
 
 
+@lowered_once("out_dtype", "interpret")
 def blockwise_gemm_kernel(
     lhs: Array,
     lhs_scale_inv: Array,

@@ -7,13 +7,27 @@ program takes ``block_rows`` rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+from typing import Any, TypeVar, cast
+
+import jax
 import jax.numpy as jnp
 from jax import Array
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.typing import DTypeLike
 
-__all__ = ["MAX_HIDDEN", "RowBlocks", "block_amax", "row_blocks", "saturating_cast"]
+__all__ = [
+    "MAX_HIDDEN",
+    "RowBlocks",
+    "block_amax",
+    "lowered_once",
+    "row_blocks",
+    "saturating_cast",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 MAX_HIDDEN = 8192  # the widest row one block holds (8192 float32 values per program)
 _ELEMENTS = 4096  # float32 values per program when rows are narrow
@@ -29,6 +43,15 @@ class RowBlocks:
         self.programs = pl.cdiv(rows, self.block_rows)
         self.num_warps = min(max(self.block_rows * self.block_hidden // 256, 1), 8)
 
+    def __eq__(self, other: object) -> bool:  # a static argument of ``lowered_once``
+        return isinstance(other, RowBlocks) and (other.rows, other.hidden) == (
+            self.rows,
+            self.hidden,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.rows, self.hidden))
+
     def compiler_params(self) -> plgpu.CompilerParams:
         return plgpu.CompilerParams(num_warps=self.num_warps, num_stages=1)
 
@@ -37,6 +60,17 @@ class RowBlocks:
         row = program * self.block_rows + jnp.arange(self.block_rows, dtype=jnp.int32)
         column = jnp.arange(self.block_hidden, dtype=jnp.int32)
         return row, column, row < self.rows, column < self.hidden
+
+
+def lowered_once(*static: str) -> Callable[[F], F]:
+    """A kernel's entry point under ``jax.jit``, its ``static`` arguments the kernel's settings.
+
+    Each call of ``pallas_call`` is traced and lowered to Triton on its own (about 40 ms for
+    these kernels), so a model of N identical layers paid for N copies of each kernel. A
+    jitted entry point is traced once per operand shapes and settings, and JAX lowers identical
+    jitted calls of one program once (XLA inlines them; the compiled program is the same).
+    """
+    return cast(Callable[[F], F], partial(jax.jit, static_argnames=static))
 
 
 def row_blocks(rows: int, hidden: int) -> RowBlocks | None:

@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.typing import DTypeLike
 
-from te_flax._kernels.common import RowBlocks
+from te_flax._kernels.common import RowBlocks, lowered_once
 
 __all__ = ["norm_backward"]
 
@@ -78,6 +78,7 @@ def _kernel(
         plgpu.store(d_beta_ref.at[program, column], d_beta, mask=column_ok)
 
 
+@lowered_once("with_beta", "dx_dtype", "blocks", "interpret")
 def norm_backward(
     d_out: Array,
     x: Array,

@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.typing import DTypeLike
 
-from te_flax._kernels.common import RowBlocks, block_amax, saturating_cast
+from te_flax._kernels.common import RowBlocks, block_amax, lowered_once, saturating_cast
 
 __all__ = ["norm_quantize"]
 
@@ -54,6 +54,7 @@ def _kernel(
         plgpu.store(data_ref[0].at[row[:, None], column[None, :]], quantized, mask=mask)
 
 
+@lowered_once("q_dtype", "blocks", "interpret")
 def norm_quantize(
     x: Array,
     mean: Array | None,

@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.typing import DTypeLike
 
-from te_flax._kernels.common import block_amax, saturating_cast
+from te_flax._kernels.common import block_amax, lowered_once, saturating_cast
 
 __all__ = ["Tiles", "layouts_call", "quantize_tiles", "store_quantized"]
 
@@ -90,6 +90,7 @@ def store_quantized(
         plgpu.store(transposed_ref.at[column[:, None], row[None, :]], quantized.T, mask=mask.T)
 
 
+@lowered_once("q_dtype", "layouts", "interpret")
 def quantize_tiles(
     x: Array,
     scale_inv: Array,
