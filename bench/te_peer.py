@@ -546,6 +546,12 @@ def model_report(s: Shape, command: str, fused_attention: bool, variants: list[s
     return "\n".join([*lines, ""])
 
 
+def _before(text: str, heading: str) -> str:
+    """``text`` up to the line that starts with ``heading`` (a level-two heading; a deeper one
+    that contains it is not it)."""
+    return text.split(f"\n{heading}", 1)[0]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hidden", type=int, nargs="+", default=[2048])
@@ -583,7 +589,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.model:
         s = Shape(args.tokens, args.seq, args.hidden[0], 4 * args.hidden[0], args.hidden[0] // 128)
         text = RESULTS.read_text() if RESULTS.exists() else ""
-        text = text.split(MODEL_HEADING)[0].rstrip() + "\n\n" if text else ""
+        text = _before(text, MODEL_HEADING).rstrip() + "\n\n" if text else ""
         model = model_report(s, command.strip(), fused, variants)
         if not args.no_write:
             RESULTS.write_text(text + model)
@@ -625,10 +631,10 @@ def main(argv: list[str] | None = None) -> None:
     # The sections written otherwise (by hand, by --model) are kept.
     old = RESULTS.read_text() if RESULTS.exists() else ""
     for heading in (HISTORY_HEADING, MODEL_HEADING):  # in this order in the file
-        if heading in old:
-            section = heading + old.split(heading, 1)[1]
+        if f"\n{heading}" in old:
+            section = heading + old.split(f"\n{heading}", 1)[1]
             if heading == HISTORY_HEADING:
-                section = section.split(MODEL_HEADING)[0]
+                section = _before(section, MODEL_HEADING)
             text = text.rstrip() + "\n\n" + section.rstrip() + "\n"
     RESULTS.write_text(text)
 
