@@ -317,8 +317,6 @@ def model_step(s: Shape, layout: str, variant: str, recipe: str, fused_attention
     """Two TransformerLayers of ``variant`` (TE's, or te_flax's with its kernels or its XLA
     stages), one training step on 1 or 8 deviceless H100s: the same mesh, input sharding and
     layout in both libraries (TE's logical axes mapped by ``_te_mesh_resource``)."""
-    import contextlib
-
     import flax.linen as nn
     from jax.experimental import topologies
 
@@ -362,7 +360,7 @@ def model_step(s: Shape, layout: str, variant: str, recipe: str, fused_attention
 
     model = Two()
     shape = jax.ShapeDtypeStruct((s.batch, s.seq, s.hidden), jnp.bfloat16)
-    with jax.set_mesh(mesh), context if context is not None else contextlib.nullcontext():
+    with jax.set_mesh(mesh), context:
         # TE's rules map its own logical axis names once its mesh resource is set.
         rules = library.extend_logical_axis_rules(()) if variant == "TE" else ours
         with nn.logical_axis_rules(rules):

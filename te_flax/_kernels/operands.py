@@ -98,8 +98,6 @@ def norm_quantize_operand(
       gamma: f32 ``[hidden]``, the effective scale; beta: f32 ``[hidden]`` or None.
       quantizer: the operand's quantizer; only per-tensor FP8 quantizers use the kernel.
       fallback: the XLA stage, called without arguments.
-      d_out_scale: f32, a scale ``d_out`` still needs, or None. The gradients are linear in
-        ``d_out``: the kernel takes it with ``gamma`` (dx) and on its float32 partial sums.
     """
     hidden = x.shape[-1] if x.ndim else 0
     rows = math.prod(x.shape[:-1])
