@@ -17,7 +17,8 @@ measurement: every non-GEMM kernel ``bytes / HBM bandwidth + 2 us``, the GEMMs t
 Writes ``bench/RESULTS_te_peer.md``. Not part of the test suite.
 
 ``--model``: two TransformerLayers (TE's too where it imports) on one H100 and on eight under
-te_flax's FSDP, TP and TP+SP rule sets, TE's logical axes mapped onto the same mesh.
+te_flax's FSDP, TP and TP+SP rule sets, TE's logical axes mapped onto the same mesh; a table
+per ``--tokens`` count, ``--rotary`` for rotary position embeddings in both libraries.
 
 TransformerLayer's attention is each library's H100 default, cuDNN's fused kernel (TE's
 ``NVTE_FUSED_ATTN=1``; te_flax's ``implementation="cudnn"``, which it picks on a GPU), or with
@@ -141,13 +142,15 @@ def _module(
     fp8_recipe,
     fused_attention: bool = True,
     sequence_parallel: bool = False,
+    rotary: bool = False,
 ):
     """The layer from ``library`` (TE's ``transformer_engine.jax.flax`` or ``te_flax.linen``).
 
     ``fused_attention``: each library's attention on an H100, cuDNN's fused kernel (TE:
     ``NVTE_FUSED_ATTN``, set by ``_te_deviceless``), or its unfused softmax path.
     ``sequence_parallel``: TransformerLayer's ``enable_sequence_parallel`` (the norm inputs
-    split over the sequence, under the ``tp_sp`` rule set).
+    split over the sequence, under the ``tp_sp`` rule set). ``rotary``: its
+    ``enable_rotary_pos_emb`` (rotary position embeddings on the queries and keys).
     """
     common = dict(dtype=jnp.bfloat16)  # TE: the parameters' and the computation's dtype
     if library.__name__.startswith("te_flax"):  # the same bf16 parameters
@@ -175,6 +178,7 @@ def _module(
         attention_dropout=0.0,
         self_attn_mask_type="causal",
         enable_relative_embedding=False,
+        enable_rotary_pos_emb=rotary,
         enable_sequence_parallel=sequence_parallel,
         **common,
     )
@@ -313,7 +317,9 @@ def _te_mesh_resource(rule_set: str):
     return MeshResource(dp_resource="data", fsdp_resource="fsdp", **tensor.get(rule_set, {}))
 
 
-def model_step(s: Shape, layout: str, variant: str, recipe: str, fused_attention: bool) -> dict:
+def model_step(
+    s: Shape, layout: str, variant: str, recipe: str, fused_attention: bool, rotary: bool = False
+) -> dict:
     """Two TransformerLayers of ``variant`` (TE's, or te_flax's with its kernels or its XLA
     stages), one training step on 1 or 8 deviceless H100s: the same mesh, input sharding and
     layout in both libraries (TE's logical axes mapped by ``_te_mesh_resource``)."""
@@ -353,7 +359,13 @@ def model_step(s: Shape, layout: str, variant: str, recipe: str, fused_attention
         def __call__(self, x):
             for _ in range(2):
                 layer = _module(
-                    library, "TransformerLayer", s, fp8_recipe, fused_attention, rule_set == "tp_sp"
+                    library,
+                    "TransformerLayer",
+                    s,
+                    fp8_recipe,
+                    fused_attention,
+                    sequence_parallel=rule_set == "tp_sp",
+                    rotary=rotary,
                 )
                 x = _output(layer(x, deterministic=True))
             return x
@@ -491,35 +503,54 @@ def report(results: dict, shapes: list[Shape], command: str, attention: str) -> 
     return "\n".join(lines)
 
 
-def model_report(s: Shape, command: str, fused_attention: bool, variants: list[str]) -> str:
+def model_report(
+    shapes: list[Shape],
+    command: str,
+    fused_attention: bool,
+    variants: list[str],
+    rotary: bool = False,
+) -> str:
+    """The model-level section: per token count, every layout, variant and recipe."""
     attention = "cuDNN's fused kernel" if fused_attention else "each library's unfused softmax"
     lines = [
         MODEL_HEADING + ": two TransformerLayers, one step, per device",
         "",
         f"Command: `{command}`",
         "",
-        f"tokens {s.tokens} (seq {s.seq}), hidden {s.hidden}, MLP {s.mlp}, heads {s.heads}; "
         "FP8 (delayed) and BF16; te_flax with its kernels (auto) and its XLA stages (0); "
-        f"attention: {attention}. Time: the MODEL above, the GEMM flops split over the "
-        "devices; collectives are not modelled.",
+        f"attention: {attention}"
+        f"{', rotary position embeddings' if rotary else ''}. Time: the MODEL above, the "
+        "GEMM flops split over the devices; collectives are not modelled. FP8/BF16: the BF16 "
+        "step's time over the FP8 step's (a speed-up) and the FP8 step's bytes over the BF16 "
+        "step's.",
+    ]
+    for s in shapes:
+        lines += ["", *_model_table(s, fused_attention, variants, rotary)]
+    return "\n".join([*lines, ""])
+
+
+def _model_table(s: Shape, fused_attention: bool, variants: list[str], rotary: bool) -> list[str]:
+    lines = [
+        f"### tokens {s.tokens} (seq {s.seq}), hidden {s.hidden}, MLP {s.mlp}, heads {s.heads}",
         "",
         "| layout | recipe | variant | Pallas kernels | non-GEMM kernels | non-GEMM GB | all GB "
-        "| model ms | FP8/BF16 | compile s |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| model ms | FP8/BF16 time | FP8/BF16 bytes | compile s |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     results = {}
     for layout in MODEL_LAYOUTS:
         for variant in variants:
             for recipe in ("none", "delayed"):
                 r = results[layout, variant, recipe] = model_step(
-                    s, layout, variant, recipe, fused_attention
+                    s, layout, variant, recipe, fused_attention, rotary
                 )
+                r["all_bytes"] = r["other_bytes"] + r["gemm_bytes"]
                 bf16 = results[layout, variant, "none"]
                 lines.append(
                     f"| {layout} | {recipe} | {variant} | {r['pallas']} | {r['kernels']} | "
-                    f"{_gb(r['other_bytes'])} | {_gb(r['other_bytes'] + r['gemm_bytes'])} | "
+                    f"{_gb(r['other_bytes'])} | {_gb(r['all_bytes'])} | "
                     f"{r['model_s'] * 1e3:.3f} | {bf16['model_s'] / r['model_s']:.2f}x | "
-                    f"{r['compile_s']:.1f} |"
+                    f"{r['all_bytes'] / bf16['all_bytes']:.2f} | {r['compile_s']:.1f} |"
                 )
                 print(lines[-1], flush=True)
     if "TE" in variants and len(variants) > 1:
@@ -535,13 +566,11 @@ def model_report(s: Shape, command: str, fused_attention: bool, variants: list[s
             for recipe in ("none", "delayed"):
                 te = results[layout, "TE", recipe]
                 mine = [results[layout, v, recipe] for v in ours]
-                for r in (te, *mine):
-                    r["all_bytes"] = r["other_bytes"] + r["gemm_bytes"]
                 lines.append(
                     f"| {layout} | {recipe} | {_ratios(te, mine, 'all_bytes')} | "
                     f"{_ratios(te, mine, 'model_s')} |"
                 )
-    return "\n".join([*lines, ""])
+    return lines
 
 
 def _before(text: str, heading: str) -> str:
@@ -553,7 +582,7 @@ def _before(text: str, heading: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hidden", type=int, nargs="+", default=[2048])
-    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096])
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--layers", nargs="+", default=list(LAYERS))
     parser.add_argument("--recipes", nargs="+", default=["none", "delayed"])
@@ -572,6 +601,11 @@ def main(argv: list[str] | None = None) -> None:
         "--no-write", action="store_true", help=f"print only; leave {RESULTS.name} as it is"
     )
     parser.add_argument(
+        "--rotary",
+        action="store_true",
+        help="--model: TransformerLayer with rotary position embeddings (enable_rotary_pos_emb)",
+    )
+    parser.add_argument(
         "--model",
         action="store_true",
         help="two TransformerLayers on 1 and 8 GPUs (TE's beside te_flax's where TE imports)",
@@ -585,16 +619,22 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:  # te_flax alone, outside TE's environment
         variants = [v for v in variants if v != "TE"]
     if args.model:
-        s = Shape(args.tokens, args.seq, args.hidden[0], 4 * args.hidden[0], args.hidden[0] // 128)
+        hidden = args.hidden[0]
+        shapes = [
+            Shape(tokens, args.seq, hidden, 4 * hidden, hidden // 128) for tokens in args.tokens
+        ]
         text = RESULTS.read_text() if RESULTS.exists() else ""
         text = _before(text, MODEL_HEADING).rstrip() + "\n\n" if text else ""
-        model = model_report(s, command.strip(), fused, variants)
-        if not args.no_write:
+        model = model_report(shapes, command.strip(), fused, variants, args.rotary)
+        if args.no_write:
+            print(model)
+        else:
             RESULTS.write_text(text + model)
         return
     shapes = [
-        Shape(args.tokens, args.seq, hidden, 4 * hidden, max(hidden // 128, 1))
+        Shape(tokens, args.seq, hidden, 4 * hidden, max(hidden // 128, 1))
         for hidden in args.hidden
+        for tokens in args.tokens
     ]
     results = {}
     for s in shapes:
