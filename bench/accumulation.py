@@ -15,6 +15,13 @@ either way, is left out):
   of the loop body reads its operands once and writes its result once (the accounting of
   ``bench.h100.instruction_bytes``), the body's bytes counted k times. (XLA's cost analysis
   counts a while loop's body once, whatever its trip count.)
+
+``python -m bench.accumulation --transformer [--hidden 8192]``: the same bytes per step for
+two TransformerLayers (RMSNorm, SwiGLU MLP of 4 x hidden, cuDNN attention, bf16 parameters,
+microbatches of 8 x 512 tokens) on one deviceless H100, FP8 (delayed scaling, the kernels
+quantized once per step) against BF16, for each k. An FP8 step quantizes every weight from
+bf16 into two float8 layouts; with few tokens per step that costs more than its GEMMs save,
+and accumulating microbatches spreads it over more tokens.
 """
 
 import os
@@ -24,6 +31,7 @@ _TRITON_OFF = "--xla_gpu_enable_triton_gemm=false"
 if _TRITON_OFF not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_TRITON_OFF}".strip()
 
+import argparse  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
 from functools import partial  # noqa: E402
@@ -189,6 +197,63 @@ def _cpu_rows(microbatches: int, repeats: int) -> dict[bool, tuple[int, float]]:
     return {q: (counts[q], stats(times[q])["median"]) for q in (False, True)}
 
 
+def transformer_step_bytes(hidden: int, microbatches: int, fp8: bool) -> float:
+    """Bytes per step of ``accumulate_gradients`` over two TransformerLayers (module docstring)."""
+    import flax.linen as nn
+
+    from te_flax._kernels import pallas_kernels
+
+    recipe = DelayedScaling() if fp8 else None
+    batch, seq = 8, 512
+
+    class Two(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(2):
+                x = te_nn.TransformerLayer(
+                    hidden_size=hidden,
+                    mlp_hidden_size=4 * hidden,
+                    num_attention_heads=hidden // 128,
+                    layernorm_type="rmsnorm",
+                    mlp_activations=("silu", "linear"),
+                    hidden_dropout=0.0,
+                    attention_dropout=0.0,
+                    self_attn_mask_type="causal",
+                    enable_relative_embedding=False,
+                    implementation="cudnn",
+                    dtype=jnp.bfloat16,
+                    param_dtype=jnp.bfloat16,
+                    recipe=recipe,
+                )(x, deterministic=True)
+            return x
+
+    model = Two()
+    abstract = partial(jax.ShapeDtypeStruct, sharding=_h100_sharding())
+    with pallas_kernels("auto", assume_gpu=True):  # as on a GPU
+        one = jax.ShapeDtypeStruct((batch, seq, hidden), jnp.bfloat16)
+        variables = jax.eval_shape(lambda x: nn.meta.unbox(model.init(jax.random.key(0), x)), one)
+        variables = jax.tree.map(lambda v: abstract(v.shape, v.dtype), variables)
+
+        def loss_fn(variables, x):
+            out = model.apply(merge_fp8_state(variables), x)
+            return jnp.mean(jnp.square(out.astype(jnp.float32)))
+
+        x = abstract((microbatches, batch, seq, hidden), jnp.bfloat16)
+        lowered = jax.jit(partial(accumulate_gradients, loss_fn)).lower(variables, x)
+        return step_bytes(lowered.compile().as_text(), microbatches)
+
+
+def transformer_main(hidden: int) -> None:
+    """Prints FP8 against BF16 bytes per step for each number of microbatches."""
+    print(f"Two TransformerLayers, hidden {hidden}, microbatches of 8 x 512 tokens, one H100.")
+    print("| k | BF16 GB/step | FP8 GB/step | FP8 / BF16 |")
+    print("|---|---|---|---|")
+    for microbatches in (1, 2, 4):
+        bf16 = transformer_step_bytes(hidden, microbatches, fp8=False)
+        fp8 = transformer_step_bytes(hidden, microbatches, fp8=True)
+        print(f"| {microbatches} | {bf16 / 1e9:.2f} | {fp8 / 1e9:.2f} | {fp8 / bf16:.2f} |")
+
+
 def main(repeats: int = 15) -> None:
     """Prints the table (see the module docstring)."""
     print(
@@ -215,4 +280,11 @@ def main(repeats: int = 15) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--transformer", action="store_true", help="two TransformerLayers")
+    parser.add_argument("--hidden", type=int, default=8192, help="with --transformer")
+    args = parser.parse_args()
+    if args.transformer:
+        transformer_main(args.hidden)
+    else:
+        main()
