@@ -201,30 +201,18 @@ def transformer_step_bytes(hidden: int, microbatches: int, fp8: bool) -> float:
     """Bytes per step of ``accumulate_gradients`` over two TransformerLayers (module docstring)."""
     import flax.linen as nn
 
+    from bench.te_peer import Shape, peer_layer
     from te_flax._kernels import pallas_kernels
 
     recipe = DelayedScaling() if fp8 else None
     batch, seq = 8, 512
+    shape = Shape(batch * seq, seq, hidden, 4 * hidden, hidden // 128)
 
     class Two(nn.Module):
         @nn.compact
         def __call__(self, x):
             for _ in range(2):
-                x = te_nn.TransformerLayer(
-                    hidden_size=hidden,
-                    mlp_hidden_size=4 * hidden,
-                    num_attention_heads=hidden // 128,
-                    layernorm_type="rmsnorm",
-                    mlp_activations=("silu", "linear"),
-                    hidden_dropout=0.0,
-                    attention_dropout=0.0,
-                    self_attn_mask_type="causal",
-                    enable_relative_embedding=False,
-                    implementation="cudnn",
-                    dtype=jnp.bfloat16,
-                    param_dtype=jnp.bfloat16,
-                    recipe=recipe,
-                )(x, deterministic=True)
+                x = peer_layer(te_nn, "TransformerLayer", shape, recipe)(x, deterministic=True)
             return x
 
     model = Two()

@@ -135,7 +135,7 @@ def _te_deviceless(fused_attention: bool) -> None:
                     setattr(module, name, getattr(tej, name))
 
 
-def _module(
+def peer_layer(
     library,
     layer: str,
     s: Shape,
@@ -218,14 +218,14 @@ def compile_step(
 
         fp8 = te_recipes.DelayedScaling() if recipe == "delayed" else None
         context = te.autocast(enabled=fp8 is not None, recipe=fp8)
-        model = _module(library, layer, s, None)
+        model = peer_layer(library, layer, s, None)
     else:
         import te_flax.linen as library
         from te_flax._kernels import pallas_kernels
         from te_flax.quantize import DelayedScaling
 
         fp8_recipe = DelayedScaling() if recipe == "delayed" else None
-        model = _module(library, layer, s, fp8_recipe, fused_attention)
+        model = peer_layer(library, layer, s, fp8_recipe, fused_attention)
         switch = "auto" if variant == "te_flax kernels" else "0"
         context = pallas_kernels(switch, assume_gpu=True)
     x = jax.ShapeDtypeStruct((s.batch, s.seq, s.hidden), jnp.bfloat16, sharding=sharding)
@@ -358,7 +358,7 @@ def model_step(
         @nn.compact
         def __call__(self, x):
             for _ in range(2):
-                layer = _module(
+                layer = peer_layer(
                     library,
                     "TransformerLayer",
                     s,
