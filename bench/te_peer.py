@@ -611,6 +611,8 @@ def main(argv: list[str] | None = None) -> None:
         help="two TransformerLayers on 1 and 8 GPUs (TE's beside te_flax's where TE imports)",
     )
     args = parser.parse_args(argv)
+    if args.rotary and not args.model:
+        parser.error("--rotary applies to --model only")
     command = "python -m bench.te_peer " + " ".join(argv if argv is not None else sys.argv[1:])
     fused = args.attention == "fused"
     variants = list(args.variants)
