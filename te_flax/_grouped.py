@@ -164,8 +164,7 @@ def _group_amax(
     amax = jax.ops.segment_max(row_amax, ids, num_segments=n_groups)  # [G]; -inf when empty
     amax = jnp.maximum(amax, 0.0)
     # As scaling.amax: inside shard_map each device holds a block of the rows.
-    manual = scaling.amax_axes(distinct)
-    return lax.pmax(amax, manual) if manual else amax
+    return scaling.max_over_devices(amax, distinct)
 
 
 def _group_scales(quantizer: Quantizer, amax: Array) -> tuple[Array, Quantizer]:

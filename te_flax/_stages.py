@@ -42,7 +42,12 @@ from te_flax.quantize import (
     block_scaling,
     quantize_operand,
 )
-from te_flax.sharding import LogicalAxes, with_logical_constraint
+from te_flax.sharding import (
+    LogicalAxes,
+    gemm_out_sharding,
+    sharded_along,
+    with_logical_constraint,
+)
 
 __all__ = [
     "GradOperand",
@@ -88,13 +93,19 @@ class NormStats(NamedTuple):
     rsigma: Array  # f32[batch..., 1]
 
 
-def _leading_ones(vector: Array, ndim: int) -> Array:
-    """``vector`` reshaped to broadcast against the trailing axes of an ``ndim`` array."""
-    return vector.reshape((1,) * (ndim - vector.ndim) + vector.shape)
+def _leading_ones(vector: Array, x: Array) -> Array:
+    """``vector`` reshaped to broadcast against the trailing axes of ``x``, and sharded as
+    they are (``sharded_along``)."""
+    vector = sharded_along(vector, x)
+    return vector.reshape((1,) * (x.ndim - vector.ndim) + vector.shape)
 
 
-def _effective_gamma(gamma: Array, spec: NormSpec, ndim: int) -> Array:
-    gamma = _leading_ones(gamma.astype(jnp.float32), ndim)
+def _effective_gamma(gamma: Array, spec: NormSpec, x: Array | None = None) -> Array:
+    """The factor the normalized ``x`` is multiplied by (``1 + gamma`` when zero-centered),
+    float32, shaped to broadcast against ``x`` (None: the 1-D vector)."""
+    gamma = gamma.astype(jnp.float32)
+    if x is not None:
+        gamma = _leading_ones(gamma, x)
     return gamma + 1.0 if spec.zero_centered_gamma else gamma
 
 
@@ -108,8 +119,8 @@ def apply_norm(
     x: Array, stats: NormStats, gamma: Array, beta: Array | None, spec: NormSpec
 ) -> Array:
     """The norm output in float32 from saved statistics (no reduction over x)."""
-    y = _normalized(x, stats) * _effective_gamma(gamma, spec, x.ndim)
-    return y if beta is None else y + _leading_ones(beta.astype(jnp.float32), x.ndim)
+    y = _normalized(x, stats) * _effective_gamma(gamma, spec, x)
+    return y if beta is None else y + _leading_ones(beta.astype(jnp.float32), x)
 
 
 def normalize(
@@ -161,7 +172,7 @@ def normalize_backward(
         batch_axes = tuple(range(x.ndim - 1))
         d_gamma = jnp.sum(d_out32 * x_hat, axis=batch_axes).astype(gamma.dtype)
         d_beta = None if beta is None else jnp.sum(d_out32, axis=batch_axes).astype(beta.dtype)
-        d_x_hat = d_out32 * _effective_gamma(gamma, spec, x.ndim)
+        d_x_hat = d_out32 * _effective_gamma(gamma, spec, x)
         projection = jnp.mean(d_x_hat * x_hat, axis=-1, keepdims=True)
         if spec.norm_type == "layernorm":
             d_x_hat = d_x_hat - jnp.mean(d_x_hat, axis=-1, keepdims=True)
@@ -175,7 +186,7 @@ def normalize_backward(
         x,
         stats.mean,
         stats.rsigma,
-        _effective_gamma(gamma, spec, 1),
+        _effective_gamma(gamma, spec),
         gamma.dtype,
         None if beta is None else beta.dtype,
         xla_stage,
@@ -208,7 +219,7 @@ def norm_operand(
 
     # Per-tensor FP8 on GPUs: one Pallas kernel reads x and writes the float8 operand and the
     # amax (see te_flax._kernels); elsewhere, and for other quantizers, the XLA stage.
-    gamma_1d = _effective_gamma(gamma, spec, 1)  # f32[hidden]
+    gamma_1d = _effective_gamma(gamma, spec)  # f32[hidden]
     beta_1d = None if beta is None else beta.astype(jnp.float32)
     operand, new_quantizer = norm_quantize_operand(
         x, stats.mean, stats.rsigma, gamma_1d, beta_1d, quantizer, xla_stage
@@ -472,10 +483,13 @@ def _gemm(
     contracting: tuple[tuple[int, ...], tuple[int, ...]],
     out_dtype: DTypeLike,
     fp8_precision: lax.Precision,
+    like: Array | None = None,
 ) -> Array:
     """``lhs . rhs`` over ``contracting``: a float8 GEMM when both operands carry a scale.
 
-    Block-scaled operands use the quantization they prepared for this contraction.
+    Block-scaled operands use the quantization they prepared for this contraction. ``like``:
+    the primal whose cotangent this product is (its sharding is the product's, see
+    ``gemm_out_sharding``).
     """
     if isinstance(lhs, BlockOperand):
         assert isinstance(rhs, BlockOperand), "mixed block-scaled and per-tensor GEMM"
@@ -483,12 +497,12 @@ def _gemm(
         return _block_gemm(lhs_matrix, rhs.for_contraction(contracting[1]), out_dtype)
     assert not isinstance(rhs, BlockOperand), "mixed block-scaled and per-tensor GEMM"
     if lhs.scale_inv is None and rhs.scale_inv is None:
-        return _dot(lhs, rhs, contracting, out_dtype, None)
+        return _dot(lhs, rhs, contracting, out_dtype, None, like)
     assert lhs.scale_inv is not None and rhs.scale_inv is not None, "mixed FP8/non-FP8 GEMM"
     # float8 x float8 with the scales applied to the product: XLA folds the multiply into the
     # cuBLASLt FP8 GEMM as its alpha. Precision DEFAULT selects fast accumulation there.
     gemm_dtype = _accumulation_dtype(out_dtype)
-    out = _dot(lhs, rhs, contracting, gemm_dtype, fp8_precision)
+    out = _dot(lhs, rhs, contracting, gemm_dtype, fp8_precision, like)
     return (out * _product_scale(lhs, rhs).astype(gemm_dtype)).astype(out_dtype)
 
 
@@ -498,14 +512,27 @@ def _dot(
     contracting: tuple[tuple[int, ...], tuple[int, ...]],
     out_dtype: DTypeLike,
     precision: lax.Precision | None,
+    like: Array | None = None,
 ) -> Array:
     """The product of two per-tensor operands' data (no scale), in the layouts it needs."""
     lhs_data, lhs_axes = _contraction_layout(lhs, contracting[0])
     rhs_data, rhs_axes = _contraction_layout(rhs, contracting[1])
     dimension_numbers = ((lhs_axes, rhs_axes), ((), ()))
+    out_sharding = gemm_out_sharding(lhs_data, rhs_data, (lhs_axes, rhs_axes), like)
     return lax.dot_general(
-        lhs_data, rhs_data, dimension_numbers, precision=precision, preferred_element_type=out_dtype
+        lhs_data,
+        rhs_data,
+        dimension_numbers,
+        precision=precision,
+        preferred_element_type=out_dtype,
+        out_sharding=out_sharding,
     )
+
+
+def _primal_layout(operand: GemmOperand) -> Array | None:
+    """A per-tensor operand's data in the layout of the tensor it was made from (None for a
+    block-scaled operand, whose matrices are flattened)."""
+    return operand.data if isinstance(operand, ScaledTensor) else None
 
 
 def _product_scale(lhs: ScaledTensor, rhs: ScaledTensor) -> Array:
@@ -520,6 +547,7 @@ def _gemm_unscaled(
     contracting: tuple[tuple[int, ...], tuple[int, ...]],
     out_dtype: DTypeLike,
     fp8_precision: lax.Precision,
+    like: Array | None = None,
 ) -> tuple[Array, Array | None]:
     """``_gemm``, with a per-tensor FP8 product's scale returned beside it instead of applied:
     ``(product, scale)``; ``scale`` is None where ``_gemm`` applied it (no FP8, block scales,
@@ -532,10 +560,11 @@ def _gemm_unscaled(
     the whole [tokens, hidden] result on every device.
     """
     if isinstance(lhs, BlockOperand) or isinstance(rhs, BlockOperand):
-        return _gemm(lhs, rhs, contracting, out_dtype, fp8_precision), None
+        return _gemm(lhs, rhs, contracting, out_dtype, fp8_precision, like), None
     if lhs.scale_inv is None or _accumulation_dtype(out_dtype) != out_dtype:
-        return _gemm(lhs, rhs, contracting, out_dtype, fp8_precision), None
-    return _dot(lhs, rhs, contracting, out_dtype, fp8_precision), _product_scale(lhs, rhs)
+        return _gemm(lhs, rhs, contracting, out_dtype, fp8_precision, like), None
+    product = _dot(lhs, rhs, contracting, out_dtype, fp8_precision, like)
+    return product, _product_scale(lhs, rhs)
 
 
 _DEFAULT_PRECISION = GemmPrecision()
@@ -560,7 +589,7 @@ def dense_forward(
     out = _gemm(lhs, rhs, contracting, out_dtype, precision.fprop)
     # The bias is added in the output dtype so that XLA fuses it as the GEMM's BIAS epilogue
     # (cuBLASLt takes no float32 bias for FP8 GEMMs).
-    return out if bias is None else out + _leading_ones(bias.astype(out_dtype), out.ndim)
+    return out if bias is None else out + _leading_ones(bias.astype(out_dtype), out)
 
 
 def sum_to_bias(grad: Array, bias_ndim: int, bias_dtype: DTypeLike) -> Array:
@@ -713,14 +742,17 @@ def dense_backward(
     feature_axes_of_rhs = tuple(range(n_contract, n_contract + n_features))
     # [batch..., F...] x [K..., F...] -> [batch..., K...]
     dgrad_axes = (feature_axes_of_grad, feature_axes_of_rhs)
+    # Each gradient takes its primal's sharding (JAX asks for one under Explicit mesh axes).
+    lhs_like, rhs_like = _primal_layout(lhs), _primal_layout(rhs)
     if defer_dgrad_scale:
         d_lhs, d_lhs_scale = _gemm_unscaled(
-            grad_gemm_operand, rhs, dgrad_axes, lhs_dtype, precision.dgrad
+            grad_gemm_operand, rhs, dgrad_axes, lhs_dtype, precision.dgrad, lhs_like
         )
     else:
-        d_lhs = _gemm(grad_gemm_operand, rhs, dgrad_axes, lhs_dtype, precision.dgrad)
+        d_lhs = _gemm(grad_gemm_operand, rhs, dgrad_axes, lhs_dtype, precision.dgrad, lhs_like)
         d_lhs_scale = None
     # [batch..., K...] x [batch..., F...] -> [K..., F...]
     batch_axes = tuple(range(n_batch))
-    d_rhs = _gemm(lhs, grad_gemm_operand, (batch_axes, batch_axes), rhs_dtype, precision.wgrad)
+    wgrad_axes = (batch_axes, batch_axes)
+    d_rhs = _gemm(lhs, grad_gemm_operand, wgrad_axes, rhs_dtype, precision.wgrad, rhs_like)
     return DenseGrads(d_lhs, d_rhs, grad.bias, grad.quantizer, d_lhs_scale)

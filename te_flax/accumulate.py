@@ -45,10 +45,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import Array
-from jax._src.interpreters import partial_eval
 from jax.extend.core import jaxpr_as_fun
 
 from te_flax._fp8_state import OVERWRITE_WITH_GRADIENT
+from te_flax._jax_compat import partial_eval_jaxpr_nounits
 
 __all__ = ["accumulate_gradients", "split_microbatches"]
 
@@ -176,7 +176,8 @@ def _split(
     passes to the rest (the float8 kernels and their scales) becomes a constant of the loop.
     """
     variable_leaves = jax.tree.leaves(variables)
-    if not hoist:
+    partial_eval = partial_eval_jaxpr_nounits() if hoist else None
+    if partial_eval is None:
         n_outputs = len(jax.tree.leaves(jax.eval_shape(grad_fn, variables, one)))
 
         def whole(microbatch: Any) -> list[Array | None]:
@@ -185,9 +186,7 @@ def _split(
         return [None] * n_outputs, whole
     closed = jax.make_jaxpr(grad_fn)(variables, one)
     unknowns = [False] * len(variable_leaves) + [True] * len(jax.tree.leaves(one))
-    known, unknown, out_unknowns, _ = partial_eval.partial_eval_jaxpr_nounits(
-        closed, unknowns, instantiate=False
-    )
+    known, unknown, out_unknowns, _ = partial_eval(closed, unknowns, instantiate=False)
     known_outputs = jaxpr_as_fun(known)(*variable_leaves)
     n_known = out_unknowns.count(False)
     fixed, residuals = iter(known_outputs[:n_known]), known_outputs[n_known:]

@@ -36,7 +36,14 @@ from te_flax.quantize import (
     quantize_operand,
     scaling,
 )
-from te_flax.sharding import LogicalAxes, vary_like, with_logical_constraint
+from te_flax.sharding import (
+    LogicalAxes,
+    Specs,
+    explicit_specs,
+    vary_like,
+    with_explicit_specs,
+    with_logical_constraint,
+)
 
 __all__ = ["dense", "grouped_dense", "grouped_quantizer_set"]
 
@@ -52,6 +59,8 @@ class _Config:
     kernel_dtype: Any
     bias_dtype: Any  # None without a bias
     kernel_in_scan: bool = False  # traced in a scan body (_stages.kernel_operand)
+    # The shardings of x, kernel and bias under Explicit mesh axes (their gradients'), or None.
+    grad_specs: Specs = None
 
 
 class _Residuals(NamedTuple):
@@ -136,7 +145,8 @@ def _backward(
     d_x = with_logical_constraint(grads.lhs, config.input_axes)
     d_kernel = with_logical_constraint(grads.rhs, config.kernel_axes)
     new_state = dataclasses.replace(quantizers, dgrad=grads.dgrad_quantizer)
-    return d_x, d_kernel, grads.bias, as_cotangent(new_state)
+    d_x, d_kernel, d_bias = with_explicit_specs((d_x, d_kernel, grads.bias), config.grad_specs)
+    return d_x, d_kernel, d_bias, as_cotangent(new_state)
 
 
 _dense.defvjp(_forward, _backward)
@@ -263,6 +273,7 @@ def dense(
         kernel_dtype=kernel.dtype,
         bias_dtype=None if bias is None else bias.dtype,
         kernel_in_scan=traced_in_scan(kernel),
+        grad_specs=explicit_specs((x, kernel, bias)),
     )
     kernel, bias = vary_like(x, (kernel, bias))
     return _dense(config, x, kernel, bias, float32_state(quantizer_set))

@@ -19,6 +19,7 @@ from te_flax.quantize import (
     float32_state,
     scaling,
 )
+from te_flax.sharding import explicit_specs, with_explicit_specs
 
 __all__ = ["layernorm"]
 
@@ -62,6 +63,10 @@ def _backward(
     d_x, d_gamma, d_beta = normalize_backward(
         grad, residuals.x, residuals.stats, residuals.gamma, residuals.beta, spec
     )
+    # Under Explicit mesh axes each gradient has its primal's sharding (x, gamma and beta are
+    # the residuals themselves).
+    primals = (residuals.x, residuals.gamma, residuals.beta)
+    d_x, d_gamma, d_beta = with_explicit_specs((d_x, d_gamma, d_beta), explicit_specs(primals))
     return d_x, d_gamma, d_beta, as_cotangent(residuals.quantizer)
 
 

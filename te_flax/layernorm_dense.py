@@ -34,7 +34,14 @@ from te_flax.quantize import (
     float32_state,
     noop_quantizer_set,
 )
-from te_flax.sharding import LogicalAxes, vary_like, with_logical_constraint
+from te_flax.sharding import (
+    LogicalAxes,
+    Specs,
+    explicit_specs,
+    vary_like,
+    with_explicit_specs,
+    with_logical_constraint,
+)
 
 __all__ = ["layernorm_dense", "layernorm_dense_with_norm_output"]
 
@@ -50,6 +57,8 @@ class _Config:
     # Also return the norm output (in x's dtype), for return_layernorm_output and LoRA.
     return_norm_output: bool = False
     kernel_in_scan: bool = False  # traced in a scan body (_stages.kernel_operand)
+    # The shardings of x, kernel, gamma, beta and bias under Explicit mesh axes, or None.
+    grad_specs: Specs = None
 
 
 class _Residuals(NamedTuple):
@@ -180,7 +189,8 @@ def _backward(
         d_ln, x, residuals.stats, residuals.gamma, residuals.beta, config.norm, grads.lhs_scale
     )
     new_state = dataclasses.replace(quantizers, dgrad=grads.dgrad_quantizer)
-    return d_x, d_kernel, d_gamma, d_beta, grads.bias, as_cotangent(new_state)
+    primal_grads = (d_x, d_kernel, d_gamma, d_beta, grads.bias)
+    return (*with_explicit_specs(primal_grads, config.grad_specs), as_cotangent(new_state))
 
 
 _layernorm_dense.defvjp(_forward, _backward)
@@ -323,4 +333,5 @@ def _config(
         kernel_dtype=kernel.dtype,
         bias_dtype=None if bias is None else bias.dtype,
         kernel_in_scan=traced_in_scan(kernel),
+        grad_specs=explicit_specs((x, kernel, gamma, beta, bias)),
     )

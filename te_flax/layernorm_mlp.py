@@ -61,7 +61,14 @@ from te_flax.quantize import (
     noop_quantizer_set,
     quantize_operand,
 )
-from te_flax.sharding import LogicalAxes, vary_like, with_logical_constraint
+from te_flax.sharding import (
+    LogicalAxes,
+    Specs,
+    explicit_specs,
+    vary_like,
+    with_explicit_specs,
+    with_logical_constraint,
+)
 
 __all__ = ["layernorm_mlp", "layernorm_mlp_with_norm_output"]
 
@@ -92,6 +99,8 @@ class _Config:
     # Also return the norm output (in x's dtype), for return_layernorm_output.
     return_norm_output: bool = False
     kernels_in_scan: tuple[bool, bool] = (False, False)  # see _stages.kernel_operand
+    # The shardings of x, gamma, beta, the kernels and the biases under Explicit mesh axes.
+    grad_specs: Specs = None
 
 
 class _Residuals(NamedTuple):
@@ -441,12 +450,15 @@ def _backward(
         dataclasses.replace(set_2, dgrad=grads_1.dgrad_quantizer),
     )
     d_lora = None if lora_kernels is None else cast(LoraKernels, tuple(lora_grads))
+    d_x, d_gamma, d_beta, d_kernels, d_biases = with_explicit_specs(
+        (d_x, d_gamma, d_beta, d_kernels, (grads_1.bias, grads_2.bias)), config.grad_specs
+    )
     return (
         d_x,
         d_gamma,
         d_beta,
         d_kernels,
-        (grads_1.bias, grads_2.bias),
+        d_biases,
         as_cotangent(new_sets),
         None,  # the dropout key
         d_lora,
@@ -750,6 +762,7 @@ def _apply(arguments: dict[str, Any], return_norm_output: bool) -> _Output:
         lora_alpha=arguments["low_rank_adaptation_alpha"],
         return_norm_output=return_norm_output,
         kernels_in_scan=(traced_in_scan(kernel_1), traced_in_scan(kernel_2)),
+        grad_specs=explicit_specs((x, gamma, beta, tuple(kernels), tuple(biases))),
     )
     gamma, beta, kernels, biases = vary_like(x, (gamma, beta, tuple(kernels), tuple(biases)))
     if lora_kernels is not None:

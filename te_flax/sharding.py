@@ -2,9 +2,15 @@
 
 Logical names (``"batch"``, ``"embed"``, ``"mlp"``, ...) are mapped to mesh axes by the rules of
 the active ``flax.linen.logical_axis_rules`` context and applied on the mesh set with
-``jax.set_mesh``, whose axes must be ``AxisType.Auto`` (the deprecated ``with mesh:`` context is
-not seen). Without rules, without a mesh, or for empty axes the helper does nothing, so the same
-code runs on one device and on many.
+``jax.set_mesh`` (the deprecated ``with mesh:`` context is not seen). Without rules, without a
+mesh, or for empty axes the helper does nothing, so the same code runs on one device and on many.
+
+Both of JAX's sharding styles work. On ``AxisType.Auto`` axes (``make_mesh`` here) a
+constraint is ``with_sharding_constraint`` and XLA's partitioner places the rest. On
+``AxisType.Explicit`` axes (the default of ``jax.make_mesh``) every array's sharding is part of
+its type: a constraint is a ``jax.sharding.reshard``, and the ops give each GEMM whose sharding
+JAX cannot infer (a product summed over a sharded axis) the sharding of the tensor it stands
+for (``gemm_out_sharding``), so that every gradient has its parameter's sharding.
 
 TransformerEngine names mesh axes by role instead: ``MeshResource(dp_resource="data",
 tp_resource="tensor", ...)`` under ``global_shard_guard`` (or ``te_flax.autocast(...,
@@ -52,13 +58,18 @@ __all__ = [
     "W_TP_AXES",
     "LogicalAxes",
     "MeshResource",
+    "explicit_axes",
+    "explicit_specs",
+    "gemm_out_sharding",
     "global_mesh_resource",
     "global_shard_guard",
     "load_axis_rules",
     "make_mesh",
     "mesh_resource_rules",
+    "sharded_along",
     "use_sharding",
     "vary_like",
+    "with_explicit_specs",
     "with_logical_constraint",
 ]
 
@@ -127,7 +138,7 @@ def with_logical_constraint(x: Array, logical_axes: LogicalAxes) -> Array:
     _check_known_names(logical_axes, rules)
     spec = logical_to_mesh_axes(logical_axes, rules)
     assert spec is not None  # logical_axes is not empty
-    _check_auto_axes(logical_axes, spec, mesh)
+    _check_mesh_axes(logical_axes, spec, mesh)
     manual = frozenset(mesh.manual_axes)
     if manual:
         # Inside shard_map the manual axes are already split by hand; constrain only the others.
@@ -145,7 +156,124 @@ def with_logical_constraint(x: Array, logical_axes: LogicalAxes) -> Array:
         if concrete_mesh is not None:
             # Outside jit: place the concrete array as the constraint would have.
             return jax.device_put(x, NamedSharding(concrete_mesh, spec))
-    return jax.lax.with_sharding_constraint(x, spec)
+    explicit = explicit_axes()
+    if not explicit:
+        return jax.lax.with_sharding_constraint(x, spec)
+    # Explicit axes are part of the array's type: the constraint is a ``reshard`` to them (on
+    # such axes ``with_sharding_constraint`` only asserts the sharding the type already has).
+    # Auto axes of the same mesh are constrained as on an Auto mesh.
+    auto = frozenset(mesh.axis_names) - explicit - manual
+    x = jax.sharding.reshard(x, PartitionSpec(*(_drop_axes(e, auto) for e in spec)))
+    auto_spec = PartitionSpec(*(_drop_axes(e, explicit) for e in spec))
+    if any(entry is not None for entry in auto_spec):
+        x = jax.lax.with_sharding_constraint(x, auto_spec)
+    return x
+
+
+def explicit_axes() -> frozenset[str]:
+    """The mesh axes of the active mesh (``jax.set_mesh``) that are ``AxisType.Explicit`` and
+    not manual: the axes along which arrays carry their sharding in their type."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return frozenset()
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    return frozenset(
+        name
+        for name, kind in types.items()
+        if kind == AxisType.Explicit and name not in mesh.manual_axes
+    )
+
+
+def _spec_of(array: Any) -> tuple[SpecEntry, ...]:
+    spec = tuple(jax.typeof(array).sharding.spec)
+    return spec + (None,) * (array.ndim - len(spec))
+
+
+def gemm_out_sharding(
+    lhs: Array,
+    rhs: Array,
+    contracting: tuple[Sequence[int], Sequence[int]],
+    like: Array | None = None,
+) -> PartitionSpec | None:
+    """The ``out_sharding`` of ``lax.dot_general(lhs, rhs, (contracting, ((), ())))`` under a
+    mesh with ``Explicit`` axes, None elsewhere (the partitioner decides, as it always did).
+
+    With ``Explicit`` axes a GEMM whose operands are sharded along the contraction (a weight
+    gradient summed over a data-parallel batch, a row-parallel product) has no sharding of its
+    own: JAX asks for one. ``like`` gives it: the cotangent of a primal (dgrad, wgrad) takes
+    the primal's sharding, as JAX's own transpose of ``dot_general`` does. Without ``like`` the
+    output keeps the free axes' shardings, ``lhs``'s first; a mesh axis both operands use on
+    free axes is kept on ``lhs``'s (a product sharded twice over one axis does not exist).
+    """
+    if not explicit_axes():
+        return None
+    if like is not None:
+        return PartitionSpec(*_spec_of(like))
+    lhs_spec, rhs_spec = _spec_of(lhs), _spec_of(rhs)
+    lhs_free = [e for d, e in enumerate(lhs_spec) if d not in contracting[0]]
+    rhs_free = [e for d, e in enumerate(rhs_spec) if d not in contracting[1]]
+    used = {a for entry in lhs_free for a in _entry_axes(entry)}
+    kept = [_drop_axes(entry, used) for entry in rhs_free]
+    return PartitionSpec(*lhs_free, *kept)
+
+
+def sharded_along(vector: Array, x: Array) -> Array:
+    """``vector`` (a parameter over ``x``'s trailing axes: a norm scale, a bias) resharded to
+    ``x``'s sharding of those axes, under ``Explicit`` mesh axes; as it is elsewhere.
+
+    An elementwise product needs its operands' shardings to agree. A parameter stored sharded
+    otherwise (over ``fsdp``) is gathered for its use, as XLA does by itself on ``Auto`` axes.
+    """
+    if not explicit_axes():
+        return vector
+    target = PartitionSpec(*_spec_of(x)[x.ndim - vector.ndim :])
+    if tuple(jax.typeof(vector).sharding.spec) == tuple(target):
+        return vector
+    return jax.sharding.reshard(vector, target)
+
+
+# The shardings of an op's differentiable arguments, one entry per array leaf: the static part
+# of a custom_vjp's configuration under Explicit mesh axes, None elsewhere.
+Specs = tuple[PartitionSpec, ...] | None
+
+
+def explicit_specs(tree: Any) -> Specs:
+    """The ``PartitionSpec`` of each array leaf of ``tree`` under ``Explicit`` mesh axes, else
+    None. A custom_vjp op records its primals' with this, and its backward returns each
+    cotangent with its primal's sharding (``with_explicit_specs``): JAX requires the types to
+    match, and a parameter's gradient must keep the parameter's sharding."""
+    if not explicit_axes():
+        return None
+    return tuple(PartitionSpec(*_spec_of(leaf)) for leaf in jax.tree.leaves(tree))
+
+
+def with_explicit_specs(tree: T, specs: Specs) -> T:
+    """``tree``'s array leaves resharded to ``specs`` (from ``explicit_specs`` of the primals
+    ``tree`` is the cotangent of); ``tree`` as it is when ``specs`` is None."""
+    if specs is None:
+        return tree
+    leaves, treedef = jax.tree.flatten(tree)
+    assert len(leaves) == len(specs), "cotangents and primals have different leaves"
+    placed = [
+        leaf
+        if getattr(leaf, "ndim", 0) != len(spec) or tuple(jax.typeof(leaf).sharding.spec) == spec
+        else jax.sharding.reshard(leaf, spec)
+        for leaf, spec in zip(leaves, specs, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, placed)
+
+
+def _entry_axes(entry: SpecEntry) -> tuple[str, ...]:
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _drop_axes(entry: SpecEntry, axes: set[str] | frozenset[str]) -> SpecEntry:
+    kept = tuple(a for a in _entry_axes(entry) if a not in axes)
+    if not kept:
+        return None
+    return kept[0] if len(kept) == 1 else kept
 
 
 def _varying_axes(array: Any) -> frozenset[str]:
@@ -184,24 +312,16 @@ def _check_known_names(logical_axes: tuple[Any, ...], rules: Sequence[tuple[str,
         )
 
 
-def _check_auto_axes(
+def _check_mesh_axes(
     logical_axes: tuple[Any, ...], spec: PartitionSpec, mesh: jax.sharding.AbstractMesh
 ) -> None:
     for logical, entry in zip(logical_axes, spec, strict=False):
-        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
-            continue
-        for name in (entry,) if isinstance(entry, str) else entry:
-            if name not in mesh._name_to_type:
+        for name in _entry_axes(entry):
+            if name not in mesh.axis_names:
                 raise ValueError(
                     f"the logical_axis_rules map {logical!r} to mesh axis {name!r}, but the mesh "
                     f"has axes {tuple(mesh.axis_names)}; fix the rule, or build the mesh with "
                     "that axis"
-                )
-            if mesh._name_to_type[name] == AxisType.Explicit:
-                raise ValueError(
-                    f"mesh axis {name!r} is AxisType.Explicit, but te_flax shards through "
-                    "logical-axis constraints, which need AxisType.Auto axes; build the mesh "
-                    "with jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))"
                 )
 
 

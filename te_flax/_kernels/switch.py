@@ -4,11 +4,13 @@
 ``pallas_kernels(mode)`` (a context manager, which wins over the variable):
 
 - ``"auto"`` (default): on CUDA GPUs the kernels that save memory traffic (``AUTO``), the XLA
-  stages everywhere else. In a process without a CUDA GPU the XLA stages are traced directly,
-  so CPU programs are exactly those without kernels; with one, the choice is made per platform
-  when the program is lowered (``lax.platform_dependent``). A program compiled for a GPU from
-  a CPU host (a deviceless compile) gets the kernels under ``pallas_kernels("auto",
-  assume_gpu=True)``.
+  stages everywhere else. The kernels are Pallas Triton programs; from jax 0.12 on, which
+  deprecates that backend, ``"auto"`` takes the XLA stages on GPUs too (same results, the
+  memory traffic of ``TE_FLAX_PALLAS=0``), and ``"1"`` still runs the kernels. In a process
+  without a CUDA GPU the XLA stages are traced directly, so CPU programs are exactly those
+  without kernels; with one, the choice is made per platform when the program is lowered
+  (``lax.platform_dependent``). A program compiled for a GPU from a CPU host (a deviceless
+  compile) gets the kernels under ``pallas_kernels("auto", assume_gpu=True)``.
 - ``"1"``: every kernel, everywhere; on platforms other than CUDA they run in Pallas interpret
   mode (slow, for tests).
 - ``"0"``: the XLA stages everywhere.
@@ -32,8 +34,8 @@ from typing import Any, TypeVar
 
 import jax
 from jax import lax
-from jax._src.interpreters.batching import BatchTracer  # no public name in JAX 0.10
 
+from te_flax._jax_compat import is_batch_tracer, pallas_triton_kept, traced_for_scan
 from te_flax._kernels.partition import mesh_partitioned
 
 __all__ = ["AUTO", "ENV_VAR", "MODES", "dispatch", "mode", "pallas_kernels", "traced_in_scan"]
@@ -118,7 +120,7 @@ def _partitioned_without_rule() -> bool:
 def _batched_on_mesh(args: tuple[Any, ...]) -> bool:
     """True for operands batched by ``vmap`` in a program partitioned over a mesh: the kernels'
     partitioning rule (``custom_partitioning``) has no batching rule, so the XLA stage runs."""
-    batched = any(isinstance(leaf, BatchTracer) for leaf in jax.tree.leaves(args))
+    batched = any(is_batch_tracer(leaf) for leaf in jax.tree.leaves(args))
     return batched and mesh_partitioned()
 
 
@@ -132,19 +134,11 @@ def traced_in_scan(x: Any) -> bool:
     kernel 8 bytes per element before the quantize kernel reads its 4 (in the example GPT's
     scanned training step with remat at hidden 4096, 6 of 40 GiB; ``bench/RESULTS_model.md``).
     The XLA stage reads the slice in its cast instead, so the ops quantize such kernels there.
-
     A kernel closed over by a scan from outside it (a decoding loop's weights) is traced
-    outside the body and keeps the kernel. JAX has no public query for where a value was
-    traced; this reads the tracer's trace and its parents (``jax._src``, JAX 0.10), and says
-    False where those attributes are missing.
+    outside the body and keeps the kernel. (JAX has no public query for this:
+    ``te_flax._jax_compat.traced_for_scan``.)
     """
-    trace = getattr(x, "_trace", None)
-    while trace is not None:
-        info = getattr(getattr(trace, "frame", None), "debug_info", None)
-        if getattr(info, "traced_for", None) == "scan":
-            return True
-        trace = getattr(trace, "parent_trace", None)
-    return False
+    return traced_for_scan(x)
 
 
 def dispatch(
@@ -171,6 +165,10 @@ def dispatch(
     if selected == "auto":
         on_gpu_host = bool(_assume_gpu and _assume_gpu[-1]) or _cuda_devices() > 0
         if not on_gpu_host or name not in AUTO or _partitioned_without_rule():
+            return fallback(*args)
+        if not pallas_triton_kept():
+            # The kernels are Pallas Triton programs, a backend this JAX deprecates: "auto"
+            # keeps users' runs free of its warning (docs/kernels.md, "Backends").
             return fallback(*args)
     on_gpu = partial(kernel, interpret=False)
     elsewhere: Callable[..., T] = fallback

@@ -24,6 +24,7 @@ __all__ = [
     "distinct_axes",
     "distinct_over",
     "fp8_max",
+    "max_over_devices",
     "push_amax",
     "quantize",
     "reduce_history",
@@ -106,6 +107,19 @@ def amax_axes(distinct: frozenset[str] | None = None) -> tuple[str, ...]:
     return tuple(sorted(set(jax.sharding.get_abstract_mesh().manual_axes) - distinct))
 
 
+def max_over_devices(value: Array, distinct: frozenset[str] | None = None) -> Array:
+    """``value`` (a per-device amax) combined with ``pmax`` over the manual mesh axes of
+    ``amax_axes`` that it varies over. Over an axis it does not vary over (an amax of a
+    replicated kernel inside ``shard_map``) every device holds the same value, which is its
+    own max; newer JAX refuses a ``pmax`` over such an axis."""
+    manual = amax_axes(distinct)
+    state = getattr(jax.typeof(value), "mat", None)
+    if state is not None:
+        varying = frozenset(state.varying)
+        manual = tuple(axis for axis in manual if axis in varying)
+    return lax.pmax(value, manual) if manual else value
+
+
 def amax(x: Array) -> Array:
     """``max(|x|)`` over the whole (global) tensor, as a float32 scalar.
 
@@ -115,8 +129,7 @@ def amax(x: Array) -> Array:
     """
     # Reduce in float32: a bfloat16 maximum is exact, but the scale math that follows is not.
     value = lax.convert_element_type(jnp.max(lax.abs(x)), jnp.float32)
-    manual = amax_axes()
-    return lax.pmax(value, manual) if manual else value
+    return max_over_devices(value)
 
 
 def compute_scale_inv(
