@@ -1,17 +1,21 @@
 # Sourced by the scripts in this folder with what the environment is for; makes (or completes)
-# the project's virtual environment in .venv, then activates it. Nothing else is needed on the
-# machine besides Python 3.11+.
+# a virtual environment, then activates it. Nothing else is needed on the machine besides a
+# Python of the supported range (3.11 to 3.13): pip picks the JAX that Python is served (3.11:
+# jax 0.10.2; 3.12 and newer: the newest of the range, 0.12).
 #   train  the library and the `examples` extra, plus the CUDA build of jaxlib (the `cuda`
 #          extra) where an NVIDIA GPU is present: what scripts/train needs, nothing more
 #   test   (also the default) the test, GPU-compile, example and docs extras: the full set, with
 #          the CUDA build of jaxlib that compiles for an H100 without one
+#   oldest the test and example extras at the oldest tested versions (scripts/oldest.txt)
 #   docs   the library and the `docs` extra: what scripts/docs needs
-# Each keeps its own install stamp (.venv/.te_flax-train, .venv/.te_flax-test, ...), redone when
-# pyproject.toml changes; pip installs only what is missing, so running one script after the
-# other adds the difference and reinstalls nothing.
+# The environment is VENV (default .venv), made with PYTHON (default python3). Each use keeps
+# its own install stamp ($VENV/.te_flax-train, ...), redone when pyproject.toml changes; pip
+# installs only what is missing, so running one script after the other adds the difference.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+constraints=()
 case "${1:-}" in
     train)
         use=train
@@ -24,16 +28,22 @@ case "${1:-}" in
         use=docs
         extras=docs
         ;;
+    oldest)
+        use=oldest
+        extras=test,examples
+        constraints=(--constraint scripts/oldest.txt)
+        ;;
     *)
         use=test
         extras=test,gpu-compile,examples,docs
         ;;
 esac
-stamp=.venv/.te_flax-$use
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-    [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-    .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[$extras]"
+stamp=$VENV/.te_flax-$use
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/oldest.txt -nt "$stamp" ]; then
+    [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
+        ${constraints[@]+"${constraints[@]}"} -e ".[$extras]"
     touch "$stamp"
 fi
 # shellcheck disable=SC1091
-source .venv/bin/activate
+source "$VENV/bin/activate"

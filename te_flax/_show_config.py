@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from te_flax._hlo import native_fp8_gemm
+from te_flax._jax_compat import TESTED_RANGE, outside_tested_range
 
 __all__ = ["fp8_gemm_is_native", "native_fp8_gemm_in_hlo", "show_config"]
 
@@ -66,6 +67,9 @@ def show_config(file: TextIO | None = None) -> None:
     out = file or sys.stdout
     lines = [f"{package}: {_version(package)}" for package in _PACKAGES]
     lines.append(f"python: {platform.python_version()} ({sys.implementation.name})")
+    outside = outside_tested_range()
+    tested = ", ".join(f"{p} {low} to {high}.x" for p, (low, high) in TESTED_RANGE.items())
+    lines.append(f"tested range: {'no: ' + '; '.join(outside) if outside else 'yes'} ({tested})")
     lines.append(f"platform: {platform.platform()}")
     backend = jax.default_backend()
     devices = jax.devices()

@@ -8,6 +8,7 @@ All functions here are pure and run inside ``jax.custom_vjp`` rules.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
 
@@ -44,6 +45,7 @@ from te_flax.quantize import (
 )
 from te_flax.sharding import (
     LogicalAxes,
+    explicit_axes,
     gemm_out_sharding,
     sharded_along,
     with_logical_constraint,
@@ -350,6 +352,53 @@ def _scaled_matmul(
     return jax.nn.scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=out_dtype)
 
 
+def _dequantized_matmul(
+    lhs: Array, rhs: Array, lhs_scales: Array, rhs_scales: Array, *, out_dtype: DTypeLike
+) -> Array:
+    """``_scaled_matmul`` for GPUs without block-scaled GEMMs (before Blackwell): both operands
+    dequantized to ``out_dtype`` by their block scales, then one cuBLAS GEMM.
+
+    XLA does the same with ``jax.nn.scaled_matmul`` there, but from jax 0.12 on its expansion
+    leaves the dot inside a loop fusion instead of a cuBLAS call (a deviceless H100 compile of
+    a block-scaled step has no ``__cublas$lt$matmul`` at all), so te_flax writes it out.
+    """
+
+    def dequantize(data: Array, scales: Array) -> Array:
+        block = data.shape[-1] // scales.shape[-1]
+        # [1, rows, K] -> [1, rows, K / block, block], times each block's scale.
+        blocks = data.astype(out_dtype).reshape(*scales.shape, block)
+        return (blocks * scales.astype(out_dtype)[..., None]).reshape(data.shape)
+
+    # The barrier keeps the quantized values: XLA (which may compute in excess precision)
+    # would otherwise fold the cast to the narrow type and back into nothing.
+    lhs, rhs, lhs_scales, rhs_scales = lax.optimization_barrier((lhs, rhs, lhs_scales, rhs_scales))
+    lhs_values, rhs_values = dequantize(lhs, lhs_scales)[0], dequantize(rhs, rhs_scales)[0]
+    # [M, K] x [N, K] -> [M, N], returned as [1, M, N]
+    contracting = ((1,), (1,))
+    product = lax.dot_general(
+        lhs_values,
+        rhs_values,
+        (contracting, ((), ())),
+        preferred_element_type=out_dtype,
+        out_sharding=gemm_out_sharding(lhs_values, rhs_values, contracting),
+    )
+    return product[None]
+
+
+def _block_scaled_gemm_for_cuda() -> Callable[..., Array]:
+    """The CUDA branch of a block-scaled GEMM: cuDNN's block-scaled GEMM through
+    ``jax.nn.scaled_matmul`` where the local GPU has one (compute capability 10 and newer),
+    else (Hopper and older, or a deviceless compile for the H100) ``_dequantized_matmul``."""
+    try:
+        devices = jax.devices("cuda")
+    except RuntimeError:  # no CUDA backend: a deviceless compile for the H100 target
+        devices = []
+    capability = str(getattr(devices[0], "compute_capability", "0")) if devices else "0"
+    if float(capability) >= 10:
+        return _scaled_matmul
+    return _dequantized_matmul
+
+
 def _scaled_dot(
     lhs: Array, rhs: Array, lhs_scales: Array, rhs_scales: Array, *, out_dtype: DTypeLike
 ) -> Array:
@@ -433,6 +482,14 @@ def _block_gemm(lhs: BlockScaledTensor, rhs: BlockScaledTensor, out_dtype: DType
     A Hadamard transform along K (NVFP4's weight-gradient operands) cancels in the product only
     when both operands have it. Float32 block scales are blockwise FP8's (``Float8BlockScaling``).
     """
+    if explicit_axes():
+        raise NotImplementedError(
+            "block-scaled recipes (MXFP8BlockScaling, NVFP4BlockScaling, Float8BlockScaling) "
+            "do not yet run on Explicit mesh axes; build the mesh with Auto axes, e.g. "
+            "te_flax.sharding.make_mesh({...}) or jax.make_mesh(shape, names, "
+            "axis_types=(AxisType.Auto,) * len(names)), or use DelayedScaling or "
+            "Float8CurrentScaling (docs/sharding.md)"
+        )
     if lhs.scale_inv.dtype == jnp.float32:
         assert rhs.scale_inv.dtype == jnp.float32, "blockwise FP8 with another block scaling"
         out = _blockwise_gemm(lhs, rhs, out_dtype)
@@ -450,7 +507,7 @@ def _block_gemm(lhs: BlockScaledTensor, rhs: BlockScaledTensor, out_dtype: DType
     gemm_dtype = _accumulation_dtype(out_dtype)
     out = lax.platform_dependent(
         *operands,
-        cuda=partial(_scaled_matmul, out_dtype=gemm_dtype),
+        cuda=partial(_block_scaled_gemm_for_cuda(), out_dtype=gemm_dtype),
         default=partial(_scaled_dot, out_dtype=gemm_dtype),
     )[0]
     if lhs.tensor_scale_inv is not None:

@@ -41,6 +41,7 @@ def step_hlo(switch: str) -> str:
         return step.lower(x, kernel).compile().as_text()
 
 
+@pytest.mark.triton_kernels
 def test_kernel_lowers_for_every_gemm_of_a_step():
     auto = step_hlo("auto")
     calls = [line for line in auto.splitlines() if TRITON in line]

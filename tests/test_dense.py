@@ -580,17 +580,6 @@ def test_sharded_run_matches_single_device(recipe_name):
     _assert_trees_equal(sharded_grads[3], grads[3])
 
 
-def test_explicit_mesh_axes_are_refused():
-    x, kernel, bias, cotangent, _ = _inputs(63, "two_features")
-    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
-    with (
-        jax.set_mesh(mesh),
-        nn.logical_axis_rules(_MESH_RULES),
-        pytest.raises(ValueError, match=r"is AxisType\.Explicit, but te_flax shards through"),
-    ):
-        _run(x, kernel, bias, cotangent, **_MESH_AXES)
-
-
 # ----------------------------------------------------------------------------- bad inputs
 
 

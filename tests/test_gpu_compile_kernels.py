@@ -29,7 +29,7 @@ from te_flax.layernorm_mlp import layernorm_mlp
 from te_flax.quantize import DelayedScaling, Float8CurrentScaling, QuantizerFactory
 from tests.gpu_target import h100_sharding
 
-pytestmark = pytest.mark.gpu_compile
+pytestmark = [pytest.mark.gpu_compile, pytest.mark.triton_kernels]
 
 TOKENS, HIDDEN, FEATURES = 512, 1024, 2048
 TRITON = '"__gpu$xla.gpu.triton"'

@@ -33,7 +33,7 @@ from tests.gpu_target import TARGET_CONFIG
 from tests.test_gpu_compile_fsdp import _unboxed
 from tests.test_kernels_sharded import tensor_collectives
 
-pytestmark = pytest.mark.gpu_compile
+pytestmark = [pytest.mark.gpu_compile, pytest.mark.triton_kernels]
 
 DEVICES = 8
 BATCH, SEQ, HIDDEN, INTERMEDIATE = 8, 64, 256, 512

@@ -203,6 +203,7 @@ def test_transformer_step_has_twelve_fp8_gemms_and_only_attention_besides(case):
         assert sum("Backward" in target for target in gemms.fused_attention) == 1, report
 
 
+@pytest.mark.triton_kernels
 def test_intermediate_dropout_keeps_the_fused_mlp_kernels_and_fp8_gemms():
     """Training with the intermediate dropout on compiles to the same FP8 GEMMs and the same
     Pallas kernels as the deterministic step but the activation's quantization (the mask is

@@ -185,17 +185,14 @@ def test_rules_map_one_name_to_two_mesh_axes():
     assert _spec(out) == (("data", "model"), None)
 
 
-def test_explicit_mesh_axes_are_refused_with_the_fix():
-    # On Explicit axes lax.with_sharding_constraint is an assertion, not a constraint; the
-    # helper says how to build a mesh it can use instead of failing deep inside XLA.
+def test_explicit_mesh_axes_are_resharded():
+    # On Explicit axes lax.with_sharding_constraint is an assertion, not a constraint: the
+    # helper reshards instead, and the result's type carries the rules' sharding.
     mesh = jax.make_mesh(MESH_SHAPE, MESH_AXES)
     assert mesh.axis_types == (AxisType.Explicit,) * 2
-    with (
-        jax.set_mesh(mesh),
-        nn.logical_axis_rules(RULES),
-        pytest.raises(ValueError, match=r"axis_types=\(AxisType.Auto,\)"),
-    ):
-        jax.jit(lambda x: with_logical_constraint(x * 2.0, ("batch", "mlp")))(_x())
+    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+        out = jax.jit(lambda x: with_logical_constraint(x * 2.0, ("batch", "mlp")))(_x())
+    assert _spec(out) == ("data", "model")
 
 
 # ----------------------------------------------------------------------------- shard_map

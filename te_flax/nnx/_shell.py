@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import flax.linen as nn
 import jax.numpy as jnp
 from flax import nnx
 from jax import Array
@@ -28,7 +29,7 @@ from te_flax.quantize import QuantizerSet, Recipe
 if TYPE_CHECKING:
     from te_flax._layers import ParamSpec
 
-__all__ = ["NnxShell", "create_param", "set_attributes"]
+__all__ = ["NnxShell", "create_param", "logical_param", "set_attributes"]
 
 
 def create_param(spec: ParamSpec, rngs: nnx.Rngs, dtype: Any) -> nnx.Param[Array]:
@@ -38,7 +39,24 @@ def create_param(spec: ParamSpec, rngs: nnx.Rngs, dtype: Any) -> nnx.Param[Array
     specs, under the logical axis rules, as for Linen (no mesh is needed to build a module).
     """
     value = spec.init(rngs.params(), spec.shape, dtype)
-    return nnx.Param(value, out_sharding=spec.axes, eager_sharding=False)
+    return logical_param(value, spec.axes)
+
+
+def logical_param(value: Array, axes: Sequence[str | None]) -> nnx.Param[Array]:
+    """An ``nnx.Param`` whose logical ``axes`` are sharding metadata (no eager sharding).
+
+    Through ``nnx.bridge.to_linen`` it becomes a Linen ``LogicallyPartitioned`` box, so that
+    ``nn.get_partition_spec`` of the Linen variables reads the same axes. Without that type
+    the bridge drops ``eager_sharding=False`` and rebuilds the variable when asked for its
+    partition spec, which Flax 0.12.12 refuses outside a mesh.
+    """
+    return nnx.Param(
+        value,
+        out_sharding=tuple(axes),
+        eager_sharding=False,
+        sharding_rules=None,
+        linen_meta_type=nn.LogicallyPartitioned,
+    )
 
 
 def set_attributes(

@@ -46,7 +46,7 @@ from te_flax._packing import SequenceDescriptor
 from te_flax._transformer import TransformerLayerSpec, TransformerLayerType
 from te_flax.nnx import modules
 from te_flax.nnx._fp8_meta import Fp8Meta
-from te_flax.nnx._shell import NnxShell, create_param, set_attributes
+from te_flax.nnx._shell import NnxShell, create_param, logical_param, set_attributes
 from te_flax.nnx.moe import MoEBlock
 
 __all__ = [
@@ -320,9 +320,7 @@ class RelativePositionBiases(nnx.Module, RelativePositionBiasesSpec):
         )
         set_attributes(self, RelativePositionBiasesSpec, attributes, rngs)
         value = self.embedding_init(rngs.params(), self.shape(), self.param_dtype)
-        self.rel_embedding = nnx.Param(
-            value, out_sharding=tuple(self.embedding_axes), eager_sharding=False
-        )
+        self.rel_embedding = logical_param(value, self.embedding_axes)
 
     def __call__(self, q_seqlen: int, k_seqlen: int, bidirectional: bool = True) -> Array:
         """``[1, num_attention_heads, q_seqlen, k_seqlen]`` biases."""
