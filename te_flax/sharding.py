@@ -256,7 +256,8 @@ def with_explicit_specs(tree: T, specs: Specs) -> T:
     assert len(leaves) == len(specs), "cotangents and primals have different leaves"
     placed = [
         leaf
-        if getattr(leaf, "ndim", 0) != len(spec) or tuple(jax.typeof(leaf).sharding.spec) == spec
+        if getattr(leaf, "ndim", 0) != len(spec)
+        or tuple(jax.typeof(leaf).sharding.spec) == tuple(spec)
         else jax.sharding.reshard(leaf, spec)
         for leaf, spec in zip(leaves, specs, strict=True)
     ]
