@@ -19,7 +19,7 @@ imports ``jax._src``.
 ``pallas_triton_kept()``: the Pallas Triton backend, which every te_flax kernel is written in
 today, is deprecated from jax 0.12 on (every lowering warns, and a later release removes it).
 Under ``TE_FLAX_PALLAS=auto`` the kernels are used only where it is kept without a warning
-(``docs/kernels.md``, "Backends").
+(``docs/versions.md``, "Kernel backends").
 """
 
 from __future__ import annotations

@@ -111,6 +111,6 @@ def _triton_kernels_where_jax_keeps_them(request):
     """Tests marked ``triton_kernels`` check how te_flax's Pallas Triton kernels compile for a
     GPU. From jax 0.12 on that backend is deprecated (te_flax's ``auto`` no longer uses it
     there) and cannot be lowered deviceless (its lowering asks the local GPU for its compute
-    capability), so they run on the older JAX of the range only (docs/kernels.md)."""
+    capability), so they run on the older JAX of the range only (docs/versions.md)."""
     if request.node.get_closest_marker("triton_kernels") and not switch.pallas_triton_kept():
         pytest.skip("Pallas Triton kernels: deprecated and not lowered deviceless on this JAX")

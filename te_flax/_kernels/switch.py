@@ -168,7 +168,7 @@ def dispatch(
             return fallback(*args)
         if not pallas_triton_kept():
             # The kernels are Pallas Triton programs, a backend this JAX deprecates: "auto"
-            # keeps users' runs free of its warning (docs/kernels.md, "Backends").
+            # keeps users' runs free of its warning (docs/versions.md, "Kernel backends").
             return fallback(*args)
     on_gpu = partial(kernel, interpret=False)
     elsewhere: Callable[..., T] = fallback
