@@ -113,11 +113,15 @@ def max_over_devices(value: Array, distinct: frozenset[str] | None = None) -> Ar
     replicated kernel inside ``shard_map``) every device holds the same value, which is its
     own max; newer JAX refuses a ``pmax`` over such an axis."""
     manual = amax_axes(distinct)
-    state = getattr(jax.typeof(value), "mat", None)
-    if state is not None:
-        varying = frozenset(state.varying)
+    if not manual:
+        return value
+    try:
+        return lax.pmax(value, manual)
+    except Exception:  # jax 0.12 with check_vma: only the axes the value varies over
+        state = getattr(jax.typeof(value), "mat", None)
+        varying = frozenset(state.varying) if state is not None else frozenset()
         manual = tuple(axis for axis in manual if axis in varying)
-    return lax.pmax(value, manual) if manual else value
+        return lax.pmax(value, manual) if manual else value
 
 
 def amax(x: Array) -> Array:
