@@ -109,19 +109,19 @@ def amax_axes(distinct: frozenset[str] | None = None) -> tuple[str, ...]:
 
 def max_over_devices(value: Array, distinct: frozenset[str] | None = None) -> Array:
     """``value`` (a per-device amax) combined with ``pmax`` over the manual mesh axes of
-    ``amax_axes`` that it varies over. Over an axis it does not vary over (an amax of a
-    replicated kernel inside ``shard_map``) every device holds the same value, which is its
-    own max; newer JAX refuses a ``pmax`` over such an axis."""
+    ``amax_axes``.
+
+    Where JAX tracks the value's varying axes (``shard_map``'s ``check_vma``) the ``pmax`` runs
+    over those only: over an axis it does not vary over (a replicated kernel's amax) every device
+    holds the same value, which is its own max, and newer JAX refuses a ``pmax`` that mixes such
+    axes with varying ones. Where it tracks none (``check_vma=False``, or a value invariant over
+    every axis) it runs over all of them, which is the global max either way."""
     manual = amax_axes(distinct)
-    if not manual:
-        return value
-    try:
-        return lax.pmax(value, manual)
-    except Exception:  # jax 0.12 with check_vma: only the axes the value varies over
-        state = getattr(jax.typeof(value), "mat", None)
-        varying = frozenset(state.varying) if state is not None else frozenset()
+    state = getattr(jax.typeof(value), "mat", None)
+    varying = frozenset(getattr(state, "varying", ()))
+    if varying:
         manual = tuple(axis for axis in manual if axis in varying)
-        return lax.pmax(value, manual) if manual else value
+    return lax.pmax(value, manual) if manual else value
 
 
 def amax(x: Array) -> Array:
