@@ -337,7 +337,9 @@ GPU_SECTION = (
     "three steps, the cuBLASLt FP8 GEMMs the GPU ran, the example GPT trained 200 steps in FP8 "
     "and in BF16) and `python -m bench.gpu` (FP8 vs BF16 and te_flax vs Flax step time and "
     "TFLOP/s, up to 16384 tokens x 8192 hidden), and writes every figure to "
-    "`runs/gpu_check/` (`SUMMARY.md`, `tests/figures/`, `bench/GPU_RESULTS.md`). "
+    "`runs/gpu_check/` in at most eight files (`SUMMARY.md`, `summary.json`, "
+    "`GPU_RESULTS.md`, `loss.png` and the logs). On a GPU image with JAX preinstalled and no "
+    "network, `scripts/gpu_check --system` uses that JAX as it is and installs nothing. "
     "`scripts/gpu_check --smoke` checks the script on a CPU."
 )
 

@@ -59,15 +59,21 @@ compilation_cache.is_cache_used = _cache_used_on_cpu
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
-from hypothesis import settings  # noqa: E402
+try:  # the test extra; a GPU image may run tests/test_gpu.py with pytest alone
+    from hypothesis import settings
+except ImportError:
+    settings = None
 
 # Property-based tests (tests/test_properties.py): "ci", the default, draws a fixed sequence of
 # a few examples per test; HYPOTHESIS_PROFILE=long draws many more from a fresh seed each run.
-settings.register_profile(
-    "ci", max_examples=2, derandomize=True, deadline=None, database=None, print_blob=True
-)
-settings.register_profile("long", max_examples=50, deadline=None, database=None, print_blob=True)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+if settings is not None:
+    settings.register_profile(
+        "ci", max_examples=2, derandomize=True, deadline=None, database=None, print_blob=True
+    )
+    settings.register_profile(
+        "long", max_examples=50, deadline=None, database=None, print_blob=True
+    )
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 # The modules with the longest cases (a minute or more each on two CPU cores), longest first.

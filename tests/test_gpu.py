@@ -323,6 +323,8 @@ LOSS_AGREEMENT = 0.02
 
 
 def test_example_gpt_trains_as_well_in_fp8_as_in_bf16(tmp_path, record):
+    for module in ("omegaconf", "tqdm", "matplotlib", "yaml"):  # the examples extra
+        pytest.importorskip(module, reason=f"the example needs {module} (te_flax[examples])")
     from examples.lm.config import DEFAULT_CONFIG, load_config
     from examples.lm.report import write_report
     from examples.lm.train import train
