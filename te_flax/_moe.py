@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import Array, lax
+from jax.sharding import PartitionSpec
 
 from te_flax._activations import (
     activation_forward,
@@ -62,6 +63,7 @@ from te_flax.router import (
     expert_capacity,
     fused_topk_with_score_function,
 )
+from te_flax.sharding import explicit_axes, on_auto_axes, spec_of
 
 __all__ = ["MoEBlockSpec", "RoutingStats", "grouped_fresh_state"]
 
@@ -225,6 +227,17 @@ class MoEBlockSpec(_Norm):
         self.in_features(x)
         if expert_parallel_size() > 1:
             return expert_parallel_forward(self, params, x, tuple(quantizer_sets))
+        if not explicit_axes():
+            return self._forward_tokens(params, x, tuple(quantizer_sets))
+        # On Explicit mesh axes the routing (a sort, histograms, scatters over every token) runs
+        # with them as Auto, partitioned by XLA as on an Auto mesh (sharding.on_auto_axes).
+        scalar = PartitionSpec()
+        out_specs = ((spec_of(x), scalar), RoutingStats._make((scalar, scalar)))
+        return on_auto_axes(self._forward_tokens, out_specs, params, x, tuple(quantizer_sets))
+
+    def _forward_tokens(
+        self, params: Params, x: Array, quantizer_sets: tuple[QuantizerSet, ...]
+    ) -> tuple[tuple[Array, Array], RoutingStats]:
         tokens = x.reshape(-1, x.shape[-1])  # [T, H]
         routed = self.route(params, tokens)
         capacity = self.capacity(tokens.shape[0])

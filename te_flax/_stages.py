@@ -45,9 +45,9 @@ from te_flax.quantize import (
 )
 from te_flax.sharding import (
     LogicalAxes,
-    explicit_axes,
     gemm_out_sharding,
     sharded_along,
+    whole_last_axis,
     with_logical_constraint,
 )
 
@@ -131,6 +131,7 @@ def normalize(
     """Layernorm or rmsnorm over the last axis, in float32, and the statistics for backward."""
     # Statistics in float32 whatever x's dtype: bf16 sums over thousands of features lose the
     # low bits that the variance is made of.
+    x = whole_last_axis(x)
     x32 = x.astype(jnp.float32)
     if spec.norm_type == "layernorm":
         # One pass over x for both moments, so that XLA fuses the statistics with the
@@ -482,14 +483,6 @@ def _block_gemm(lhs: BlockScaledTensor, rhs: BlockScaledTensor, out_dtype: DType
     A Hadamard transform along K (NVFP4's weight-gradient operands) cancels in the product only
     when both operands have it. Float32 block scales are blockwise FP8's (``Float8BlockScaling``).
     """
-    if explicit_axes():
-        raise NotImplementedError(
-            "block-scaled recipes (MXFP8BlockScaling, NVFP4BlockScaling, Float8BlockScaling) "
-            "do not yet run on Explicit mesh axes; build the mesh with Auto axes, e.g. "
-            "te_flax.sharding.make_mesh({...}) or jax.make_mesh(shape, names, "
-            "axis_types=(AxisType.Auto,) * len(names)), or use DelayedScaling or "
-            "Float8CurrentScaling (docs/sharding.md)"
-        )
     if lhs.scale_inv.dtype == jnp.float32:
         assert rhs.scale_inv.dtype == jnp.float32, "blockwise FP8 with another block scaling"
         out = _blockwise_gemm(lhs, rhs, out_dtype)

@@ -58,6 +58,7 @@ from te_flax._context_parallel import (
 )
 from te_flax._fp8_attention import AttentionQuantizers, fp8_context, fp8_logits
 from te_flax._packing import SequenceDescriptor
+from te_flax.sharding import sharded_along
 
 __all__ = [
     "BIAS_TYPES",
@@ -567,7 +568,7 @@ def _xla_attention(
     if score_mod is not None:  # where cuDNN's graph applies TE's: scaled, before bias and masks
         logits = score_mod(logits)
     if bias is not None:
-        logits = logits + bias
+        logits = logits + sharded_along(bias, logits)
     max_logit = None
     if return_max_logit:
         # The largest score the softmax sees per head (masked positions excluded), a statistic

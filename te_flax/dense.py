@@ -40,6 +40,8 @@ from te_flax.sharding import (
     LogicalAxes,
     Specs,
     explicit_specs,
+    gemm_out_sharding,
+    on_auto_axes,
     vary_like,
     with_explicit_specs,
     with_logical_constraint,
@@ -276,7 +278,13 @@ def dense(
         grad_specs=explicit_specs((x, kernel, bias)),
     )
     kernel, bias = vary_like(x, (kernel, bias))
-    return _dense(config, x, kernel, bias, float32_state(quantizer_set))
+    quantizer_set = float32_state(quantizer_set)
+    if config.grad_specs is not None and quantizer_set.block_scaled:
+        contracting = (range(x.ndim - n_contract, x.ndim), range(n_contract))
+        out_spec = gemm_out_sharding(x, kernel, contracting)
+        config = dataclasses.replace(config, grad_specs=None)
+        return on_auto_axes(partial(_dense, config), out_spec, x, kernel, bias, quantizer_set)
+    return _dense(config, x, kernel, bias, quantizer_set)
 
 
 # ----------------------------------------------------------------------------- grouped_dense

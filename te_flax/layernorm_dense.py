@@ -38,6 +38,9 @@ from te_flax.sharding import (
     LogicalAxes,
     Specs,
     explicit_specs,
+    gemm_out_sharding,
+    on_auto_axes,
+    spec_of,
     vary_like,
     with_explicit_specs,
     with_logical_constraint,
@@ -251,9 +254,7 @@ def layernorm_dense(
       (4, 8, 3, 32)
     """
     config = _config(**locals())
-    kernel, gamma, beta, bias = vary_like(x, (kernel, gamma, beta, bias))
-    out = _layernorm_dense(config, x, kernel, gamma, beta, bias, float32_state(quantizer_set))
-    return cast(Array, out)
+    return cast(Array, _run(config, x, kernel, gamma, beta, bias, quantizer_set))
 
 
 def layernorm_dense_with_norm_output(
@@ -287,9 +288,22 @@ def layernorm_dense_with_norm_output(
       ((2, 4), (2, 8))
     """
     config = dataclasses.replace(_config(**locals()), return_norm_output=True)
-    kernel, gamma, beta, bias = vary_like(x, (kernel, gamma, beta, bias))
-    out = _layernorm_dense(config, x, kernel, gamma, beta, bias, float32_state(quantizer_set))
-    return cast(tuple[Array, Array], out)
+    return cast(tuple[Array, Array], _run(config, x, kernel, gamma, beta, bias, quantizer_set))
+
+
+def _run(config: _Config, x: Array, *operands: Any) -> _Output:
+    """The op on ``x`` and ``(kernel, gamma, beta, bias, quantizer_set)``."""
+    *params, quantizer_set = operands
+    kernel, gamma, beta, bias = vary_like(x, tuple(params))
+    quantizer_set = float32_state(quantizer_set)
+    if config.grad_specs is None or not quantizer_set.block_scaled:
+        return _layernorm_dense(config, x, kernel, gamma, beta, bias, quantizer_set)
+    # Block-scaled on Explicit axes: the op runs with them as Auto (sharding.on_auto_axes).
+    out_spec = gemm_out_sharding(x, kernel, ((x.ndim - 1,), (0,)))
+    out_specs = (out_spec, spec_of(x)) if config.return_norm_output else out_spec
+    config = dataclasses.replace(config, grad_specs=None)
+    operands = (x, kernel, gamma, beta, bias, quantizer_set)
+    return on_auto_axes(partial(_layernorm_dense, config), out_specs, *operands)
 
 
 def _config(

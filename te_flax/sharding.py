@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -66,9 +66,12 @@ __all__ = [
     "load_axis_rules",
     "make_mesh",
     "mesh_resource_rules",
+    "on_auto_axes",
     "sharded_along",
+    "spec_of",
     "use_sharding",
     "vary_like",
+    "whole_last_axis",
     "with_explicit_specs",
     "with_logical_constraint",
 ]
@@ -218,18 +221,54 @@ def gemm_out_sharding(
 
 
 def sharded_along(vector: Array, x: Array) -> Array:
-    """``vector`` (a parameter over ``x``'s trailing axes: a norm scale, a bias) resharded to
-    ``x``'s sharding of those axes, under ``Explicit`` mesh axes; as it is elsewhere.
+    """``vector`` (a parameter over ``x``'s trailing axes: a norm scale, a bias, an attention
+    bias broadcast over the batch) resharded to ``x``'s sharding of those axes, under
+    ``Explicit`` mesh axes; as it is elsewhere. An axis ``vector`` broadcasts (size 1 where
+    ``x``'s is larger) is replicated.
 
     An elementwise product needs its operands' shardings to agree. A parameter stored sharded
     otherwise (over ``fsdp``) is gathered for its use, as XLA does by itself on ``Auto`` axes.
     """
     if not explicit_axes():
         return vector
-    target = PartitionSpec(*_spec_of(x)[x.ndim - vector.ndim :])
+    lead = x.ndim - vector.ndim
+    target = PartitionSpec(
+        *(
+            entry if size == x.shape[lead + axis] else None
+            for axis, (entry, size) in enumerate(zip(_spec_of(x)[lead:], vector.shape, strict=True))
+        )
+    )
     if tuple(jax.typeof(vector).sharding.spec) == tuple(target):
         return vector
     return jax.sharding.reshard(vector, target)
+
+
+def whole_last_axis(x: Array) -> Array:
+    """``x`` with its last axis unsharded, under ``Explicit`` mesh axes (as it is elsewhere):
+    for a reduction over that axis that reads slices of it, a norm's statistics. XLA gathers
+    it by itself on ``Auto`` axes."""
+    if not explicit_axes():
+        return x
+    spec = _spec_of(x)
+    if spec[-1] is None:
+        return x
+    return jax.sharding.reshard(x, PartitionSpec(*spec[:-1], None))
+
+
+def spec_of(x: Array) -> PartitionSpec:
+    """``x``'s ``PartitionSpec`` as its type holds it (``Explicit`` axes; empty elsewhere)."""
+    return PartitionSpec(*_spec_of(x))
+
+
+def on_auto_axes(fun: Callable[..., T], out_specs: Any, *args: Any) -> T:
+    """``fun(*args)`` with the ``Explicit`` mesh axes taken as ``Auto`` inside (XLA's
+    partitioner places its collectives, as on an ``Auto`` mesh), its outputs resharded to
+    ``out_specs``: for a computation whose sharding JAX cannot type axis by axis (block-scaled
+    quantization reshapes the sharded axes into blocks). Elsewhere ``fun(*args)``."""
+    axes = explicit_axes()
+    if not axes:
+        return fun(*args)
+    return jax.sharding.auto_axes(fun, axes=tuple(sorted(axes)), out_sharding=out_specs)(*args)
 
 
 # The shardings of an op's differentiable arguments, one entry per array leaf: the static part

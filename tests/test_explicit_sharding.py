@@ -24,7 +24,13 @@ from jax.sharding import AxisType, PartitionSpec
 
 import te_flax.linen as te_nn
 import te_flax.nnx as te_nnx
-from te_flax.quantize import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling
+from te_flax.quantize import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+)
 from te_flax.sharding import load_axis_rules
 from te_flax.training import merge_fp8_state
 from tests.helpers import assert_close
@@ -141,11 +147,72 @@ def test_linen_layer_trains_on_explicit_axes_as_on_one_device(layer, recipe, lay
     _check_step(module.apply, nn.unbox(boxed), boxed, layout)
 
 
-def test_block_scaled_recipes_on_explicit_axes_are_refused_with_the_fix():
-    module = te_nn.DenseGeneral(features=FEATURES, recipe=MXFP8BlockScaling())
-    variables = module.init(jax.random.key(0), _input())
-    with jax.set_mesh(_mesh()), pytest.raises(NotImplementedError, match=r"AxisType\.Auto"):
-        _loss(module.apply)(variables, jax.device_put(_input(), BATCH_SPEC))
+BLOCK_RECIPES = {
+    "mxfp8": MXFP8BlockScaling(),
+    "nvfp4": NVFP4BlockScaling(),
+    "blockwise": Float8BlockScaling(),
+}
+
+
+def _block_cases():
+    for recipe in BLOCK_RECIPES:
+        for layout in LAYOUTS:
+            yield pytest.param(
+                "layernorm_mlp", recipe, layout, id=f"layernorm_mlp-{recipe}-{layout}"
+            )
+    for layer in ("dense", "layernorm_dense"):
+        for layout in ("fsdp", "tp"):
+            yield pytest.param(layer, "mxfp8", layout, id=f"{layer}-mxfp8-{layout}")
+
+
+@pytest.mark.parametrize(("layer", "recipe", "layout"), list(_block_cases()))
+def test_block_scaled_recipes_train_on_explicit_axes_as_on_one_device(layer, recipe, layout):
+    # Block-scaled quantization reshapes sharded axes into blocks, which JAX cannot type axis
+    # by axis: the ops run with the Explicit axes as Auto inside (sharding.on_auto_axes).
+    module = _linen_layer(layer, BLOCK_RECIPES[recipe])
+    boxed = module.init(jax.random.key(0), _input())
+
+    def apply(variables, x):  # NVFP4 rounds stochastically
+        return module.apply(variables, x, rngs={"sr_rng": jax.random.key(3)})
+
+    _check_step(apply, nn.unbox(boxed), boxed, layout)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("recipe", ["none", "delayed"])
+def test_transformer_layer_trains_on_explicit_axes_as_on_one_device(recipe, layout):
+    module = te_nn.TransformerLayer(**_TRANSFORMER, recipe=RECIPES[recipe])
+    boxed = module.init(jax.random.key(0), _input(), deterministic=True)
+
+    def apply(variables, x):
+        return module.apply(variables, x, deterministic=True)
+
+    _check_step(apply, nn.unbox(boxed), boxed, layout)
+
+
+_TRANSFORMER = dict(
+    hidden_size=HIDDEN,
+    mlp_hidden_size=FEATURES,
+    num_attention_heads=4,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    intermediate_dropout=0.0,
+)
+
+
+@pytest.mark.parametrize("layout", ["dp", "fsdp", "rules"])
+@pytest.mark.parametrize(
+    ("recipe", "capacity_factor"), [("none", None), ("delayed", None), ("delayed", 2.0)]
+)
+def test_moe_block_trains_on_explicit_axes_as_on_one_device(recipe, capacity_factor, layout):
+    # Dropless (ragged) and capacity lowerings; the routing runs with the axes as Auto.
+    capacity = {} if capacity_factor is None else {"capacity_factor": capacity_factor}
+    module = te_nn.MoEBlock(**_MOE, recipe=RECIPES[recipe], **capacity)
+    boxed = module.init(jax.random.key(0), _input())
+    _check_step(module.apply, nn.unbox(boxed), boxed, layout)
+
+
+_MOE = dict(num_experts=4, num_experts_per_tok=2, intermediate_dim=64)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -180,3 +247,10 @@ def _nnx_boxed(state):
             is_leaf=lambda s: isinstance(s, PartitionSpec) or s is None,
         )
     )
+
+
+def test_nnx_transformer_layer_trains_on_explicit_axes_as_on_one_device():
+    module = te_nnx.TransformerLayer(**_TRANSFORMER, recipe=RECIPES["delayed"], rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(module)
+    apply = _nnx_apply(graphdef, state)
+    _check_step(apply, nnx.to_pure_dict(state), _nnx_boxed(state), "rules", merge=False)

@@ -69,6 +69,11 @@ class QuantizerSet:
         """True when this set quantizes nothing."""
         return self.x is None and self.kernel is None and self.dgrad is None
 
+    @property
+    def block_scaled(self) -> bool:
+        """True when this set quantizes per block (MXFP8, NVFP4, blockwise FP8)."""
+        return any(q is not None and q.block_scaled for q in (self.x, self.kernel, self.dgrad))
+
     def check(self, argument: str = "quantizer_set") -> None:
         """Raises a clear error for a set that cannot drive FP8 GEMMs."""
         members = {"x": self.x, "kernel": self.kernel, "dgrad": self.dgrad}
