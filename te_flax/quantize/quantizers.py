@@ -89,8 +89,10 @@ class DelayedScaleQuantizer:
         """
         del split, uses
         scale_inv = self.scale_inv.reshape(())
-        quantized = ScaledTensor(scaling.quantize(x, self.q_dtype, scale_inv), scale_inv)
-        return quantized, self.update(scaling.amax(x))
+        amax_value = scaling.amax(x)
+        data = scaling.quantize(x, self.q_dtype, scale_inv)
+        quantized = ScaledTensor(data, scaling.flag_nonfinite(scale_inv, amax_value))
+        return quantized, self.update(amax_value)
 
     def update(self, amax_value: Array) -> DelayedScaleQuantizer:
         """The state after a step whose tensor had ``amax_value``.
@@ -141,8 +143,10 @@ class CurrentScaleQuantizer:
     ) -> tuple[ScaledTensor, CurrentScaleQuantizer]:
         """Returns ``x`` quantized with ``amax(x) / fp8_max``, and this (stateless) quantizer."""
         del split, uses
-        scale_inv = self.scale_inv_for(scaling.amax(x))
-        return ScaledTensor(scaling.quantize(x, self.q_dtype, scale_inv), scale_inv), self
+        amax_value = scaling.amax(x)
+        scale_inv = self.scale_inv_for(amax_value)
+        data = scaling.quantize(x, self.q_dtype, scale_inv)
+        return ScaledTensor(data, scaling.flag_nonfinite(scale_inv, amax_value)), self
 
 
 def _as_matrix(x: Array, split: int, use: str) -> tuple[Array, tuple[int, ...]]:
@@ -278,7 +282,8 @@ class NVFP4Quantizer:
 
         The Hadamard-transformed ``LEADING`` use (``use_rht``) has a tensor scale of its own.
         """
-        tensor_scale_inv = block_scaling.nvfp4_tensor_scale_inv(scaling.amax(x))
+        amax_value = scaling.amax_or_nan(x)
+        tensor_scale_inv = block_scaling.nvfp4_tensor_scale_inv(amax_value)
         tiled: list[tuple[Array, Array]] = []
 
         def quantize_tiles(matrix: Array, use: str) -> tuple[Array, Array]:
@@ -297,8 +302,11 @@ class NVFP4Quantizer:
             return data, jnp.repeat(tile_scales, self.block_size, axis=0)
 
         def quantize_matrix(matrix: Array, use: str) -> tuple[Array, Array, Array | None]:
+            # e2m1 has no NaN: a NaN or an infinity in x shows as a NaN tensor scale, which
+            # every GEMM that reads the operand multiplies by (scaling.flag_nonfinite).
             if self.use_2d:
-                return (*quantize_tiles(matrix, use), tensor_scale_inv)
+                data, tile_scales = quantize_tiles(matrix, use)
+                return data, tile_scales, scaling.flag_nonfinite(tensor_scale_inv, amax_value)
             key = None if self.key is None else jax.random.fold_in(self.key, int(use == LEADING))
             matrix_scale_inv = tensor_scale_inv
             if use in transformed:
@@ -307,7 +315,7 @@ class NVFP4Quantizer:
             data, scale_inv = block_scaling.quantize_nvfp4(
                 matrix, matrix_scale_inv, key, self.block_size
             )
-            return data, scale_inv, matrix_scale_inv
+            return data, scale_inv, scaling.flag_nonfinite(matrix_scale_inv, amax_value)
 
         transformed = (LEADING,) if self.use_rht and not self.use_2d else ()
         operand = _block_operand(

@@ -19,10 +19,12 @@ from jax.typing import ArrayLike, DTypeLike
 __all__ = [
     "amax",
     "amax_axes",
+    "amax_or_nan",
     "compute_scale_inv",
     "dequantize",
     "distinct_axes",
     "distinct_over",
+    "flag_nonfinite",
     "fp8_max",
     "max_over_devices",
     "push_amax",
@@ -136,6 +138,14 @@ def amax(x: Array) -> Array:
     return max_over_devices(value)
 
 
+def amax_or_nan(x: Array) -> Array:
+    """``amax(x)``, and NaN when ``x`` holds a NaN or an infinity. XLA:CPU's max reduction can
+    skip a NaN; a sum cannot (``0 * x`` is NaN exactly where ``x`` is not finite). For formats
+    that cannot hold a NaN themselves (NVFP4's e2m1), where the amax is all that can carry it."""
+    probe = lax.convert_element_type(jnp.sum(lax.mul(x, _full(0, x.dtype, x.shape))), jnp.float32)
+    return lax.add(amax(x), probe)
+
+
 def compute_scale_inv(
     amax_value: Array,
     dtype: DTypeLike,
@@ -216,6 +226,20 @@ def reduce_history(history: Array, amax_compute_algo: str | Callable[[Array], Ar
     if amax_compute_algo == "max":
         return lax.reduce_max(history, tuple(range(history.ndim)))
     return lax.index_in_dim(history, 0, keepdims=False)
+
+
+def flag_nonfinite(scale_inv: Array, amax_value: Array) -> Array:
+    """The ``scale_inv`` a step's GEMMs dequantize with: NaN where the tensor's amax is NaN
+    or infinite, ``scale_inv`` elsewhere.
+
+    The float8 cast saturates an infinity to the format's largest value, and a per-tensor
+    scale ignores a non-finite amax, so without this an infinite input or loss would give
+    finite products: the step would look normal to ``skip_nonfinite``,
+    ``optax.apply_if_finite`` and any finiteness check of the gradients. With it, every GEMM
+    that reads the tensor (forward, dgrad, wgrad) gives NaN. The stored state is not touched:
+    ``compute_scale_inv`` keeps the previous scale for such an amax.
+    """
+    return where(lax.is_finite(amax_value), scale_inv, jnp.float32(jnp.nan))
 
 
 def quantize(x: Array, dtype: DTypeLike, scale_inv: Array) -> Array:
