@@ -9,8 +9,11 @@ NNX shells go through here.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-import warnings
+import weakref
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import jax
@@ -26,15 +29,17 @@ from te_flax.quantize import (
     QuantizerSet,
     Recipe,
     get_autocast_recipe,
+    merge_by_max,
     noop_quantizer_set,
 )
 
 __all__ = [
     "OVERWRITE_WITH_GRADIENT",
     "SR_RNG",
-    "StaleFp8StateWarning",
     "check_state_matches",
     "fresh_state",
+    "hold_fp8_state",
+    "merge_reuse",
     "needs_sr_key",
     "quantizer_set",
     "resolve_recipe",
@@ -109,6 +114,41 @@ def quantizer_set(
     return dataclasses.replace(qs, x=members["x"], kernel=members["kernel"], dgrad=members["dgrad"])
 
 
+# owner id -> (weak reference to the owner, weak references to the state leaves it last read,
+# those leaves marked to merge by max).
+_READS: dict[int, tuple[weakref.ref[Any], list[weakref.ref[Any]], Any]] = {}
+
+
+def merge_reuse(owner: object, states: S) -> S:
+    """``states`` (what the module ``owner`` just read) marked to merge by max, the same
+    marked values for every call of ``owner`` that reads the very same arrays.
+
+    A layer applied twice in one differentiated step (weight tying, a shared block) reads one
+    value of its FP8 state twice; JAX adds the cotangents of the two reads, and a summed
+    history is no history. Marking where the state fans out to the two calls makes the uses
+    merge by elementwise max, whatever loop differentiates the step (``jax.grad``, Flax's
+    ``TrainState``, ``nnx.grad``). Reads are matched by identity: within one trace the same
+    variable gives the same array, and an array of another trace is another object.
+    """
+    leaves = jax.tree.leaves(states)
+    if not leaves:
+        return states
+    cached = _READS.get(id(owner))
+    if cached is not None:
+        owner_ref, leaf_refs, marked = cached
+        same = owner_ref() is owner and len(leaf_refs) == len(leaves)
+        if same and all(ref() is leaf for ref, leaf in zip(leaf_refs, leaves, strict=True)):
+            return marked
+    marked = merge_by_max(states)
+    key = id(owner)
+
+    def forget(_: object) -> None:
+        _READS.pop(key, None)
+
+    _READS[key] = (weakref.ref(owner, forget), [weakref.ref(leaf) for leaf in leaves], marked)
+    return marked
+
+
 def check_state_matches(
     module: str, recipe: Recipe | None, expected: set[str], present: set[str]
 ) -> None:
@@ -126,17 +166,51 @@ def check_state_matches(
     raise ValueError(
         f"{module} holds the FP8 variables {sorted(present - expected)} but is applied "
         f"{'without FP8' if recipe is None else f'with the recipe {recipe}, which keeps none'}: "
-        "apply it inside the te_flax.autocast (or with the recipe=) it was initialised with, "
-        "or initialise it again without FP8"
+        "apply it inside the te_flax.autocast (or with the recipe=) it was initialised with; "
+        "or, to run trained variables without that FP8 state (BF16 evaluation, another "
+        f"recipe), pass only the other collections ({{'params': variables['params']}}, "
+        f"leaving out {OVERWRITE_WITH_GRADIENT!r}), or fit the state to the new model with "
+        "te_flax.convert.migrate_fp8_state(variables, target, drop_extra=True). The trained "
+        "parameters are kept either way"
     )
 
 
-class StaleFp8StateWarning(UserWarning):
-    """A step differentiates a layer's parameters but not its FP8 state (under ``jit``).
+# Set by ``hold_fp8_state()``: gradients of parameters alone are allowed, the state held.
+_HOLD: contextvars.ContextVar[bool] = contextvars.ContextVar("hold_fp8_state", default=False)
 
-    The state's update leaves the step as its gradient, so a gradient taken over the parameters
-    only drops it: the amax history and the scales keep their initial values for good.
+
+@contextlib.contextmanager
+def hold_fp8_state() -> Iterator[None]:
+    """Allows gradients of a layer's parameters alone while JAX traces them: the FP8 state
+    is held as it is, for steps that update it another way (TransformerEngine's layer tests
+    update it in a separate call), or not at all (a deliberately frozen scale).
+
+    Outside it such a gradient is refused with a ``ValueError`` naming the fix, with and
+    without ``jit``: the state's update leaves a step as its gradient, so a step that
+    differentiates the parameters only would keep the initial scales for good. The check runs
+    when the step is traced: enter the context around the first call of a jitted step (or
+    around ``jax.grad`` itself).
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> import te_flax.linen as te_nn
+      >>> from te_flax.quantize import DelayedScaling
+      >>> from te_flax.training import hold_fp8_state
+      >>> layer = te_nn.DenseGeneral(features=4, recipe=DelayedScaling(amax_history_len=4))
+      >>> variables = layer.init(jax.random.key(0), jnp.ones((2, 8)))
+      >>> def loss(params):
+      ...     return jnp.sum(layer.apply({**variables, "params": params}, jnp.ones((2, 8))))
+      >>> with hold_fp8_state():
+      ...     grads = jax.grad(loss)(variables["params"])
+      >>> sorted(grads)
+      ['bias', 'kernel']
     """
+    token = _HOLD.set(True)
+    try:
+        yield
+    finally:
+        _HOLD.reset(token)
 
 
 # The fix, per front end, named in the message.
@@ -157,8 +231,6 @@ _STALE_FIX = {
         "te_flax.training.value_and_grad; see docs/training_loops.md"
     ),
 }
-# Front ends already warned about under jit: one warning per process says it for all layers.
-_REPORTED: set[str] = set()
 
 
 def _stale_message(module: str, front_end: str) -> str:
@@ -167,17 +239,15 @@ def _stale_message(module: str, front_end: str) -> str:
         f"{module}'s parameters are differentiated but its FP8 state ({collection}) is not: "
         "the new FP8 state leaves a step as the gradient of that state, so this step drops it "
         "and the amax history and scales never change. To fix it, "
-        f"{_STALE_FIX[front_end]}. (Evaluation and gradients of the inputs only are fine.)"
+        f"{_STALE_FIX[front_end]}. (Evaluation and gradients of the inputs only are fine; a "
+        "deliberate gradient of the parameters alone runs inside "
+        "te_flax.training.hold_fp8_state().)"
     )
 
 
-def _report_stale(module: str, front_end: str, concrete: bool) -> None:
-    message = _stale_message(module, front_end)
-    if concrete:
-        raise ValueError(message)
-    if front_end not in _REPORTED:
-        _REPORTED.add(front_end)
-        warnings.warn(message, StaleFp8StateWarning, stacklevel=2)
+def _report_stale(module: str, front_end: str) -> None:
+    if not _HOLD.get():
+        raise ValueError(_stale_message(module, front_end))
 
 
 def watch_fp8_state(module: str, front_end: str, params: P, state: S) -> tuple[P, S]:
@@ -186,8 +256,8 @@ def watch_fp8_state(module: str, front_end: str, params: P, state: S) -> tuple[P
     An identity with a custom VJP: JAX tells its forward rule which inputs are differentiated
     (``symbolic_zeros``), also inside ``scan``, ``remat`` and ``vmap``, and only when the step
     is differentiated at all. When some parameter is and no FP8 state is, the update would be
-    lost: that raises with concrete values, or warns once (``StaleFp8StateWarning``) under a
-    trace. It runs while tracing and leaves nothing in the compiled program.
+    lost: that raises a ``ValueError``, under ``jit`` as outside it (``hold_fp8_state``
+    allows it). It runs while tracing and leaves nothing in the compiled program.
 
     ``front_end`` is ``"linen"`` or ``"nnx"``: which fix the message names.
     """
@@ -203,9 +273,7 @@ def watch_fp8_state(module: str, front_end: str, params: P, state: S) -> tuple[P
         params_perturbed = any(leaf.perturbed for leaf in jax.tree.leaves(params))
         state_perturbed = any(leaf.perturbed for leaf in jax.tree.leaves(state))
         if params_perturbed and not state_perturbed:
-            values = [leaf.value for leaf in jax.tree.leaves(params)]
-            concrete = not any(isinstance(value, jax.core.Tracer) for value in values)
-            _report_stale(module, front_end, concrete)
+            _report_stale(module, front_end)
         unwrap = lambda leaf: leaf.value  # noqa: E731
         return (jax.tree.map(unwrap, params), jax.tree.map(unwrap, state)), None
 

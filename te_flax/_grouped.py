@@ -195,11 +195,10 @@ def quantize_rows(
         # Blocks along each GEMM's contraction: the features (per row) and, for wgrad, the
         # rows (blocks of rows that straddle two groups share a scale).
         return quantize_operand(x, quantizer, dtype, 1, (TRAILING, LEADING))
-    amax = _group_amax(x, ids, n_groups, distinct)
-    scale_inv, quantizer = _group_scales(quantizer, amax)
+    scale_inv, quantizer = _group_scales(quantizer, _group_amax(x, ids, n_groups, distinct))
     row_scale_inv = jnp.take(scale_inv, ids, mode="fill", fill_value=1.0)  # [M]
     data = scaling.quantize(x, quantizer.q_dtype, row_scale_inv[:, None])
-    return ScaledTensor(data, scaling.flag_nonfinite(scale_inv, amax)), quantizer
+    return ScaledTensor(data, scale_inv), quantizer
 
 
 def quantize_groups(

@@ -9,14 +9,16 @@ Differentiate with ``value_and_grad(loss_fn)`` (this module's, a drop-in for
 ``jax.value_and_grad`` over the variable dict): it marks the FP8 collection so that every reuse
 of a state in the step merges by elementwise max (a module applied twice, state shared by the
 layers of an ``nn.scan`` with ``variable_broadcast``, a loop or ``lax.scan`` over
-microbatches). Without the mark autodiff adds up the updates of the uses. The mark has to be
-made where the variables enter the step, before they fan out, so a module cannot make it for
-the uses of its own variables; with ``jax.grad`` directly, call ``merge_fp8_state(variables)``
-first thing in the loss. ``apply_gradients`` checks every new state
-(``te_flax.quantize.check_merged``): a summed one raises, or warns once under ``jit``. A
+microbatches). Without the mark autodiff adds up the updates of the uses. A module applied
+twice within one ``apply`` marks its own reads (the same module reads the same arrays), so
+weight tying and shared blocks merge under any loop; uses it cannot see (one ``apply`` per
+microbatch, a state broadcast over ``nn.scan``) need the mark where the variables enter the
+step: with ``jax.grad`` directly, call ``merge_fp8_state(variables)`` first thing in the loss.
+``apply_gradients`` checks every new state (``te_flax.quantize.check_merged``): a summed one
+raises, under ``jit`` too (there as a runtime error from the check's host callback). A
 gradient of ``variables["params"]`` alone, the FP8 collection passed through as a constant,
-would drop the new state: the layers refuse it (an error, or one ``StaleFp8StateWarning`` under
-``jit``).
+would drop the new state: the layers refuse it with a ``ValueError`` while the step is traced,
+unless it runs inside ``hold_fp8_state()``.
 
 Applying the gradients, two ways, one rule:
 
@@ -57,6 +59,7 @@ Example usage::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -65,17 +68,24 @@ import jax.numpy as jnp
 import optax
 from jax import Array
 
-from te_flax._fp8_state import OVERWRITE_WITH_GRADIENT, StaleFp8StateWarning
+from te_flax._fp8_state import OVERWRITE_WITH_GRADIENT, hold_fp8_state
 from te_flax.accumulate import accumulate_gradients, split_microbatches
-from te_flax.quantize import check_merged, merge_by_max, scaling
+from te_flax.quantize import (
+    DelayedScaling,
+    check_calibrated,
+    check_merged,
+    merge_by_max,
+    scaling,
+)
 
 __all__ = [
     "OVERWRITE_WITH_GRADIENT",
     "OptimizerState",
-    "StaleFp8StateWarning",
     "accumulate_gradients",
     "all_finite",
     "apply_gradients",
+    "drop_amax_spikes",
+    "hold_fp8_state",
     "init_optimizer",
     "merge_fp8_state",
     "split_microbatches",
@@ -131,6 +141,108 @@ def value_and_grad(
         return result
 
     return wrapped
+
+
+def drop_amax_spikes(
+    state: Mapping[str, Any], recipe: DelayedScaling, factor: float = 1e3
+) -> dict[str, Any]:
+    """The FP8 state with amax-history entries far above the rest forgotten, and the scales
+    recomputed from what is left: the guard against a finite loss or activation spike.
+
+    Delayed scaling takes each tensor's scale from the largest amax of its history (the
+    default ``amax_compute_algo="max"``). One step whose gradients are 1e12 times too large
+    (a loss spike that gradient clipping keeps finite) puts that amax in the history, and for
+    the next ``amax_history_len`` steps the gradient scale is 1e12 times too coarse: every
+    gradient quantizes to 0, the kernel gradients are exactly 0 and the model stops training
+    without a sign. After such a step, apply the new state through this function (or every
+    step: where no entry stands out it returns the state unchanged).
+
+    An entry is a spike when it exceeds ``factor`` times the median of the history's positive
+    entries; it is set to 0 (an empty entry, as the start of a history), and that tensor's
+    ``scale_inv`` is computed again from the rest with the recipe's rule.
+
+    Args:
+      state: the FP8 state, a nested mapping in which a GEMM's variables sit side by side
+        (``*_amax_history`` ``[..., L]`` with ``*_scale_inv`` ``[..., 1]``): Linen's
+        ``variables["_overwrite_with_gradient"]`` or the whole variable dict, NNX's
+        ``nnx.to_pure_dict(nnx.state(model, te_flax.nnx.Fp8Meta))``. Grouped states (a
+        leading expert axis) are handled per group.
+      recipe: the ``DelayedScaling`` recipe the state belongs to (format, margin, rule).
+      factor: how far above the median an entry must be to count as a spike (default 1e3;
+        > 1).
+
+    Returns:
+      The same structure as plain dicts, spikes dropped.
+
+    Example usage::
+
+      >>> import jax.numpy as jnp
+      >>> from te_flax.quantize import DelayedScaling
+      >>> from te_flax.training import drop_amax_spikes
+      >>> recipe = DelayedScaling(amax_history_len=4)
+      >>> state = {"grad_amax_history": jnp.array([1e9, 1.0, 2.0, 1.5]),
+      ...          "grad_scale_inv": jnp.array([1e9 / 57344.0])}
+      >>> fixed = drop_amax_spikes(state, recipe)
+      >>> fixed["grad_amax_history"], fixed["grad_scale_inv"] * 57344.0
+      (Array([0. , 1. , 2. , 1.5], dtype=float32), Array([2.], dtype=float32))
+    """
+    if not isinstance(recipe, DelayedScaling):
+        raise TypeError(
+            "drop_amax_spikes(recipe=...) takes the DelayedScaling recipe the state belongs to "
+            f"(only delayed scaling keeps amax histories), got {type(recipe).__name__}"
+        )
+    if isinstance(factor, bool) or not isinstance(factor, int | float) or not 1 < factor < math.inf:
+        raise ValueError(
+            f"drop_amax_spikes(factor=...) must be a finite number above 1, got {factor!r}; "
+            "an entry more than factor times the history's median counts as a spike"
+        )
+    if not isinstance(state, Mapping):
+        raise TypeError(
+            "drop_amax_spikes(state=...) takes the FP8 state as a nested mapping (Linen's "
+            "variables['_overwrite_with_gradient'], NNX's nnx.to_pure_dict(nnx.state(model, "
+            f"Fp8Meta))), got {type(state).__name__}"
+        )
+    fixed: dict[str, Any] = {}
+    for name, value in state.items():
+        if isinstance(value, Mapping):
+            fixed[name] = drop_amax_spikes(value, recipe, factor)
+        elif name.endswith(_HISTORY) and name[: -len(_HISTORY)] + _SCALE in state:
+            stem = name[: -len(_HISTORY)]
+            dtype = recipe.fp8_format.value[1 if stem.startswith("grad") else 0]
+            fixed[name], fixed[stem + _SCALE] = _without_spikes(
+                jnp.asarray(value), jnp.asarray(state[stem + _SCALE]), dtype, recipe, factor
+            )
+        elif name not in fixed:
+            fixed[name] = value
+    return fixed
+
+
+_HISTORY, _SCALE = "_amax_history", "_scale_inv"
+
+
+def _without_spikes(
+    history: Array, scale_inv: Array, dtype: Any, recipe: DelayedScaling, factor: float
+) -> tuple[Array, Array]:
+    def one(history: Array, scale_inv: Array) -> tuple[Array, Array]:
+        positive = history > 0
+        median = jnp.nanmedian(jnp.where(positive, history, jnp.nan))
+        spikes = positive & (history > factor * median)  # none where nothing is positive
+        cleaned = jnp.where(spikes, 0.0, history)
+        amax = scaling.reduce_history(cleaned, recipe.amax_compute_algo)
+        previous = scale_inv.reshape(())
+        custom = recipe.scaling_factor_compute_algo
+        if custom is None:
+            recomputed = scaling.compute_scale_inv(amax, dtype, recipe.margin, previous)
+        else:
+            recomputed = scaling.scale_inv_from_scaling_factor(
+                custom, amax, dtype, previous, recipe
+            )
+        new = jnp.where(jnp.any(spikes), recomputed, previous)
+        return cleaned, new.reshape(scale_inv.shape)
+
+    length = history.shape[-1]
+    rows = jax.vmap(one)(history.reshape(-1, length), scale_inv.reshape(-1, 1))
+    return rows[0].reshape(history.shape), rows[1].reshape(scale_inv.shape)
 
 
 def all_finite(tree: Any) -> Array:
@@ -222,7 +334,8 @@ def apply_gradients(
 
     The new FP8 state is checked with ``te_flax.quantize.check_merged`` first: a state that
     came back summed over its uses (the loss was differentiated without ``merge_fp8_state``)
-    raises, or warns once under ``jit``.
+    raises, under ``jit`` too; a state no step has updated yet warns once
+    (``te_flax.quantize.check_calibrated``).
 
     Args:
       tx: the optax transform, the same one ``init_optimizer`` saw.
@@ -259,6 +372,7 @@ def apply_gradients(
         # Checked after keep-unused: the kept history is the program's output, and the check
         # reading it (not the gradient) lets XLA write it in one fusion.
         check_merged(variables[OVERWRITE_WITH_GRADIENT], new_fp8)
+        check_calibrated(new_fp8)
         multi = _multi_steps_state(tx_state)
         if multi is not None and pending is not None:
             merged = jax.tree.map(jnp.maximum, pending, new_fp8)

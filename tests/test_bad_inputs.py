@@ -135,6 +135,12 @@ def _linen_gradient_of_params_only() -> None:
     jax.grad(lambda p: jnp.sum(module.apply({**variables, "params": p}, X)))(variables["params"])
 
 
+def _linen_bf16_apply_of_fp8_variables() -> None:
+    module = te_nn.DenseGeneral(features=8, recipe=q.DelayedScaling())
+    variables = module.init(KEY, X)
+    te_nn.DenseGeneral(features=8).apply(variables, X)  # BF16 evaluation, FP8 state passed
+
+
 def _apply_gradients_with_optax_state() -> None:
     variables = {"params": {"kernel": KERNEL}}
     training.apply_gradients(TX, variables, variables, TX.init(variables["params"]))
@@ -356,6 +362,10 @@ CASES = [
     case("linen-dense-fp8-state-missing", _linen_fp8_apply_of_bf16_init, ValueError,
          r"DenseGeneral is applied with the FP8 recipe",
          r"Initialise inside te_flax\.autocast\(enabled=True"),
+    case("linen-bf16-apply-of-fp8-variables", _linen_bf16_apply_of_fp8_variables, ValueError,
+         r"^DenseGeneral holds the FP8 variables .* but is applied without FP8",
+         r"\{'params': variables\['params'\]\}.*migrate_fp8_state\(variables, target, "
+         r"drop_extra=True\)"),
     case("linen-layernorm-type",
          lambda: _linen_init(te_nn.LayerNorm(layernorm_type="batch"), X), ValueError,
          r"^layernorm_type must be .* got 'batch'", r'"layernorm" or "rmsnorm"'),
@@ -514,6 +524,10 @@ CASES = [
          r"per-tensor scaling only", r"use DelayedScaling\(fp8_dpa=True\)"),
     case("recipe-margin-nan", lambda: q.DelayedScaling(margin=float("nan")), ValueError,
          r"DelayedScaling\(margin=\.\.\.\)", r"must be a finite number"),
+    case("recipe-margin-negative", lambda: q.DelayedScaling(margin=-20), ValueError,
+         r"^DelayedScaling\(margin=-20\) cannot work", r"must be from 0 to 14"),
+    case("recipe-margin-too-large", lambda: q.DelayedScaling(margin=130), ValueError,
+         r"^DelayedScaling\(margin=130\) cannot work", r"underflow to 0"),
     case("recipe-mxfp8-float4", lambda: q.MXFP8BlockScaling(fp8_format=q.Format.E2M1),
          ValueError, r"MXFP8BlockScaling\(fp8_format=Format\.E2M1\)",
          r"or NVFP4BlockScaling\(\) for float4"),
@@ -572,6 +586,9 @@ CASES = [
     case("linen-stale-fp8-state", _linen_gradient_of_params_only, ValueError,
          r"^DenseGeneral's parameters are differentiated but its FP8 state",
          r"differentiate the whole variable dict"),
+    case("linen-stale-fp8-state-jit", lambda: jax.jit(_linen_gradient_of_params_only)(),
+         ValueError, r"^DenseGeneral's parameters are differentiated but its FP8 state",
+         r"hold_fp8_state\(\)"),
     # ------------------------------------------------------------------ sharding
     case("sharding-rule-set-name", lambda: sharding.load_axis_rules("dp_tp_xx"),
          FileNotFoundError, r"no rule set 'dp_tp_xx'", r"the shipped ones are \[.*'dp'"),

@@ -35,8 +35,8 @@ from te_flax.quantize import DelayedScaling
 from te_flax.sharding import use_sharding
 from te_flax.training import (
     OVERWRITE_WITH_GRADIENT,
-    StaleFp8StateWarning,
     apply_gradients,
+    hold_fp8_state,
     init_optimizer,
     value_and_grad,
 )
@@ -105,14 +105,6 @@ def _assert_trees_equal(actual, expected, rtol=0.0):
     )
 
 
-@pytest.fixture(autouse=True)
-def _each_warning_anew(monkeypatch):
-    # The stale-state warning is given once per process; each test starts afresh.
-    import te_flax._fp8_state as fp8_state
-
-    monkeypatch.setattr(fp8_state, "_REPORTED", set())
-
-
 # ----------------------------------------------------------------------------- stale FP8 state
 
 
@@ -128,19 +120,29 @@ def _flax_guide_step(value_and_grad_fn):
     return step
 
 
-def test_flax_guide_nnx_loop_is_told_once_that_its_fp8_state_stays_stale():
+def test_flax_guide_nnx_loop_is_refused_with_and_without_jit():
     model = _nnx_layer()
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    step = _flax_guide_step(nnx.value_and_grad)
-    with pytest.warns(StaleFp8StateWarning, match="update_fp8_state=True") as caught:
-        for seed in range(3):
-            step(model, optimizer, _x(seed))
-    # Once, whatever else the platform warns about.
-    assert sum(issubclass(w.category, StaleFp8StateWarning) for w in caught) == 1
-    np.testing.assert_array_equal(model.x_amax_history[...], np.zeros(4))
-    # Outside jit the same gradient is an error.
+    # Every traced step refuses, the second jitted function as the first: not once per process.
+    for _ in range(2):
+        step = _flax_guide_step(nnx.value_and_grad)
+        with pytest.raises(ValueError, match="update_fp8_state=True"):
+            step(model, optimizer, _x(0))
     with pytest.raises(ValueError, match=r"te_flax\.nnx\.value_and_grad"):
         nnx.value_and_grad(lambda m: _mse(m, _x(0)))(model)
+    with jax.disable_jit(), pytest.raises(ValueError, match="update_fp8_state=True"):
+        _flax_guide_step(nnx.value_and_grad)(model, optimizer, _x(0))
+    np.testing.assert_array_equal(model.x_amax_history[...], np.zeros(4))
+
+
+def test_a_deliberate_gradient_of_the_parameters_alone_holds_the_fp8_state():
+    model = _nnx_layer()
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    kernel = np.asarray(model.kernel[...])
+    with hold_fp8_state():
+        _flax_guide_step(nnx.value_and_grad)(model, optimizer, _x(0))
+    assert not np.array_equal(model.kernel[...], kernel)  # the parameters trained
+    np.testing.assert_array_equal(model.x_amax_history[...], np.zeros(4))  # the state held
 
 
 def test_flax_guide_nnx_loop_trains_fp8_with_value_and_grad_updating_the_state():
@@ -173,10 +175,13 @@ def test_linen_gradient_of_params_only_is_refused():
     def loss(params, x):
         return _linen_loss(layer)({"params": params, FP8: variables[FP8]}, x)
 
-    with pytest.warns(StaleFp8StateWarning, match=r"te_flax\.training\.value_and_grad"):
+    with pytest.raises(ValueError, match=r"te_flax\.training\.value_and_grad"):
         jax.jit(jax.grad(loss))(variables["params"], _x(0))
     with pytest.raises(ValueError, match="'_overwrite_with_gradient'"):
         jax.grad(loss)(variables["params"], _x(0))
+    with hold_fp8_state():
+        grads = jax.jit(jax.grad(loss))(variables["params"], _x(0))
+    assert set(grads) == set(variables["params"])
 
 
 def test_evaluation_and_input_gradients_are_not_refused():
@@ -202,7 +207,7 @@ def test_stale_state_is_seen_through_scan_and_remat():
 
         return body(jnp.zeros(()), model, xs)
 
-    with pytest.warns(StaleFp8StateWarning):
+    with pytest.raises(ValueError, match="FP8 state"):
         nnx.jit(nnx.grad(scanned))(model)
     nnx.jit(te_nnx.value_and_grad(scanned))(model)  # and the right gradient passes
 

@@ -604,12 +604,19 @@ def test_gradient_accumulation_loop_merges_fp8_state_by_max_and_sums_gradients()
         }
         assert_delayed_step(_fp8(layer), _fp8(grads), "", amaxes)
 
-    # Without the marking of te_flax.nnx.value_and_grad, autodiff adds up the updates.
+    # The layer marks its own reads, so a plain nnx.value_and_grad of the unrolled loop (the
+    # layer called once per microbatch in one trace) merges by max too ...
     _, unmarked = nnx.jit(
         nnx.value_and_grad(accumulated_loss, argnums=nnx.DiffState(0, te_nnx.Fp8Meta))
     )(layer, xs, ws)
+    _assert_equal_trees(_fp8(unmarked), expected_fp8)
+    # ... while under nnx.scan the iterations' updates add up (the scan's transpose sums what
+    # it broadcast): there the mark of te_flax.nnx.value_and_grad is needed.
+    _, scanned = nnx.jit(
+        nnx.value_and_grad(scanned_loss, argnums=nnx.DiffState(0, te_nnx.Fp8Meta))
+    )(layer, xs, ws)
     added = sum(float(_fp8(g)["x_amax_history"][0]) for g in separate)
-    np.testing.assert_allclose(_fp8(unmarked)["x_amax_history"][0], added, rtol=1e-6)
+    np.testing.assert_allclose(_fp8(scanned)["x_amax_history"][0], added, rtol=1e-6)
 
     # The train step overwrites the state with the merged update.
     optimizer = nnx.Optimizer(layer, optax.sgd(1e-3), wrt=nnx.Param)

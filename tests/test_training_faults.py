@@ -11,8 +11,6 @@
 
 from __future__ import annotations
 
-import warnings
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -20,6 +18,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from flax.training import train_state
 
 import te_flax.linen as te_nn
 import te_flax.nnx as te_nnx
@@ -29,9 +28,7 @@ from te_flax.quantize import (
     Float8CurrentScaling,
     MXFP8BlockScaling,
     NVFP4BlockScaling,
-    UnmergedFp8StateWarning,
     check_merged,
-    max_merge,
 )
 from te_flax.training import (
     OVERWRITE_WITH_GRADIENT,
@@ -233,7 +230,25 @@ def _after_one_step(name):
     return variables, loss, xs, tx
 
 
-@pytest.mark.parametrize("name", list(REUSES))
+def test_a_layer_applied_twice_merges_by_max_under_plain_jax_grad_and_train_state():
+    # The module reads its state twice within one apply: it marks the reads itself, so Flax's
+    # TrainState with jax.grad (no te_flax helper) gets the max-merged state.
+    variables, loss, xs, _ = _after_one_step("applied_twice")
+    plain = jax.jit(jax.grad(loss))(variables, xs)
+    _, merged = jax.jit(value_and_grad(loss))(variables, xs)
+    check_merged(variables[FP8], plain[FP8])
+    for a, b in zip(jax.tree.leaves(plain[FP8]), jax.tree.leaves(merged[FP8]), strict=True):
+        np.testing.assert_array_equal(a, b)
+    state = train_state.TrainState.create(apply_fn=None, params=variables, tx=optax.sgd(1e-3))
+    state = state.apply_gradients(grads=plain)
+    history = state.params[FP8]["dense"]["x_amax_history"]
+    np.testing.assert_array_equal(history[1:], variables[FP8]["dense"]["x_amax_history"][:-1])
+
+
+UNSEEN = ["microbatch_loop", "scan_broadcast"]  # reuses a module cannot see
+
+
+@pytest.mark.parametrize("name", UNSEEN)
 def test_a_reuse_without_the_merge_is_refused_where_the_state_is_applied(name):
     variables, loss, xs, tx = _after_one_step(name)
     opt_state = init_optimizer(tx, variables)
@@ -253,27 +268,24 @@ def test_a_reuse_without_the_merge_is_refused_where_the_state_is_applied(name):
             np.testing.assert_array_equal(new[..., 1:], old[..., :-1])
 
 
-def test_under_jit_a_summed_state_warns_once(monkeypatch):
-    monkeypatch.setattr(max_merge, "_REPORTED", set())
-    variables, loss, xs, tx = _after_one_step("applied_twice")
+def test_under_jit_a_summed_state_is_refused_as_outside_it():
+    variables, loss, xs, tx = _after_one_step("microbatch_loop")
     opt_state = init_optimizer(tx, variables)
 
     @jax.jit
     def step(variables, opt_state):
         return apply_gradients(tx, variables, jax.grad(loss)(variables, xs), opt_state)
 
-    with pytest.warns(UnmergedFp8StateWarning, match=r"\['dense'\]\['x_amax_history'\] \(2x\)"):
-        jax.block_until_ready(step(variables, opt_state))
-        jax.effects_barrier()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        jax.block_until_ready(step(variables, opt_state))  # reported once only
-        jax.effects_barrier()
+    # Every call, not once per process: the check's host callback stops the step.
+    for _ in range(2):
+        with pytest.raises(Exception, match=r"\['dense'\]\['x_amax_history'\] \(2x\)"):
+            jax.block_until_ready(step(variables, opt_state))
+            jax.effects_barrier()
 
 
 def test_a_transformer_engine_style_loop_is_covered_by_check_merged():
     """TE's examples keep the FP8 collection of the gradients as the next variables."""
-    variables, loss, xs, _ = _after_one_step("applied_twice")
+    variables, loss, xs, _ = _after_one_step("microbatch_loop")
     grads = jax.jit(jax.grad(loss))(variables, xs)
     next_variables = {
         "params": jax.tree.map(lambda p, g: p - 1e-3 * g, variables["params"], grads["params"]),
@@ -295,18 +307,36 @@ def test_a_first_step_cannot_tell_a_sum_and_passes():
 def test_nnx_gradients_without_the_merge_are_refused_by_update_fp8_state():
     model = _nnx_layer(DELAYED)
     optimizer = nnx.Optimizer(model, optax.sgd(1e-3), wrt=nnx.Param)
+    xs = jnp.stack([_x(), 2 * _x()])
 
-    def twice(model, x):
-        return jnp.sum(jnp.square(model(x))) + jnp.sum(jnp.square(model(2 * x)))
+    def scanned(model, xs):  # microbatches under nnx.scan: a reuse the layer cannot see
+        @nnx.scan(in_axes=(nnx.Carry, None, 0), out_axes=nnx.Carry)
+        def body(total, model, x):
+            return total + jnp.sum(jnp.square(model(x)))
 
-    nnx.jit(lambda m, o, x: te_nnx.train_step(m, o, twice, x))(model, optimizer, _x())
-    grads = nnx.jit(nnx.grad(twice, argnums=nnx.DiffState(0, (nnx.Param, Fp8Meta))))(model, _x())
+        return body(jnp.zeros(()), model, xs)
+
+    nnx.jit(lambda m, o, xs: te_nnx.train_step(m, o, scanned, xs))(model, optimizer, xs)
+    diff = nnx.DiffState(0, (nnx.Param, Fp8Meta))
+    grads = nnx.jit(nnx.grad(scanned, argnums=diff))(model, xs)
     with pytest.raises(ValueError, match="summed over its uses"):
         te_nnx.update_fp8_state(model, grads)
     # te_flax's train_step merges: the second step's history is the first one shifted.
     history = jnp.asarray(model.x_amax_history[...])
-    nnx.jit(lambda m, o, x: te_nnx.train_step(m, o, twice, x))(model, optimizer, _x())
+    nnx.jit(lambda m, o, xs: te_nnx.train_step(m, o, scanned, xs))(model, optimizer, xs)
     np.testing.assert_array_equal(model.x_amax_history[...][1:], history[:-1])
+
+
+def test_an_nnx_layer_called_twice_merges_by_max_under_plain_nnx_grad():
+    model = _nnx_layer(DELAYED)
+
+    def twice(model, x):
+        return jnp.sum(jnp.square(model(x))) + jnp.sum(jnp.square(model(2 * x)))
+
+    diff = nnx.DiffState(0, (nnx.Param, Fp8Meta))
+    grads = nnx.jit(nnx.grad(twice, argnums=diff))(model, _x())
+    history = nnx.state(grads, Fp8Meta)["x_amax_history"][...]
+    np.testing.assert_allclose(history[0], 2 * float(jnp.max(jnp.abs(_x()))), rtol=1e-6)
 
 
 def test_check_merged_refuses_trees_of_different_structure():

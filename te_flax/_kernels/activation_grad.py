@@ -76,7 +76,7 @@ def _kernel(
             plgpu.store(bias_ref.at[i, slice_column], sums, mask=column_ok)
         if q_dtype is None or data_ref is None or transposed_ref is None:
             continue  # the amax pass of current scaling
-        quantized = saturating_cast(d_slice.astype(jnp.float32) / scale_inv_ref[0], q_dtype)
+        quantized = saturating_cast(d_slice.astype(jnp.float32), scale_inv_ref[0], q_dtype)
         plgpu.store(data_ref.at[row[:, None], slice_column[None, :]], quantized, mask=mask)
         plgpu.store(
             transposed_ref.at[slice_column[:, None], row[None, :]], quantized.T, mask=mask.T

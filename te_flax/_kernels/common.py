@@ -94,8 +94,10 @@ def block_amax(values: Array) -> Array:
     return jnp.where(nan > 0.0, jnp.nan, largest)
 
 
-def saturating_cast(scaled: Array, q_dtype: DTypeLike) -> Array:
-    """``clip(scaled, -limit, limit)`` cast to ``q_dtype``, with NaN kept NaN."""
+def saturating_cast(values: Array, scale_inv: Array, q_dtype: DTypeLike) -> Array:
+    """``clip(values / scale_inv, -limit, limit)`` cast to ``q_dtype``, a NaN or an infinity
+    of ``values`` as NaN (``scaling.quantize``'s rule, bit for bit)."""
     limit = float(jnp.finfo(q_dtype).max)
+    scaled = values / scale_inv
     clipped = jnp.minimum(jnp.maximum(scaled, -limit), limit)
-    return jnp.where(jnp.isnan(scaled), scaled, clipped).astype(q_dtype)
+    return jnp.where(jnp.isfinite(values), clipped, jnp.nan).astype(q_dtype)

@@ -50,7 +50,7 @@ def _kernel(
     *data_ref, amax_ref = out_refs
     plgpu.store(amax_ref.at[pl.program_id(0)], block_amax(y))
     if q_dtype is not None:
-        quantized = saturating_cast(y / scale_inv_ref[0], q_dtype)
+        quantized = saturating_cast(y, scale_inv_ref[0], q_dtype)
         plgpu.store(data_ref[0].at[row[:, None], column[None, :]], quantized, mask=mask)
 
 

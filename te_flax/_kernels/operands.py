@@ -73,15 +73,12 @@ def _scaled_passes(
     q_dtype = quantizer.q_dtype
     if isinstance(quantizer, DelayedScaleQuantizer):
         outputs, partials = run(quantizer.scale_inv, q_dtype)
-        amax_value = scaling.amax(partials)
-        scale_inv = scaling.flag_nonfinite(quantizer.scale_inv.reshape(()), amax_value)
-        return outputs, scale_inv, quantizer.update(amax_value)
+        return outputs, quantizer.scale_inv.reshape(()), quantizer.update(scaling.amax(partials))
     assert isinstance(quantizer, CurrentScaleQuantizer), "only per-tensor quantizers run kernels"
     _, partials = run(jnp.ones((1,), jnp.float32), None)
-    amax_value = scaling.amax(partials)
-    scale_inv = quantizer.scale_inv_for(amax_value)
+    scale_inv = quantizer.scale_inv_for(scaling.amax(partials))
     outputs, _ = run(scale_inv.reshape(1), q_dtype)
-    return outputs, scaling.flag_nonfinite(scale_inv, amax_value), quantizer
+    return outputs, scale_inv, quantizer
 
 
 def norm_quantize_operand(

@@ -81,7 +81,7 @@ def store_quantized(
     plgpu.store(amax_ref.at[pl.program_id(0) * tiles.grid[1] + pl.program_id(1)], block_amax(x))
     if q_dtype is None:
         return
-    quantized = saturating_cast(x / scale_inv_ref[0], q_dtype)
+    quantized = saturating_cast(x, scale_inv_ref[0], q_dtype)
     refs = iter(data_refs)
     if layouts[0]:
         plgpu.store(next(refs).at[row[:, None], column[None, :]], quantized, mask=mask)

@@ -10,6 +10,7 @@ from jax import Array
 
 from te_flax._fp8_state import (
     SR_RNG,
+    merge_reuse,
     needs_sr_key,
     quantizer_set,
     resolve_recipe,
@@ -57,6 +58,7 @@ class LinenShell(TransformerEngineBase):
         params = {spec.name: self._param(spec) for spec in specs}
         recipe = resolve_recipe(self.recipe) if self.fp8_postfixes else None
         states = {postfix: self._fp8_state(recipe, postfix) for postfix in self.fp8_postfixes}
+        states = merge_reuse(self, states)  # a layer applied twice merges by max
         params, states = watch_fp8_state(type(self).__name__, "linen", params, states)
         sets = tuple(
             quantizer_set(

@@ -16,6 +16,7 @@ from te_flax._fp8_state import (
     SR_RNG,
     check_state_matches,
     fresh_state,
+    merge_reuse,
     needs_sr_key,
     quantizer_set,
     resolve_recipe,
@@ -129,6 +130,7 @@ class NnxShell(nnx.Module):
         }
         recipe = resolve_recipe(self.recipe) if self.fp8_postfixes else None
         states = {postfix: self._fp8_state(recipe, postfix) for postfix in self.fp8_postfixes}
+        states = merge_reuse(self, states)  # a layer applied twice merges by max
         params, states = watch_fp8_state(type(self).__name__, "nnx", params, states)
         sets = tuple(
             quantizer_set(recipe, postfix, states.get(postfix, {}), self._sr_key(recipe))

@@ -13,8 +13,8 @@ The training loop of Flax's guides needs one change: ``value_and_grad(loss_fn,
 update_fp8_state=True)`` in place of ``nnx.value_and_grad`` writes the new FP8 state into the
 model and returns the parameter gradients, for a plain ``nnx.Optimizer(model, tx,
 wrt=nnx.Param).update(model, grads)``. A plain ``nnx.value_and_grad`` would differentiate the
-parameters only and drop the new state; the layers refuse that (an error, or one
-``te_flax.training.StaleFp8StateWarning`` under ``jit``).
+parameters only and drop the new state; the layers refuse that with a ``ValueError`` while the
+step is traced (``te_flax.training.hold_fp8_state()`` allows it deliberately).
 
 Example usage::
 
@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from te_flax.nnx._fp8_meta import Fp8Meta
-from te_flax.quantize import check_merged, merge_by_max
+from te_flax.quantize import check_calibrated, check_merged, merge_by_max
 from te_flax.training import _keep_unused, _select, all_finite
 
 __all__ = ["train_step", "update_fp8_state", "value_and_grad"]
@@ -102,8 +102,8 @@ def update_fp8_state(model: nnx.Module, grads: nnx.State[Any, Any]) -> None:
     """Overwrites the model's ``Fp8Meta`` variables with their gradients (their new values).
 
     A state that no op read in the step has a zero gradient; it keeps its value. A state that
-    came back summed over its uses raises, or warns once under ``jit``
-    (``te_flax.quantize.check_merged``).
+    came back summed over its uses raises (``te_flax.quantize.check_merged``), under ``jit``
+    too; a state no step has updated yet warns once (``check_calibrated``).
     """
     new = nnx.state(grads, Fp8Meta)
     if nnx.state(model, Fp8Meta) and not new:
@@ -120,6 +120,7 @@ def _overwrite_fp8_state(model: nnx.Module, new: nnx.State[Any, Any]) -> None:
     old = nnx.state(model, Fp8Meta)
     kept = _keep_unused(new, old)
     check_merged(old, kept)  # on the kept state, as te_flax.training.apply_gradients
+    check_calibrated(kept)
     nnx.update(model, kept)
 
 

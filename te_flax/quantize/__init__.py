@@ -14,13 +14,15 @@ Public API::
   Float8BlockQuantizer, BlockScaleQuantizer,
   NVFP4Quantizer
   merge_by_max                                        max-merge the updates of a reused state
-  check_merged, UnmergedFp8StateWarning               catch a reused state whose updates were summed
+  check_merged                                        catch a reused state whose updates were summed
+  check_calibrated, UncalibratedFp8StateWarning       catch layers whose state never updates
   autocast, get_autocast_recipe                       the default recipe of a code region
 """
 
 from te_flax.quantize.autocast import autocast, get_autocast_recipe
 from te_flax.quantize.max_merge import (
-    UnmergedFp8StateWarning,
+    UncalibratedFp8StateWarning,
+    check_calibrated,
     check_merged,
     float32_state,
     merge_by_max,
@@ -93,9 +95,10 @@ __all__ = [
     "Recipe",
     "ScaledTensor",
     "ScalingMode",
-    "UnmergedFp8StateWarning",
+    "UncalibratedFp8StateWarning",
     "as_cotangent",
     "autocast",
+    "check_calibrated",
     "check_merged",
     "check_quantizer",
     "float32_state",

@@ -117,13 +117,11 @@ def _fp8_block_scaled(
 ) -> tuple[Array, Array]:
     """The float8 ``values`` divided by their block's scale (``block_amax`` shaped to broadcast
     against them), and the float32 scales: ``amax / fp8_max`` (a power of two at or above it
-    with ``power_2_scale``), 1 for an all-zero block, as current scaling does for a whole
-    tensor (``scaling.compute_scale_inv``); NaN for a block with a NaN or an infinity, so that
-    the GEMMs that read it give NaN (``scaling.flag_nonfinite``)."""
+    with ``power_2_scale``), 1 for an all-zero or non-finite block, as current scaling does
+    for a whole tensor (``scaling.compute_scale_inv``)."""
     one = jnp.ones((), jnp.float32)
     scale_inv = scaling.compute_scale_inv(block_amax, dtype, 0, one, power_2_scale)
-    data = scaling.quantize(values, dtype, scale_inv)
-    return data, scaling.flag_nonfinite(scale_inv, block_amax)
+    return scaling.quantize(values, dtype, scale_inv), scale_inv
 
 
 def quantize_fp8_blocks(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from functools import partial
 from typing import Any, TypeVar
 
 import jax
@@ -25,7 +26,13 @@ from jax import Array, lax
 
 from te_flax.quantize import scaling
 
-__all__ = ["UnmergedFp8StateWarning", "check_merged", "float32_state", "merge_by_max"]
+__all__ = [
+    "UncalibratedFp8StateWarning",
+    "check_calibrated",
+    "check_merged",
+    "float32_state",
+    "merge_by_max",
+]
 
 T = TypeVar("T")
 
@@ -153,18 +160,12 @@ def float32_state(state: T) -> T:
     return _convert_where(state, _is_max_merged, _from_max_merged)
 
 
-class UnmergedFp8StateWarning(UserWarning):
-    """An FP8 state update came back summed over its uses instead of max-merged (under jit)."""
-
-
 _FIX = (
     "mark the state where it enters the differentiated step: merge_fp8_state(variables) first "
     "thing in the loss (te_flax.training), merge_by_max(quantizer_sets) for the functional ops, "
     "or differentiate with te_flax.training.value_and_grad / te_flax.nnx.value_and_grad, "
     "which mark it themselves"
 )
-# Messages already warned about under jit: each is reported once per process.
-_REPORTED: set[str] = set()
 
 
 def _history_pairs(previous: Any, updated: Any) -> list[tuple[str, Array, Array]]:
@@ -253,12 +254,8 @@ def _message(names: list[str], factors: list[float]) -> str:
 
 def _report(names: tuple[str, ...], flags: np.ndarray, factors: np.ndarray) -> None:
     flagged, leaf_factors = _flagged(names, flags, factors)
-    if not flagged:
-        return
-    message = _message(flagged, leaf_factors)
-    if message not in _REPORTED:
-        _REPORTED.add(message)
-        warnings.warn(message, UnmergedFp8StateWarning, stacklevel=2)
+    if flagged:
+        raise ValueError(_message(flagged, leaf_factors))
 
 
 def _has_gpu() -> bool:
@@ -268,22 +265,90 @@ def _has_gpu() -> bool:
         return False
 
 
-def _report_from_device(names: tuple[str, ...], flags: Array, factors: Array) -> None:
-    """``_report`` as a host callback of the traced program."""
+def _on_host(report: Callable[..., None], *arrays: Array) -> None:
+    """``report(*arrays)`` as a host callback of the traced program."""
     if _has_gpu():
-        jax.debug.callback(_report, names, flags, factors)
+        jax.debug.callback(report, *arrays)
         return
 
     # A process without a GPU may still compile for one (a deviceless compile), where a host
     # callback cannot be lowered; the check is then left to the CPU program.
-    def on_cpu(flags: Array, factors: Array) -> Array:
-        jax.debug.callback(_report, names, flags, factors)
+    def on_cpu(*arrays: Array) -> Array:
+        jax.debug.callback(report, *arrays)
         return jnp.zeros((), jnp.int32)
 
-    def elsewhere(flags: Array, factors: Array) -> Array:
+    def elsewhere(*arrays: Array) -> Array:
         return jnp.zeros((), jnp.int32)
 
-    lax.platform_dependent(flags, factors, cpu=on_cpu, default=elsewhere)
+    lax.platform_dependent(*arrays, cpu=on_cpu, default=elsewhere)
+
+
+def _report_from_device(names: tuple[str, ...], flags: Array, factors: Array) -> None:
+    """``_report`` as a host callback of the traced program: a summed state stops the program
+    with the message (JAX raises it as a runtime error where the step's results are read)."""
+    _on_host(partial(_report, names), flags, factors)
+
+
+class UncalibratedFp8StateWarning(UserWarning):
+    """A layer's delayed-scaling state was applied after a step without ever being updated:
+    the layer runs but is not differentiated (frozen), so its scales stay at 1."""
+
+
+# Messages already given: each is said once per process.
+_WARNED: set[str] = set()
+
+
+def _warn_uncalibrated(names: tuple[str, ...], flags: np.ndarray) -> None:
+    stale = [name for name, flag in zip(names, np.asarray(flags), strict=True) if flag]
+    if not stale:
+        return
+    message = (
+        f"FP8 state still uncalibrated after a training step: {', '.join(stale)} (the amax "
+        "histories of each such GEMM's input and kernel are empty, its scales still 1). Those "
+        "layers "
+        "were not differentiated in the step (a frozen backbone, a layer used for features "
+        "only, a layer the step did not run), and delayed scaling updates its state only "
+        "through the gradient, so they quantize with scale 1 for good: inputs far from 1 clip "
+        "or underflow. To fix it, "
+        "give the frozen layers Float8CurrentScaling() (scales from each tensor, no state), or "
+        "differentiate their FP8 state and hold only their parameters (see "
+        "docs/training_loops.md, 'Frozen layers')."
+    )
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, UncalibratedFp8StateWarning, stacklevel=2)
+
+
+def check_calibrated(state: Any) -> None:
+    """Warns once (``UncalibratedFp8StateWarning``) when a delayed-scaling state that a
+    training step applied was never updated: a GEMM whose input and kernel amax histories are
+    both still all zeros.
+
+    ``te_flax.training.apply_gradients`` and the NNX ``train_step`` / ``update_fp8_state``
+    call it on the state they apply. Under ``jit`` it runs on the device and a host callback
+    warns. A step whose input was not finite records an empty input amax but still its
+    kernel's, so it is not mistaken for a frozen layer.
+    """
+    leaves = {
+        jax.tree_util.keystr(path): jnp.asarray(leaf)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+    }
+    pairs = []
+    for path, leaf in leaves.items():
+        head, _, name = path.rpartition("[")
+        name = name.strip("]'\"")
+        if name.startswith("x") and name.endswith("_amax_history"):
+            kernel = leaves.get(f"{head}['kernel{name[1:]}']")
+            if kernel is not None:
+                pairs.append((path, leaf, kernel))
+    if not pairs:
+        return
+    names = tuple(path for path, _, _ in pairs)
+    flags = jnp.stack([jnp.all(x == 0) & jnp.all(kernel == 0) for _, x, kernel in pairs])
+    if isinstance(flags, jax.core.Tracer):
+        _on_host(partial(_warn_uncalibrated, names), flags)
+    else:
+        _warn_uncalibrated(names, np.asarray(flags))
 
 
 def check_merged(previous: Any, updated: Any) -> None:
@@ -303,9 +368,9 @@ def check_merged(previous: Any, updated: Any) -> None:
         respect to ``previous``).
 
     Raises:
-      ValueError: with concrete arrays, when a history came back summed. Under ``jit`` the
-        check runs on the device and a host callback warns once with an
-        ``UnmergedFp8StateWarning`` instead.
+      ValueError: when a history came back summed. Under ``jit`` the check runs on the
+        device and its host callback raises it, so the step fails as a runtime error
+        (``jax.errors.JaxRuntimeError``) that carries the message.
 
     Example usage::
 

@@ -89,10 +89,8 @@ class DelayedScaleQuantizer:
         """
         del split, uses
         scale_inv = self.scale_inv.reshape(())
-        amax_value = scaling.amax(x)
-        data = scaling.quantize(x, self.q_dtype, scale_inv)
-        quantized = ScaledTensor(data, scaling.flag_nonfinite(scale_inv, amax_value))
-        return quantized, self.update(amax_value)
+        quantized = ScaledTensor(scaling.quantize(x, self.q_dtype, scale_inv), scale_inv)
+        return quantized, self.update(scaling.amax(x))
 
     def update(self, amax_value: Array) -> DelayedScaleQuantizer:
         """The state after a step whose tensor had ``amax_value``.
@@ -143,10 +141,8 @@ class CurrentScaleQuantizer:
     ) -> tuple[ScaledTensor, CurrentScaleQuantizer]:
         """Returns ``x`` quantized with ``amax(x) / fp8_max``, and this (stateless) quantizer."""
         del split, uses
-        amax_value = scaling.amax(x)
-        scale_inv = self.scale_inv_for(amax_value)
-        data = scaling.quantize(x, self.q_dtype, scale_inv)
-        return ScaledTensor(data, scaling.flag_nonfinite(scale_inv, amax_value)), self
+        scale_inv = self.scale_inv_for(scaling.amax(x))
+        return ScaledTensor(scaling.quantize(x, self.q_dtype, scale_inv), scale_inv), self
 
 
 def _as_matrix(x: Array, split: int, use: str) -> tuple[Array, tuple[int, ...]]:

@@ -101,6 +101,9 @@ class QParams:
     fp4_2d_quantization: bool = False
 
 
+# DelayedScaling's largest margin: e4m3's maximum (448, about 2**8.8) divided by 2**14 is still
+# above its smallest normal number (2**-6); past it the largest value of a tensor is not.
+MAX_MARGIN = 14
 _BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
 _NVFP4_4OVER6_SCOPES = ("none", "weights", "activations", "all")
 _NVFP4_4OVER6_ERR_MODES = ("MAE", "MSE")
@@ -247,7 +250,8 @@ class DelayedScaling(_RecipeKind):
     ``amax_history``) between steps.
 
     Args:
-      margin: powers of two of headroom left below the format's maximum (default 0).
+      margin: powers of two of headroom left below the format's maximum (default 0), from 0
+        to ``MAX_MARGIN`` (14: beyond it the largest value lands below e4m3's normal range).
       fp8_format: the formats to use (default ``Format.HYBRID``).
       amax_history_len: how many steps of amax the history keeps (default 1024, at least 1).
       amax_compute_algo: ``"max"`` (default), ``"most_recent"``, or a function
@@ -289,6 +293,16 @@ class DelayedScaling(_RecipeKind):
         if not isinstance(self.margin, int | float) or not math.isfinite(self.margin):
             raise ValueError(
                 f"DelayedScaling(margin=...) must be a finite number, got {self.margin!r}"
+            )
+        if not 0 <= self.margin <= MAX_MARGIN:
+            raise ValueError(
+                f"DelayedScaling(margin={self.margin!r}) cannot work: the margin is how many "
+                "powers of two of headroom the largest value keeps below the format's maximum "
+                f"(scale_inv = amax * 2**margin / fp8_max), so it must be from 0 to {MAX_MARGIN}. "
+                "Below 0 the largest values are above the maximum and saturate; above "
+                f"{MAX_MARGIN} even the largest value of a tensor falls below e4m3's smallest "
+                "normal number (2**-6) and the rest underflow to 0. The default, 0, is "
+                "TransformerEngine's; 1 or 2 leave room for a tensor that grows between steps"
             )
         if (
             not isinstance(self.amax_history_len, int)

@@ -229,26 +229,25 @@ def reduce_history(history: Array, amax_compute_algo: str | Callable[[Array], Ar
 
 
 def flag_nonfinite(scale_inv: Array, amax_value: Array) -> Array:
-    """The ``scale_inv`` a step's GEMMs dequantize with: NaN where the tensor's amax is NaN
-    or infinite, ``scale_inv`` elsewhere.
-
-    The float8 cast saturates an infinity to the format's largest value, and a per-tensor
-    scale ignores a non-finite amax, so without this an infinite input or loss would give
-    finite products: the step would look normal to ``skip_nonfinite``,
-    ``optax.apply_if_finite`` and any finiteness check of the gradients. With it, every GEMM
-    that reads the tensor (forward, dgrad, wgrad) gives NaN. The stored state is not touched:
-    ``compute_scale_inv`` keeps the previous scale for such an amax.
-    """
+    """``scale_inv`` where the tensor's amax is finite, NaN where it is not: for a format that
+    cannot hold a NaN itself (NVFP4's e2m1), whose GEMMs then give NaN through the scale as
+    ``quantize`` makes them give NaN through the data for float8. The stored state is not
+    touched (``compute_scale_inv`` keeps the previous scale for such an amax)."""
     return where(lax.is_finite(amax_value), scale_inv, jnp.float32(jnp.nan))
 
 
 def quantize(x: Array, dtype: DTypeLike, scale_inv: Array) -> Array:
-    """``clip(x / scale_inv, -fp8_max, fp8_max)`` cast to ``dtype``.
+    """``clip(x / scale_inv, -fp8_max, fp8_max)`` cast to ``dtype``, a NaN or an infinity of
+    ``x`` as NaN.
 
     The division runs in float32 whatever ``x``'s dtype is, so the scale is not rounded to
-    bfloat16 first. The clip saturates instead of producing NaN (e4m3fn has no infinity), and
-    ``convert(clamp(divide(x, scale)))`` is the form XLA's collective quantizer recognises, so
-    an FSDP all-gather of a quantized kernel moves float8.
+    bfloat16 first. The clip saturates a finite value instead of producing NaN (e4m3fn has no
+    infinity), and ``convert(clamp(divide(x, scale)))`` is the form XLA's collective quantizer
+    recognises, so an FSDP all-gather of a quantized kernel moves float8. An infinity would
+    saturate too, and the step that saw it would give finite products that look normal to
+    ``skip_nonfinite``, ``optax.apply_if_finite`` and any finiteness check; it becomes NaN,
+    which float8 keeps, so every GEMM that reads it gives NaN. Elementwise, so a GEMM never
+    waits for a reduction (an amax's all-reduce under data parallelism) it did not need.
     """
     limit = fp8_max(dtype)
     x32 = lax.convert_element_type(x, jnp.float32)
@@ -256,7 +255,9 @@ def quantize(x: Array, dtype: DTypeLike, scale_inv: Array) -> Array:
     clipped = lax.min(
         _full(limit, jnp.float32, x.shape), lax.max(_full(-limit, jnp.float32, x.shape), scaled)
     )
-    return lax.convert_element_type(clipped, dtype)
+    # x - x: NaN exactly where x is not finite, sharded as x is (on Explicit mesh axes too).
+    kept = lax.select(lax.is_finite(x32), clipped, lax.sub(x32, x32))
+    return lax.convert_element_type(kept, dtype)
 
 
 def dequantize(q: Array, scale_inv: Array, dtype: DTypeLike = jnp.float32) -> Array:

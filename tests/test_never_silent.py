@@ -1,0 +1,277 @@
+"""Never silent: for each recipe, front end and loop style, a fault is skipped, trained through
+correctly, or refused with a named error; never wrong numbers with no signal.
+
+The faults are those of long FP8 runs: an infinite loss or input (bias-less layers included,
+whose gradients all pass through quantized GEMMs), a layer applied twice under Flax's own
+``TrainState`` and plain ``jax.grad``, a frozen layer that never calibrates, a finite loss
+spike, and a check that must say the same with and without ``jit``. The loop styles are
+te_flax's helpers (``apply_gradients`` / ``te_flax.nnx.train_step`` with ``skip_nonfinite``),
+Flax's ``TrainState`` with ``optax.apply_if_finite``, a plain finiteness check, and gradient
+accumulation.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+
+import te_flax.linen as te_nn
+import te_flax.nnx as te_nnx
+from te_flax.quantize import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    UncalibratedFp8StateWarning,
+    max_merge,
+)
+from te_flax.training import (
+    OVERWRITE_WITH_GRADIENT,
+    accumulate_gradients,
+    all_finite,
+    apply_gradients,
+    drop_amax_spikes,
+    init_optimizer,
+    merge_fp8_state,
+    value_and_grad,
+)
+from tests import test_training_faults as training_faults
+
+FP8 = OVERWRITE_WITH_GRADIENT
+HIDDEN = 128  # a multiple of every recipe's block
+DELAYED = DelayedScaling(amax_history_len=8)
+# The per-tensor and block-scaled recipes of the training-fault tests, and blockwise FP8.
+RECIPES = {**training_faults.RECIPES, "delayed": DELAYED, "blockwise": Float8BlockScaling()}
+
+
+def _x(seed: int = 0, scale: float = 1.0) -> jax.Array:
+    return scale * jax.random.normal(jax.random.key(seed), (4, 32, HIDDEN), jnp.float32)
+
+
+def _layer(kind: str, recipe):
+    if kind == "dense_without_bias":  # every gradient passes through a quantized GEMM
+        return te_nn.DenseGeneral(features=HIDDEN, use_bias=False, recipe=recipe)
+    return te_nn.LayerNormMLP(intermediate_dim=HIDDEN, recipe=recipe)
+
+
+def _output(y):
+    return y[0] if isinstance(y, tuple) else y
+
+
+FAULTS = {
+    "inf_loss": lambda: (_x(1), jnp.float32(jnp.inf)),
+    "inf_input": lambda: (_x(1).at[0, 3, 5].set(jnp.inf), jnp.float32(1.0)),
+    "nan_input": lambda: (_x(1).at[0, 3, 5].set(jnp.nan), jnp.float32(1.0)),
+}
+
+
+# ----------------------------------------------------------------------------- non-finite steps
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+@pytest.mark.parametrize("layer_kind", ["dense_without_bias", "layernorm_mlp"])
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_a_nonfinite_step_is_seen_by_every_check(recipe, layer_kind, fault):
+    layer = _layer(layer_kind, RECIPES[recipe])
+    variables = nn.unbox(layer.init(jax.random.key(0), _x()))
+
+    def loss_fn(variables, x, weight):
+        y = layer.apply(variables, x, rngs={"sr_rng": jax.random.key(1)})
+        return jnp.mean(jnp.square(_output(y))) * weight
+
+    x, weight = FAULTS[fault]()
+    _, grads = jax.jit(value_and_grad(loss_fn))(variables, x, weight)
+    # A plain finiteness check of the parameter gradients sees it; the FP8 state stays finite.
+    assert not bool(all_finite(grads["params"]))
+    assert bool(all_finite(grads.get(FP8, {})))
+
+    # te_flax's step skips it and counts it.
+    tx = optax.adamw(1e-2)
+    opt_state = init_optimizer(tx, variables)
+    after, after_opt = jax.jit(lambda v, g, o: apply_gradients(tx, v, g, o, skip_nonfinite=True))(
+        variables, grads, opt_state
+    )
+    jax.tree.map(np.testing.assert_array_equal, after, variables)
+    assert int(after_opt.skipped_steps) == 1
+
+    # Flax's TrainState with optax.apply_if_finite leaves the parameters as they were.
+    state = train_state.TrainState.create(
+        apply_fn=layer.apply, params=variables, tx=optax.apply_if_finite(optax.adamw(1e-2), 3)
+    )
+    # (the FP8 state's "gradient" is its new value, finite, as checked above)
+    with jax.numpy_dtype_promotion("standard"):  # optax's counters mix int and float
+        state = state.apply_gradients(grads=grads)
+    jax.tree.map(np.testing.assert_array_equal, state.params["params"], variables["params"])
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "mxfp8"])
+def test_nnx_train_step_skips_an_infinite_loss_of_a_layer_without_bias(recipe):
+    model = te_nnx.DenseGeneral(HIDDEN, HIDDEN, use_bias=False, recipe=RECIPES[recipe],
+                                rngs=nnx.Rngs(0))  # fmt: skip
+    optimizer = nnx.Optimizer(model, optax.sgd(1e-2), wrt=nnx.Param)
+    before = nnx.to_pure_dict(nnx.state(model))
+
+    def loss_fn(model, x, weight):
+        return jnp.mean(jnp.square(model(x))) * weight
+
+    step = nnx.jit(lambda m, o, x, w: te_nnx.train_step(m, o, loss_fn, x, w, skip_nonfinite=True))
+    loss, skipped = step(model, optimizer, *FAULTS["inf_loss"]())
+    assert not np.isfinite(float(loss)) and bool(skipped)
+    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(model)), before)
+
+
+def test_an_infinite_microbatch_makes_the_accumulated_gradients_nonfinite():
+    layer = _layer("dense_without_bias", DELAYED)
+    variables = nn.unbox(layer.init(jax.random.key(0), _x()))
+
+    def loss_fn(variables, batch):
+        x, weight = batch
+        return jnp.mean(jnp.square(layer.apply(merge_fp8_state(variables), x))) * weight
+
+    xs = jnp.stack([_x(2), _x(3)])
+    weights = jnp.array([1.0, jnp.inf], jnp.float32)
+    _, grads = jax.jit(lambda v, b: accumulate_gradients(loss_fn, v, b))(variables, (xs, weights))
+    assert not bool(all_finite(grads["params"]))
+    assert bool(all_finite(grads[FP8]))
+
+
+# ----------------------------------------------------------------------------- reuse
+
+
+class _Tied(nn.Module):
+    """One layer applied twice (weight tying, a shared block)."""
+
+    @nn.compact
+    def __call__(self, x):
+        layer = te_nn.DenseGeneral(features=HIDDEN, recipe=DELAYED, name="shared")
+        return layer(layer(x))
+
+
+def test_a_layer_applied_twice_trains_under_flax_train_state_as_under_te_flax():
+    model = _Tied()
+    variables = nn.unbox(model.init(jax.random.key(0), _x()))
+    tx = optax.sgd(1e-3)
+    state = train_state.TrainState.create(apply_fn=model.apply, params=variables, tx=tx)
+    ours, opt_state = variables, init_optimizer(tx, variables)
+
+    def loss_fn(variables, x):
+        return jnp.mean(jnp.square(model.apply(variables, x)))
+
+    @jax.jit
+    def flax_step(state, x):  # Flax's own idiom: jax.grad of everything, no te_flax helper
+        return state.apply_gradients(grads=jax.grad(loss_fn)(state.params, x))
+
+    @jax.jit
+    def te_flax_step(variables, opt_state, x):
+        _, grads = value_and_grad(loss_fn)(variables, x)
+        return apply_gradients(tx, variables, grads, opt_state)
+
+    for step in range(6):
+        x = _x(step, scale=1.0 + step)
+        state = flax_step(state, x)
+        ours, opt_state = te_flax_step(ours, opt_state, x)
+    jax.tree.map(np.testing.assert_array_equal, state.params[FP8], ours[FP8])
+    shared = state.params[FP8]["shared"]
+    # Each history entry is one step's amax (the larger of the two uses), never a sum.
+    assert float(shared["kernel_amax_history"][0]) == pytest.approx(
+        float(jnp.max(jnp.abs(state.params["params"]["shared"]["kernel"]))), rel=1e-2
+    )
+
+
+# ----------------------------------------------------------------------------- frozen layers
+
+
+class _FrozenBackbone(nn.Module):
+    backbone_recipe: object
+
+    @nn.compact
+    def __call__(self, x):
+        features = te_nn.DenseGeneral(features=HIDDEN, recipe=self.backbone_recipe,
+                                      name="backbone")(x)  # fmt: skip
+        head = te_nn.DenseGeneral(features=8, recipe=DELAYED, name="head")
+        return head(jax.lax.stop_gradient(features))
+
+
+def _frozen_step(backbone_recipe):
+    model = _FrozenBackbone(backbone_recipe)
+    x = _x(scale=1e3)
+    variables = nn.unbox(model.init(jax.random.key(0), x))
+    tx = optax.sgd(1e-3)
+
+    def loss_fn(variables, x):
+        return jnp.mean(jnp.square(model.apply(variables, x)))
+
+    def step(variables, opt_state, x):
+        _, grads = value_and_grad(loss_fn)(variables, x)
+        return apply_gradients(tx, variables, grads, opt_state)
+
+    return step, variables, init_optimizer(tx, variables), x
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_frozen_layer_that_never_calibrates_warns_with_the_fix(jit, monkeypatch):
+    monkeypatch.setattr(max_merge, "_WARNED", set())  # said once per process
+    step, variables, opt_state, x = _frozen_step(DELAYED)
+    step = jax.jit(step) if jit else step
+    with pytest.warns(UncalibratedFp8StateWarning, match=r"backbone.*Float8CurrentScaling"):
+        jax.block_until_ready(step(variables, opt_state, x))
+        jax.effects_barrier()
+
+
+def test_a_frozen_layer_with_current_scaling_is_calibrated_and_quiet():
+    step, variables, opt_state, x = _frozen_step(Float8CurrentScaling())
+    jax.block_until_ready(jax.jit(step)(variables, opt_state, x))  # no warning
+    exact = te_nn.DenseGeneral(features=HIDDEN).apply(
+        {"params": variables["params"]["backbone"]}, x
+    )
+    quantized = te_nn.DenseGeneral(features=HIDDEN, recipe=Float8CurrentScaling()).apply(
+        {"params": variables["params"]["backbone"]}, x
+    )
+    assert float(jnp.linalg.norm(quantized - exact) / jnp.linalg.norm(exact)) < 0.1
+
+
+# ----------------------------------------------------------------------------- spikes
+
+
+def test_drop_amax_spikes_brings_the_gradients_back_after_a_finite_spike():
+    recipe = DelayedScaling(amax_history_len=8)
+    layer = te_nn.LayerNormMLP(intermediate_dim=HIDDEN, recipe=recipe)
+    exact_layer = te_nn.LayerNormMLP(intermediate_dim=HIDDEN)
+    variables = nn.unbox(layer.init(jax.random.key(0), _x()))
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1e-2))
+
+    def loss_fn(variables, x, weight, module=layer):
+        return jnp.mean(jnp.square(module.apply(variables, x)[0])) * weight
+
+    grad = jax.jit(value_and_grad(loss_fn))
+    exact = jax.jit(jax.grad(lambda p, x: loss_fn({"params": p}, x, 1.0, exact_layer)))
+
+    def kernel_error(variables, x):
+        grads = grad(variables, x, 1.0)[1]["params"]["wi_kernel"]
+        reference = exact(variables["params"], x)["wi_kernel"]
+        return float(jnp.linalg.norm(grads - reference) / jnp.linalg.norm(reference))
+
+    opt_state = init_optimizer(tx, variables)
+    for step, weight in enumerate([1.0, 1.0, 1e12]):  # the last step a finite spike
+        _, grads = grad(variables, _x(step), weight)
+        variables, opt_state = apply_gradients(tx, variables, grads, opt_state)
+    assert kernel_error(variables, _x(5)) == pytest.approx(1.0)  # every gradient is gone
+    guarded = {**variables, FP8: drop_amax_spikes(variables[FP8], recipe)}
+    assert kernel_error(guarded, _x(5)) < 0.2
+    # Without a spike the guard changes nothing.
+    again = drop_amax_spikes(guarded[FP8], recipe)
+    jax.tree.map(np.testing.assert_array_equal, again, guarded[FP8])
+
+
+def test_drop_amax_spikes_refuses_what_cannot_work():
+    with pytest.raises(TypeError, match="DelayedScaling recipe"):
+        drop_amax_spikes({}, Float8CurrentScaling())
+    with pytest.raises(ValueError, match="above 1"):
+        drop_amax_spikes({}, DELAYED, factor=0.5)
+    with pytest.raises(TypeError, match="nested mapping"):
+        drop_amax_spikes([jnp.ones(4)], DELAYED)
