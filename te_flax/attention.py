@@ -180,6 +180,20 @@ def _keep_mask(
     return keep
 
 
+def _broadcast_batch(query: Array, key: Array, value: Array) -> tuple[Array, Array, Array]:
+    """The three with one batch where some have a batch of 1 (numpy's broadcasting, as
+    TransformerEngine's attention): a row of queries rotated by a batch of packed positions
+    meets its value row, for instance. Other mismatches are left to ``_check_qkv``."""
+    batches = {t.shape[0] for t in (query, key, value) if getattr(t, "ndim", 0) == 4}
+    if len(batches) != 2 or 1 not in batches:
+        return query, key, value
+    batch = max(batches)
+    return tuple(  # type: ignore[return-value]
+        jnp.broadcast_to(t, (batch, *t.shape[1:])) if t.ndim == 4 else t
+        for t in (query, key, value)
+    )
+
+
 def _check_qkv(query: Array, key: Array, value: Array) -> None:
     for name, array in (("query", query), ("key", key), ("value", value)):
         check.check_floating(array, name)
@@ -270,6 +284,7 @@ def dot_product_attention(
       ``[batch, q_len, heads, head_dim]`` in the dtype of ``query``; with
       ``return_max_logit``, ``(output, max_logit)`` with ``max_logit`` ``[heads]`` in that dtype.
     """
+    query, key, value = _broadcast_batch(query, key, value)
     _check_qkv(query, key, value)
     mask_type = canonical_mask_type(attn_mask_type)
     bias_type = canonical_bias_type(attn_bias_type, bias)
@@ -312,6 +327,14 @@ def dot_product_attention(
         if not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.integer)):
             raise TypeError(
                 f"mask must be boolean or integer (True / nonzero = masked out), got {mask.dtype}"
+            )
+        if batch == 1 and mask.ndim == 4 and mask.shape[0] > 1:
+            # As TransformerEngine: one row of queries broadcasts against the mask's batch
+            # (MaxText initialises its attention on one dummy row with the real batch's
+            # sequence descriptor); the output has the mask's batch.
+            batch = mask.shape[0]
+            query, key, value = (
+                jnp.broadcast_to(t, (batch, *t.shape[1:])) for t in (query, key, value)
             )
         check.check_broadcastable(
             mask, (batch, 1, q_len, kv_len), "mask", "[batch, 1, q_len, kv_len]"

@@ -154,11 +154,20 @@ def _backward(
 _dense.defvjp(_forward, _backward)
 
 
+class _LastAxis(tuple):  # type: ignore[type-arg]
+    """``dense``'s default ``contracting_dims``: TransformerEngine's ``((1,), (0,))`` (how it
+    reads in the signature), meaning x's last axis with the kernel's first. For a 2-D x that is
+    TE's meaning; for more axes TE refuses its own default, and te_flax contracts the last."""
+
+
+LAST_AXIS = _LastAxis(((1,), (0,)))
+
+
 def _contraction_size(
     x: Array, kernel: Array, contracting_dims: tuple[Sequence[int], Sequence[int]] | None
 ) -> int:
     """How many trailing axes of x contract with as many leading axes of kernel."""
-    if contracting_dims is None:
+    if contracting_dims is None or contracting_dims is LAST_AXIS:
         contracting_dims = ((x.ndim - 1,), (0,))
     x_dims: tuple[int, ...] | None
     kernel_dims: tuple[int, ...] | None
@@ -213,7 +222,7 @@ def dense(
     x: Array,
     kernel: Array,
     bias: Array | None = None,
-    contracting_dims: tuple[Sequence[int], Sequence[int]] | None = None,
+    contracting_dims: tuple[Sequence[int], Sequence[int]] | None = LAST_AXIS,
     transpose_batch_sequence: bool = False,
     input_axes: LogicalAxes = None,
     kernel_axes: LogicalAxes = None,
@@ -233,8 +242,10 @@ def dense(
       x: ``[batch..., K...]``.
       kernel: ``[K..., features...]``.
       bias: ``[features...]`` or None (default).
-      contracting_dims: ``(x_dims, kernel_dims)``; None (default) contracts x's last axis with
-        kernel axis 0. x's dims must be its trailing axes and the kernel's its leading ones.
+      contracting_dims: ``(x_dims, kernel_dims)``. The default, TransformerEngine's
+        ``((1,), (0,))``, and None contract x's last axis with kernel axis 0 (for a 2-D x that
+        is axis 1; TE refuses its default for more axes). x's dims must be its trailing axes
+        and the kernel's its leading ones.
       transpose_batch_sequence: the input is ``[seq, batch, ...]`` (default False). It changes
         no math; the layout that sharding sees is given by the ``*_axes`` arguments.
       input_axes: logical axes of x (and of its gradient).
@@ -379,11 +390,11 @@ def grouped_dense(
     group_sizes: Array,
     contracting_dims: tuple[Sequence[int], Sequence[int]] = ((1,), (1,)),
     bias: Array | None = None,
-    precision: lax.Precision | None = None,
+    precision: lax.Precision | None = lax.Precision.DEFAULT,
     preferred_element_type: Any = None,
     group_offset: Array | None = None,
     quantizer_set: QuantizerSet = noop_quantizer_set,
-    kernel_fsdp_info: tuple[str | None, int] | None = None,
+    kernel_fsdp_info: tuple[str | None, int] | None = (None, -1),
     *,
     lowering: str = "auto",
     capacity: int | None = None,
@@ -407,14 +418,14 @@ def grouped_dense(
         past the sum belong to no group: their output is zero).
       contracting_dims: ``((1,), (1,))`` (default, the only one supported, as in TE).
       bias: ``[G, N]`` or None (default).
-      precision: ``lax.Precision`` of the ragged lowering's GEMMs without FP8 (default None;
-        the capacity lowering runs ``dense``'s); FP8 GEMMs take the quantizer set's
-        ``precision``.
+      precision: ``lax.Precision`` of the ragged lowering's GEMMs without FP8 (default
+        ``Precision.DEFAULT``, TE's; None is the same; the capacity lowering runs ``dense``'s);
+        FP8 GEMMs take the quantizer set's ``precision``.
       preferred_element_type: the output dtype (default None: x's dtype).
       group_offset: not supported (None), as in TransformerEngine.
       quantizer_set: the GEMMs' quantizers (default ``noop_quantizer_set``: no FP8).
-      kernel_fsdp_info: None or ``(None, -1)`` (TE's default); shard the kernel with sharding
-        constraints instead.
+      kernel_fsdp_info: ``(None, -1)`` (default, TE's) or None: no gather inside the op; shard
+        the kernel with sharding constraints instead.
       lowering: ``"ragged"``: ``lax.ragged_dot_general`` on x as it is (exact, no padding);
         ``"capacity"``: each group's rows padded to ``capacity`` and one batched GEMM over
         groups; ``"auto"`` (default): ``"capacity"`` when a capacity is given, else

@@ -49,6 +49,7 @@ from te_flax._stages import (
     one_pass_layouts,
     saved_operand,
 )
+from te_flax.collective import CollectiveOpSet, check_collective_op_set, noop_collective_op_set
 from te_flax.quantize import (
     LEADING,
     TRAILING,
@@ -476,7 +477,7 @@ _POSITIONAL = (
     "x", "gamma", "beta", "kernels", "biases", "norm_type", "zero_centered_gamma", "epsilon",
     "transpose_batch_sequence", "norm_input_axes", "dot_1_input_axes", "dot_2_input_axes",
     "kernel_1_axes", "kernel_2_axes", "ffn1_ckpt_name", "ffn2_ckpt_name", "activation_type",
-    "activation_params", "quantizer_sets",
+    "activation_params", "collective_op_sets", "quantizer_sets",
 )  # fmt: skip
 
 
@@ -546,6 +547,10 @@ def layernorm_mlp(
     ffn2_ckpt_name: str = "ffn2",
     activation_type: Sequence[str] = ("gelu",),
     activation_params: dict[str, float] | None = None,
+    collective_op_sets: tuple[CollectiveOpSet, CollectiveOpSet] = (
+        noop_collective_op_set,
+        noop_collective_op_set,
+    ),
     quantizer_sets: tuple[QuantizerSet, QuantizerSet] = (noop_quantizer_set, noop_quantizer_set),
     *,
     intermediate_dropout_rate: float = 0.0,
@@ -597,6 +602,9 @@ def layernorm_mlp(
       activation_params: the clamped SwiGLU's parameters as TE's dict, keys ``limit`` (default
         7.0), ``alpha`` (1.702) and ``glu_linear_offset`` (1.0); None (default) for TE's
         defaults. Any other activation takes none.
+      collective_op_sets: TransformerEngine's collective GEMMs, one set per GEMM; only the
+        default (``noop_collective_op_set`` twice): XLA places the collectives that logical
+        axis rules ask for (``te_flax.collective``).
       quantizer_sets: one ``QuantizerSet`` per GEMM (default: no FP8).
       intermediate_dropout_rate: dropout probability of the activation output (default 0.0:
         none). The mask is drawn inside the op from ``intermediate_dropout_rng`` exactly as
@@ -701,14 +709,25 @@ def _check_dropout(
     return rate, tuple(canonical)
 
 
+def _check_collective_op_sets(collective_op_sets: object) -> None:
+    if not isinstance(collective_op_sets, Sequence) or len(collective_op_sets) != 2:
+        raise TypeError(
+            "collective_op_sets must be a pair of CollectiveOpSet (one per GEMM), got "
+            f"{collective_op_sets!r}; leave the default (no collective GEMMs)"
+        )
+    for index, collective_op_set in enumerate(collective_op_sets):
+        check_collective_op_set(collective_op_set, f"collective_op_sets[{index}]")
+
+
 def _apply(arguments: dict[str, Any], return_norm_output: bool) -> _Output:
     """Checks ``layernorm_mlp``'s arguments and runs the op."""
     (
         x, gamma, beta, kernels, biases, norm_type, zero_centered_gamma, epsilon,
         transpose_batch_sequence, norm_input_axes, dot_1_input_axes, dot_2_input_axes,
         kernel_1_axes, kernel_2_axes, ffn1_ckpt_name, ffn2_ckpt_name, activation_type,
-        activation_params, quantizer_sets,
+        activation_params, collective_op_sets, quantizer_sets,
     ) = (arguments[name] for name in _POSITIONAL)  # fmt: skip
+    _check_collective_op_sets(collective_op_sets)
     check.check_floating(x, "x")
     if x.ndim < 1:
         raise ValueError("x must have at least one axis (the hidden axis it is normalized over)")

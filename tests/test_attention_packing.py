@@ -113,6 +113,49 @@ def test_packed_transformer_layer_equals_documents_one_by_one(window):
     np.testing.assert_array_equal(grad_x[ids == 0], 0.0)
 
 
+def test_maxtext_initialises_on_a_dummy_descriptor_then_trains_packed():
+    """MaxText initialises its attention lazily on one dummy row with a dummy descriptor
+    (all-ones segment ids, the batch's real positions, the real batch of rows); then it applies
+    the layer to the packed batch with the real descriptor. The dummy is accepted as TE accepts
+    it, and the packed result is that of the documents run one by one."""
+    layer = te_nn.TransformerLayer(
+        hidden_size=HIDDEN, mlp_hidden_size=32, num_attention_heads=HEADS, hidden_dropout=0.0,
+        attention_dropout=0.0, enable_relative_embedding=False, enable_rotary_pos_emb=True,
+    )  # fmt: skip
+    ids, pos = _segments()
+    dummy = SequenceDescriptor.from_segment_ids_and_pos(
+        jnp.ones_like(jnp.asarray(ids)), jnp.asarray(pos)
+    )
+    variables = layer.init(
+        jax.random.key(0), jnp.ones((1, SEQ, HIDDEN)), attention_mask=dummy, deterministic=True
+    )
+    x = jax.random.normal(jax.random.key(1), (2, SEQ, HIDDEN))
+    real = SequenceDescriptor.from_segment_ids_and_pos(jnp.asarray(ids), jnp.asarray(pos))
+    packed = jax.jit(lambda v, x: layer.apply(v, x, attention_mask=real, deterministic=True))(
+        variables, x
+    )
+    for row, start, length in _documents():
+        alone = layer.apply(variables, x[row : row + 1, start : start + length], deterministic=True)
+        np.testing.assert_allclose(packed[row, start : start + length], alone[0], atol=2e-5)
+
+
+def test_one_row_of_queries_broadcasts_against_a_mask_of_a_larger_batch():
+    # As TransformerEngine's attention: the output takes the mask's batch.
+    q = jax.random.normal(jax.random.key(4), (1, SEQ, 2, 8))
+    mask = jnp.zeros((2, 1, SEQ, SEQ), jnp.uint8).at[1, :, :, SEQ // 2 :].set(1)
+    layer = te_nn.DotProductAttention(
+        head_dim=8, num_attention_heads=2, attn_mask_type="padding_causal"
+    )
+    out = layer.apply({}, q, q, q, mask)
+    assert out.shape == (2, SEQ, 2, 8)
+    np.testing.assert_allclose(out[0], layer.apply({}, q, q, q, mask[:1])[0], rtol=1e-6)
+    np.testing.assert_allclose(
+        out[1, : SEQ // 2], layer.apply({}, q[:, : SEQ // 2], q[:, : SEQ // 2],
+                                        q[:, : SEQ // 2], mask[1:, :, : SEQ // 2, : SEQ // 2])[0],
+        rtol=1e-5, atol=1e-6,
+    )  # fmt: skip
+
+
 def test_nnx_attention_takes_the_sequence_descriptor():
     from flax import nnx
 

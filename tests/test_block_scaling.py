@@ -3,6 +3,8 @@ against NumPy fake quantization and the unquantized references, and the errors."
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -22,9 +24,12 @@ from te_flax.quantize import (
     MXFP8BlockScaling,
     NVFP4BlockScaling,
     NVFP4Quantizer,
+    QuantizeMeta,
+    QuantizeMetaSet,
     QuantizerFactory,
     QuantizerSet,
     block_scaling,
+    factory,
 )
 from tests.helpers import (
     BLOCK_BACKWARD_TOLERANCE,
@@ -465,9 +470,35 @@ def test_recipe_arguments_are_checked():
         NVFP4BlockScaling(disable_stochastic_rounding=1)
 
 
-def test_stochastic_rounding_without_a_key_is_refused():
-    with pytest.raises(ValueError, match="sr_key"):
-        QuantizerFactory.create_set(fp8_recipe=NVFP4_SR)
+def test_stochastic_rounding_without_a_key_rounds_to_nearest_and_says_so_once(monkeypatch):
+    # TransformerEngine's result: a set made without an RNG state rounds to nearest.
+    monkeypatch.setattr(factory, "_WARNED_NO_KEY", [])
+    with pytest.warns(UserWarning, match=r"without an RNG key.*round to nearest"):
+        qs = QuantizerFactory.create_set(fp8_recipe=NVFP4_SR)
+    assert qs.dgrad.key is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process
+        assert QuantizerFactory.create_set(fp8_recipe=NVFP4_SR).dgrad.key is None
+
+
+def _nvfp4_set_with_te_state(state):
+    """An NVFP4 set made as TransformerEngine's modules make one: the gradient's RNG state
+    in its QuantizeMeta."""
+    meta = QuantizeMetaSet(
+        x=QuantizeMeta(),
+        kernel=QuantizeMeta(),
+        grad=QuantizeMeta(stochastic_rounding_rng_state=state),
+    )
+    return QuantizerFactory.create_set(fp8_recipe=NVFP4_SR, quantize_meta_set=meta)
+
+
+def test_transformer_engines_rng_state_is_the_stochastic_rounding_key():
+    state = jnp.array([1, 2, 3, 4], jnp.uint32)
+    first, again = _nvfp4_set_with_te_state(state), _nvfp4_set_with_te_state(state)
+    other = _nvfp4_set_with_te_state(state + 1)
+    data = [jax.random.key_data(qs.dgrad.key) for qs in (first, again, other)]
+    np.testing.assert_array_equal(data[0], data[1])
+    assert not np.array_equal(data[0], data[2])
 
 
 def test_a_set_mixing_block_and_tensor_scaling_is_refused():

@@ -56,9 +56,9 @@ class LayerNorm(LinenShell, LayerNormSpec):
     """
 
     @nn.compact
-    def __call__(self, inputs: Array) -> Array:
-        """``[batch..., hidden]`` -> ``[batch..., hidden]``."""
-        return self._run(inputs)
+    def __call__(self, x: Array) -> Array:
+        """``[batch..., hidden]`` -> ``[batch..., hidden]`` (TE's parameter name, ``x``)."""
+        return self._run(x)
 
 
 class DenseGeneral(LinenShell, DenseGeneralSpec):

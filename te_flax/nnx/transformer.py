@@ -178,16 +178,20 @@ class DotProductAttention(nnx.Module, DotProductAttentionSpec):
         query: Array,
         key: Array | None = None,
         value: Array | None = None,
-        mask: Array | None = None,
+        sequence_descriptor: Array | SequenceDescriptor | None = None,
         bias: Array | None = None,
         *,
         deterministic: bool = False,
+        mask: Array | SequenceDescriptor | None = None,
         score_mod_tensors: Mapping[str, Any] | None = None,
         score_mod_bprop_tensors: Mapping[str, Any] | None = None,
-        sequence_descriptor: Array | SequenceDescriptor | None = None,
     ) -> Array | tuple[Array, Array]:
         """``[batch, seq, heads, head_dim]`` (per ``qkv_layout``) -> the query's shape, and
-        the per-head max logit ``[heads]`` with ``return_max_logit``."""
+        the per-head max logit ``[heads]`` with ``return_max_logit``.
+
+        TransformerEngine's order: the fourth argument is the ``sequence_descriptor``, a
+        ``SequenceDescriptor`` or a mask array ``[batch, 1, q_len, kv_len]`` (True = masked
+        out); ``mask=`` (keyword) is its other name. Pass one of the two."""
         return self.forward(
             _NnxHost(self),
             query,

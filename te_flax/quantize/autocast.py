@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import jax
 
 from te_flax.quantize.recipes import DelayedScaling, Recipe, check_recipe
+from te_flax.sharding import MeshResource, global_shard_guard
 
 __all__ = ["autocast", "get_autocast_recipe"]
 
@@ -18,17 +19,21 @@ _ACTIVE_RECIPE = jax.make_user_context(default_value=None)
 
 
 @contextlib.contextmanager
-def autocast(enabled: bool = False, recipe: Recipe | None = None) -> Iterator[None]:
-    """Sets the recipe that ops and modules without an explicit recipe use.
+def autocast(
+    enabled: bool = False, recipe: Recipe | None = None, mesh_resource: MeshResource | None = None
+) -> Iterator[None]:
+    """Sets the recipe that ops and modules without an explicit recipe use, and the mesh axes.
 
     The recipe is read while a function is traced, and it is part of ``jax.jit``'s cache key:
     a jitted function called inside the context is traced for its recipe, even if it was
     compiled outside the context before. Contexts nest; leaving one restores the recipe that was
-    active before.
+    active before. ``te_flax.autocast`` is this function.
 
     Args:
       enabled: whether FP8 is on inside the context (default False, as in TransformerEngine).
       recipe: the recipe to use when enabled; None means ``DelayedScaling()``.
+      mesh_resource: TransformerEngine's names of the mesh axes (``te_flax.sharding``), active
+        inside the context as under ``global_shard_guard``; None keeps the active one.
 
     Example usage::
 
@@ -39,13 +44,18 @@ def autocast(enabled: bool = False, recipe: Recipe | None = None) -> Iterator[No
       Float8CurrentScaling
       >>> print(get_autocast_recipe())
       None
+      >>> from te_flax.sharding import MeshResource, global_mesh_resource
+      >>> with te_flax.autocast(enabled=True, mesh_resource=MeshResource(dp_resource="data")):
+      ...     print(global_mesh_resource().dp_resource)
+      data
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"autocast(enabled=...) must be a bool, got {enabled!r}")
     if enabled:
         recipe = DelayedScaling() if recipe is None else recipe
         check_recipe(recipe, "autocast(recipe=...)")
-    with _ACTIVE_RECIPE(recipe if enabled else None):
+    guard = contextlib.nullcontext() if mesh_resource is None else global_shard_guard(mesh_resource)
+    with guard, _ACTIVE_RECIPE(recipe if enabled else None):
         yield
 
 

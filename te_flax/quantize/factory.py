@@ -4,6 +4,7 @@ signatures (``create`` and ``create_set``), from a recipe or a ``ScalingMode``."
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping
 from typing import Any, Literal, cast, overload
 
@@ -179,12 +180,16 @@ class QuantizerFactory:
             ``save_only_these_names(checkpoint_name)`` keeps them rather than quantizing again.
           fp8_recipe: the recipe; None means the recipe of the active ``te_flax.autocast``,
             or no quantization outside of one (unless ``scaling_mode`` is given).
-          sr_key: the RNG key of stochastic rounding, required by ``NVFP4BlockScaling()``
-            unless ``disable_stochastic_rounding=True`` (each set gets its own key split from
-            it) and unused by the other recipes.
+          sr_key: the RNG key of stochastic rounding for ``NVFP4BlockScaling()`` (each set
+            gets its own key split from it), unused by the other recipes. Without one (nor
+            TransformerEngine's ``QuantizeMeta(stochastic_rounding_rng_state=...)`` in the
+            gradient's metadata) NVFP4 rounds to nearest, as TE's quantizers do, and a
+            warning says so once.
           quantize_meta_set: a ``QuantizeMetaSet`` of delayed-scaling state (``scale``,
             ``amax_history``) to start the ``x``, ``kernel`` and gradient quantizers from, as
             TransformerEngine's Flax modules pass it; optional here (fresh state otherwise).
+            The gradient's ``stochastic_rounding_rng_state`` (TE's ``(4,)`` uint32 RNG state)
+            is NVFP4's stochastic-rounding key.
 
         Returns:
           One ``QuantizerSet`` when ``n_quantizer_sets == 1``, else a tuple of them.
@@ -234,6 +239,7 @@ class QuantizerFactory:
                     )
             make = _recipe_set_maker(recipe, quantize_meta_set)
             scaling_mode = ScalingMode.NO_SCALING if recipe is None else None
+        sr_key = _key_from_meta(quantize_meta_set, sr_key)
         keys = _stochastic_rounding_keys(fp8_recipe, scaling_mode, sr_key, n_quantizer_sets)
         sets = tuple(make(key) for key in keys)
         if checkpoint_name is not None:
@@ -271,18 +277,57 @@ def _refuse_groups(n_groups: object, method: str) -> None:
         )
 
 
+# TransformerEngine's channel for the stochastic-rounding key: a QuantizeMeta keyword.
+_SR_STATE = "stochastic_rounding_rng_state"
+
+
+def _key_from_meta(meta_set: QuantizeMetaSet | None, sr_key: Array | None) -> Array | None:
+    """``sr_key``, or the key TransformerEngine's ``QuantizeMeta(stochastic_rounding_rng_state=
+    ...)`` of the gradient carries: its ``(4,)`` uint32 state, read as the key data of JAX's
+    ``rbg`` generator (the same four words), or a JAX key as it is."""
+    state = None if meta_set is None else meta_set.grad.get_kwargs_dictionary().get(_SR_STATE)
+    if state is None:
+        return sr_key
+    if sr_key is not None:
+        raise ValueError(
+            f"QuantizerFactory.create_set got both sr_key and QuantizeMeta({_SR_STATE}=...); "
+            "pass one of them"
+        )
+    state = jnp.asarray(state)
+    if jnp.issubdtype(state.dtype, jax.dtypes.prng_key):
+        return state
+    if state.shape != (4,) or state.dtype != jnp.uint32:
+        raise ValueError(
+            f"QuantizeMeta({_SR_STATE}=...) must be TransformerEngine's RNG state, uint32 of "
+            f"shape (4,), or a JAX key, got {state.dtype}{list(state.shape)}"
+        )
+    return jax.random.wrap_key_data(state, impl="rbg")
+
+
+# NVFP4 sets made without a key: said once per process, as TransformerEngine says nothing.
+_WARNED_NO_KEY: list[bool] = []
+
+
 def _stochastic_rounding_keys(
     recipe: Recipe | None, scaling_mode: ScalingMode | None, sr_key: Array | None, n: int
 ) -> list[Array | None]:
     recipe = get_autocast_recipe() if recipe is None and scaling_mode is None else recipe
     if isinstance(recipe, NVFP4BlockScaling) and recipe.stochastic_rounding:
         if sr_key is None:
-            raise ValueError(
-                "NVFP4BlockScaling() rounds gradients stochastically (TransformerEngine's "
-                "default), which needs an RNG key: pass sr_key=jax.random.key(...) (a new "
-                "one each step; modules draw it from the 'sr_rng' stream), or round to "
-                "nearest with NVFP4BlockScaling(disable_stochastic_rounding=True)"
-            )
+            # TransformerEngine's result: without an RNG state its quantizers round to nearest.
+            if not _WARNED_NO_KEY:
+                _WARNED_NO_KEY.append(True)
+                warnings.warn(
+                    "NVFP4BlockScaling() rounds gradients stochastically, but this quantizer "
+                    "set was made without an RNG key, so its gradients round to nearest (as "
+                    "TransformerEngine's do without stochastic_rounding_rng_state). Pass "
+                    "sr_key=jax.random.key(...) (a new one each step; modules draw it from the "
+                    "'sr_rng' stream) for stochastic rounding, or say round-to-nearest with "
+                    "NVFP4BlockScaling(disable_stochastic_rounding=True)",
+                    UserWarning,
+                    stacklevel=4,
+                )
+            return [None] * n
         return list(jax.random.split(sr_key, n))
     if sr_key is not None and scaling_mode is not None and scaling_mode.is_nvfp4_scaling:
         return list(jax.random.split(sr_key, n))
@@ -296,7 +341,10 @@ def _meta(meta_set: QuantizeMetaSet | None) -> tuple[dict[str, Any], ...]:
     for meta in metas:
         if not isinstance(meta, QuantizeMeta):
             raise TypeError(f"a QuantizeMetaSet holds QuantizeMeta, got {meta!r}")
-    return tuple(dict(meta.get_kwargs_dictionary()) for meta in metas)
+    # The stochastic-rounding state is the set's key (``_key_from_meta``), not a quantizer's.
+    return tuple(
+        {k: v for k, v in meta.get_kwargs_dictionary().items() if k != _SR_STATE} for meta in metas
+    )
 
 
 def _mode_set_maker(

@@ -116,3 +116,22 @@ def test_packed_attention_equals_te_segment_ids(parity_results):
         "FP8 state": 0.0,
     }
     assert error <= TOLERANCE
+
+
+def test_a_row_of_queries_broadcasts_against_the_masks_batch_as_in_te():
+    """MaxText's lazy init: one dummy row of queries with the real batch's mask."""
+    from transformer_engine.jax.flax import DotProductAttention as TEDotProductAttention
+
+    seq = 16
+    q = jax.random.normal(jax.random.key(0), (1, seq, 2, 8))
+    mask = jnp.zeros((2, 1, seq, seq), jnp.uint8).at[1, :, :, seq // 2 :].set(1)
+    options = dict(
+        head_dim=8,
+        num_attention_heads=2,
+        attn_mask_type="padding",
+        transpose_batch_sequence=False,
+    )
+    theirs = TEDotProductAttention(**options).apply({}, q, q, q, mask)
+    ours = te_nn.DotProductAttention(**options).apply({}, q, q, q, mask)
+    assert ours.shape == theirs.shape == (2, seq, 2, 8)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)

@@ -4,6 +4,7 @@ TransformerEngine 2.20.2's own, which builds quantizers on a CPU."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import jax.numpy as jnp
@@ -104,3 +105,31 @@ def test_recipe_kind_predicates(name):
     kinds = ("delayed", "float8_current_scaling", "float8_block_scaling", "mxfp8", "nvfp4")
     theirs, ours = getattr(ref.te_recipe, name)(), getattr(quantize, name)()
     assert {k: getattr(ours, k)() for k in kinds} == {k: getattr(theirs, k)() for k in kinds}
+
+
+def test_nvfp4_sets_take_their_stochastic_rounding_key_as_tes_do(monkeypatch):
+    """Without an RNG state TE's NVFP4 gradient quantizer rounds to nearest; with TE's
+    ``QuantizeMeta(stochastic_rounding_rng_state=...)`` it rounds stochastically. te_flax's
+    sets do the same (and say the first once)."""
+    from transformer_engine.common.recipe import NVFP4BlockScaling as TENVFP4
+
+    from te_flax.quantize import factory
+
+    monkeypatch.setattr(factory, "_WARNED_NO_KEY", [])
+
+    def make(api, recipe, state):
+        grad = (
+            api.QuantizeMeta()
+            if state is None
+            else api.QuantizeMeta(stochastic_rounding_rng_state=state)
+        )
+        metas = api.QuantizeMetaSet(x=api.QuantizeMeta(), kernel=api.QuantizeMeta(), grad=grad)
+        return api.QuantizerFactory.create_set(fp8_recipe=recipe, quantize_meta_set=metas)
+
+    for state in (None, jnp.array([5, 6, 7, 8], jnp.uint32)):
+        theirs = make(te_quantize, TENVFP4(), state)
+        context = pytest.warns(UserWarning) if state is None else contextlib.nullcontext()
+        with context:
+            ours = make(quantize, quantize.NVFP4BlockScaling(), state)
+        te_rounds = theirs.dgrad.stochastic_rounding_rng_state is not None
+        assert (ours.dgrad.key is not None) == te_rounds == (state is not None)

@@ -98,6 +98,65 @@ def test_same_names_take_tes_arguments():
     assert not wrong, wrong
 
 
+def _same_default(theirs: object, ours: object) -> bool:
+    """Two defaults that mean the same: equal values, or TE's and te_flax's objects of the same
+    kind (enums by name, collective-op sets by their ops, no-op quantizer sets)."""
+    if theirs is inspect.Parameter.empty or ours is inspect.Parameter.empty:
+        return theirs is ours
+    if isinstance(theirs, tuple) and isinstance(ours, tuple):
+        return len(theirs) == len(ours) and all(map(_same_default, theirs, ours))
+    if hasattr(theirs, "forward") and hasattr(theirs, "backward"):  # CollectiveOpSet
+        return (theirs.forward.name, theirs.backward.name) == (
+            ours.forward.name,
+            ours.backward.name,
+        )
+    if hasattr(theirs, "dgrad") and hasattr(theirs, "kernel"):  # QuantizerSet
+        fields = ("x", "kernel", "dgrad")
+        return all(getattr(theirs, f) is None and getattr(ours, f) is None for f in fields)
+    if hasattr(theirs, "name") and hasattr(ours, "name"):
+        return theirs.name == ours.name
+    return bool(theirs == ours)
+
+
+def _signature_differences(theirs, ours) -> list[str]:
+    """TE's parameters missing from ours, out of order, of another kind or default; te_flax
+    may add parameters after TE's, with defaults, and give a default to one TE requires (every
+    call TE accepts is accepted the same)."""
+    te_params, our_params = _parameters(theirs), _parameters(ours)
+    problems = []
+    for index, te_param in enumerate(te_params):
+        if index >= len(our_params) or our_params[index].name != te_param.name:
+            return [f"parameters {[p.name for p in our_params]}, TE {[p.name for p in te_params]}"]
+        ours_param = our_params[index]
+        if ours_param.kind != te_param.kind:
+            problems.append(f"{te_param.name}: {ours_param.kind} (TE {te_param.kind})")
+        required_by_te = te_param.default is inspect.Parameter.empty
+        if not required_by_te and not _same_default(te_param.default, ours_param.default):
+            problems.append(f"{te_param.name}={ours_param.default!r} (TE {te_param.default!r})")
+    extra = [p.name for p in our_params[len(te_params) :] if p.default is p.empty]
+    return problems + ([f"extra parameters without defaults: {extra}"] if extra else [])
+
+
+def test_same_names_take_tes_defaults_and_calls():
+    """Every "same" function has TE's defaults too, and every "same" Flax module's
+    ``__call__`` TE's parameters, in TE's order, with TE's defaults."""
+    wrong = {}
+    for name, (status, _) in status_rows().items():
+        if status != "same":
+            continue
+        theirs = _te_object(name)
+        ours = resolve(te_flax_path(name))
+        if inspect.isfunction(theirs):
+            problems = _signature_differences(theirs, ours)
+        elif inspect.isclass(theirs) and name.startswith("transformer_engine.jax.flax."):
+            problems = _signature_differences(theirs.__call__, ours.__call__)
+        else:
+            continue
+        if problems:
+            wrong[name] = problems
+    assert not wrong, wrong
+
+
 if __name__ == "__main__":
     header = [
         "# TransformerEngine 2.20.2's public JAX names (and its recipes), one per line,",
