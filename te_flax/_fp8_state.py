@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import jax
+import jax.numpy as jnp
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from jax import Array
 from jax.custom_derivatives import SymbolicZero
@@ -28,10 +29,12 @@ from te_flax.quantize import (
     QuantizerFactory,
     QuantizerSet,
     Recipe,
+    float32_state,
     get_autocast_recipe,
     merge_by_max,
     noop_quantizer_set,
 )
+from te_flax.quantize.max_merge import on_host
 
 __all__ = [
     "OVERWRITE_WITH_GRADIENT",
@@ -186,10 +189,11 @@ def hold_fp8_state() -> Iterator[None]:
     update it in a separate call), or not at all (a deliberately frozen scale).
 
     Outside it such a gradient is refused with a ``ValueError`` naming the fix, with and
-    without ``jit``: the state's update leaves a step as its gradient, so a step that
-    differentiates the parameters only would keep the initial scales for good. The check runs
-    when the step is traced: enter the context around the first call of a jitted step (or
-    around ``jax.grad`` itself).
+    without ``jit``, while the state has never been updated: the state's update leaves a step
+    as its gradient, so a loop that differentiates the parameters only would keep the initial
+    scales for good. (A state updated before is kept as it is without the context.) The
+    context is read when the step is traced: enter it around the first call of a jitted step
+    (or around ``jax.grad`` itself).
 
     Example usage::
 
@@ -236,18 +240,44 @@ _STALE_FIX = {
 def _stale_message(module: str, front_end: str) -> str:
     collection = "Fp8Meta variables" if front_end == "nnx" else f"{OVERWRITE_WITH_GRADIENT!r}"
     return (
-        f"{module}'s parameters are differentiated but its FP8 state ({collection}) is not: "
-        "the new FP8 state leaves a step as the gradient of that state, so this step drops it "
-        "and the amax history and scales never change. To fix it, "
+        f"{module}'s parameters are differentiated but its FP8 state ({collection}) is not, "
+        "and that state has never been updated: the new FP8 state leaves a step as the "
+        "gradient of that state, so this step drops it and the amax history and scales never "
+        "change. To fix it, "
         f"{_STALE_FIX[front_end]}. (Evaluation and gradients of the inputs only are fine; a "
         "deliberate gradient of the parameters alone runs inside "
         "te_flax.training.hold_fp8_state().)"
     )
 
 
-def _report_stale(module: str, front_end: str) -> None:
-    if not _HOLD.get():
-        raise ValueError(_stale_message(module, front_end))
+def _never_updated(state: Any) -> Array:
+    """Whether every amax history of ``state`` is still all zeros (a bool scalar)."""
+    histories = [
+        jnp.all(float32_state(leaf) == 0)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+        if jax.tree_util.keystr(path).endswith("_amax_history']")
+    ]
+    return jnp.all(jnp.stack(histories)) if histories else jnp.asarray(False)
+
+
+def _refuse_if_never_updated(module: str, front_end: str, state: Any) -> None:
+    """Refuses a gradient of the parameters alone while the FP8 state has never been updated
+    (a loop that drops the update keeps it so for good); a state updated before (by a step
+    that differentiated it, a separate update call as TransformerEngine's tests make, or a
+    checkpoint) is kept as it is. Concrete values are checked here; traced ones by the step
+    itself (a host callback raises the same message), so ``jit`` changes nothing."""
+    fresh = _never_updated(state)
+    message = _stale_message(module, front_end)
+    if not isinstance(fresh, jax.core.Tracer):
+        if bool(fresh):
+            raise ValueError(message)
+        return
+
+    def refuse(fresh: Any) -> None:
+        if bool(fresh):
+            raise ValueError(message)
+
+    on_host(refuse, fresh)
 
 
 def watch_fp8_state(module: str, front_end: str, params: P, state: S) -> tuple[P, S]:
@@ -256,8 +286,9 @@ def watch_fp8_state(module: str, front_end: str, params: P, state: S) -> tuple[P
     An identity with a custom VJP: JAX tells its forward rule which inputs are differentiated
     (``symbolic_zeros``), also inside ``scan``, ``remat`` and ``vmap``, and only when the step
     is differentiated at all. When some parameter is and no FP8 state is, the update would be
-    lost: that raises a ``ValueError``, under ``jit`` as outside it (``hold_fp8_state``
-    allows it). It runs while tracing and leaves nothing in the compiled program.
+    lost for good while the state has never been updated (all its amax histories are zero):
+    that raises a ``ValueError``, under ``jit`` as outside it (there from the step, through a
+    host callback); ``hold_fp8_state`` allows it. A state updated before is kept as it is.
 
     ``front_end`` is ``"linen"`` or ``"nnx"``: which fix the message names.
     """
@@ -272,10 +303,11 @@ def watch_fp8_state(module: str, front_end: str, params: P, state: S) -> tuple[P
         # With symbolic_zeros each leaf is a CustomVJPPrimal(value, perturbed).
         params_perturbed = any(leaf.perturbed for leaf in jax.tree.leaves(params))
         state_perturbed = any(leaf.perturbed for leaf in jax.tree.leaves(state))
-        if params_perturbed and not state_perturbed:
-            _report_stale(module, front_end)
         unwrap = lambda leaf: leaf.value  # noqa: E731
-        return (jax.tree.map(unwrap, params), jax.tree.map(unwrap, state)), None
+        state = jax.tree.map(unwrap, state)
+        if params_perturbed and not state_perturbed and not _HOLD.get():
+            _refuse_if_never_updated(module, front_end, state)
+        return (jax.tree.map(unwrap, params), state), None
 
     def backward(_: None, cotangents: Any) -> Any:
         # A cotangent that is a symbolic zero goes back as None (a zero).

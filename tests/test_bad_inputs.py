@@ -585,9 +585,6 @@ CASES = [
     case("linen-stale-fp8-state", _linen_gradient_of_params_only, ValueError,
          r"^DenseGeneral's parameters are differentiated but its FP8 state",
          r"differentiate the whole variable dict"),
-    case("linen-stale-fp8-state-jit", lambda: jax.jit(_linen_gradient_of_params_only)(),
-         ValueError, r"^DenseGeneral's parameters are differentiated but its FP8 state",
-         r"hold_fp8_state\(\)"),
     # ------------------------------------------------------------------ sharding
     case("sharding-rule-set-name", lambda: sharding.load_axis_rules("dp_tp_xx"),
          FileNotFoundError, r"no rule set 'dp_tp_xx'", r"the shipped ones are \[.*'dp'"),

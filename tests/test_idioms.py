@@ -124,10 +124,12 @@ def test_flax_guide_nnx_loop_is_refused_with_and_without_jit():
     model = _nnx_layer()
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     # Every traced step refuses, the second jitted function as the first: not once per process.
+    # Under jit the step raises it (a host callback: JaxRuntimeError carrying the message).
     for _ in range(2):
         step = _flax_guide_step(nnx.value_and_grad)
-        with pytest.raises(ValueError, match="update_fp8_state=True"):
-            step(model, optimizer, _x(0))
+        with pytest.raises(Exception, match="update_fp8_state=True"):
+            jax.block_until_ready(step(model, optimizer, _x(0)))
+            jax.effects_barrier()
     with pytest.raises(ValueError, match=r"te_flax\.nnx\.value_and_grad"):
         nnx.value_and_grad(lambda m: _mse(m, _x(0)))(model)
     with jax.disable_jit(), pytest.raises(ValueError, match="update_fp8_state=True"):
@@ -168,6 +170,26 @@ def test_update_fp8_state_refuses_gradients_without_fp8_state():
         te_nnx.update_fp8_state(model, grads)
 
 
+def test_transformer_engines_test_pattern_runs_params_only_after_a_state_update():
+    """TE's layer tests update the FP8 state in a separate call (differentiating the FP8
+    collection), then differentiate the parameters alone: the state, updated before, is
+    kept as it is, with and without jit."""
+    layer = _linen_layer()
+    variables = layer.init(jax.random.key(0), _x(0))
+    others = {FP8: variables[FP8]}
+
+    def loss(params, others, x):
+        return _linen_loss(layer)({"params": params, **others}, x)
+
+    for _ in range(2):  # TE's update call: the gradient of the FP8 collection is its new value
+        new_state = jax.grad(loss, argnums=1)(variables["params"], others, _x(0))
+        others = {FP8: new_state[FP8]}
+    assert float(others[FP8]["x_amax_history"][0]) > 0
+    eager = jax.grad(loss)(variables["params"], others, _x(0))
+    jitted = jax.jit(jax.grad(loss))(variables["params"], others, _x(0))
+    jax.tree.map(np.testing.assert_allclose, eager, jitted)
+
+
 def test_linen_gradient_of_params_only_is_refused():
     layer = _linen_layer()
     variables = layer.init(jax.random.key(0), _x(0))
@@ -175,8 +197,9 @@ def test_linen_gradient_of_params_only_is_refused():
     def loss(params, x):
         return _linen_loss(layer)({"params": params, FP8: variables[FP8]}, x)
 
-    with pytest.raises(ValueError, match=r"te_flax\.training\.value_and_grad"):
-        jax.jit(jax.grad(loss))(variables["params"], _x(0))
+    with pytest.raises(Exception, match=r"te_flax\.training\.value_and_grad"):
+        jax.block_until_ready(jax.jit(jax.grad(loss))(variables["params"], _x(0)))
+        jax.effects_barrier()
     with pytest.raises(ValueError, match="'_overwrite_with_gradient'"):
         jax.grad(loss)(variables["params"], _x(0))
     with hold_fp8_state():
@@ -207,8 +230,9 @@ def test_stale_state_is_seen_through_scan_and_remat():
 
         return body(jnp.zeros(()), model, xs)
 
-    with pytest.raises(ValueError, match="FP8 state"):
-        nnx.jit(nnx.grad(scanned))(model)
+    with pytest.raises(Exception, match="FP8 state"):
+        jax.block_until_ready(nnx.jit(nnx.grad(scanned))(model))
+        jax.effects_barrier()
     nnx.jit(te_nnx.value_and_grad(scanned))(model)  # and the right gradient passes
 
 

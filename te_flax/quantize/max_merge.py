@@ -265,8 +265,9 @@ def _has_gpu() -> bool:
         return False
 
 
-def _on_host(report: Callable[..., None], *arrays: Array) -> None:
-    """``report(*arrays)`` as a host callback of the traced program."""
+def on_host(report: Callable[..., None], *arrays: Array) -> None:
+    """``report(*arrays)`` as a host callback of the traced program (on the CPU program only
+    where the process has no GPU: a deviceless GPU compile cannot lower a callback)."""
     if _has_gpu():
         jax.debug.callback(report, *arrays)
         return
@@ -286,7 +287,7 @@ def _on_host(report: Callable[..., None], *arrays: Array) -> None:
 def _report_from_device(names: tuple[str, ...], flags: Array, factors: Array) -> None:
     """``_report`` as a host callback of the traced program: a summed state stops the program
     with the message (JAX raises it as a runtime error where the step's results are read)."""
-    _on_host(partial(_report, names), flags, factors)
+    on_host(partial(_report, names), flags, factors)
 
 
 class UncalibratedFp8StateWarning(UserWarning):
@@ -346,7 +347,7 @@ def check_calibrated(state: Any) -> None:
     names = tuple(path for path, _, _ in pairs)
     flags = jnp.stack([jnp.all(x == 0) & jnp.all(kernel == 0) for _, x, kernel in pairs])
     if isinstance(flags, jax.core.Tracer):
-        _on_host(partial(_warn_uncalibrated, names), flags)
+        on_host(partial(_warn_uncalibrated, names), flags)
     else:
         _warn_uncalibrated(names, np.asarray(flags))
 
