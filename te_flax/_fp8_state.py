@@ -266,18 +266,13 @@ def _refuse_if_never_updated(module: str, front_end: str, state: Any) -> None:
     that differentiated it, a separate update call as TransformerEngine's tests make, or a
     checkpoint) is kept as it is. Concrete values are checked here; traced ones by the step
     itself (a host callback raises the same message), so ``jit`` changes nothing."""
-    fresh = _never_updated(state)
     message = _stale_message(module, front_end)
-    if not isinstance(fresh, jax.core.Tracer):
-        if bool(fresh):
-            raise ValueError(message)
-        return
 
     def refuse(fresh: Any) -> None:
         if bool(fresh):
             raise ValueError(message)
 
-    on_host(refuse, fresh)
+    on_host(refuse, _never_updated(state))
 
 
 def watch_fp8_state(module: str, front_end: str, params: P, state: S) -> tuple[P, S]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +46,9 @@ from te_flax.quantize import (
 from te_flax.sharding import (
     LogicalAxes,
     gemm_out_sharding,
+    on_auto_axes,
     sharded_along,
+    spec_of,
     whole_last_axis,
     with_logical_constraint,
 )
@@ -71,9 +73,37 @@ __all__ = [
     "normalize",
     "normalize_backward",
     "one_pass_layouts",
+    "run_op",
     "saved_operand",
     "sum_to_bias",
 ]
+
+
+def run_op(
+    op: Callable[..., Any],
+    config: Any,
+    operands: tuple[Any, ...],
+    kernel: Array,
+    block_scaled: bool,
+    n_contract: int = 1,
+    norm_output: bool = False,
+) -> Any:
+    """``op(config, *operands)``: a fused op's ``custom_vjp``, ``operands[0]`` its input x.
+
+    On ``Explicit`` mesh axes (``config.grad_specs`` is set there) a block-scaled op runs with
+    the axes as ``Auto`` inside (``sharding.on_auto_axes``): its quantization reshapes sharded
+    axes into blocks, which JAX cannot type axis by axis. Its output then takes the sharding of
+    the GEMM of x (its ``n_contract`` trailing axes) by ``kernel`` that the op ends in, and its
+    norm output (``norm_output``) x's.
+    """
+    if config.grad_specs is None or not block_scaled:
+        return op(config, *operands)
+    x = operands[0]
+    contracting = (range(x.ndim - n_contract, x.ndim), range(n_contract))
+    out_spec = gemm_out_sharding(x, kernel, contracting)
+    out_specs = (out_spec, spec_of(x)) if norm_output else out_spec
+    config = dataclasses.replace(config, grad_specs=None)
+    return on_auto_axes(partial(op, config), out_specs, *operands)
 
 
 # ----------------------------------------------------------------------------- normalization

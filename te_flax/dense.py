@@ -21,6 +21,7 @@ from te_flax._stages import (
     dense_forward,
     input_uses,
     kernel_operand,
+    run_op,
     saved_operand,
 )
 from te_flax.collective import CollectiveOpSet, check_collective_op_set, noop_collective_op_set
@@ -40,8 +41,6 @@ from te_flax.sharding import (
     LogicalAxes,
     Specs,
     explicit_specs,
-    gemm_out_sharding,
-    on_auto_axes,
     vary_like,
     with_explicit_specs,
     with_logical_constraint,
@@ -290,12 +289,10 @@ def dense(
     )
     kernel, bias = vary_like(x, (kernel, bias))
     quantizer_set = float32_state(quantizer_set)
-    if config.grad_specs is not None and quantizer_set.block_scaled:
-        contracting = (range(x.ndim - n_contract, x.ndim), range(n_contract))
-        out_spec = gemm_out_sharding(x, kernel, contracting)
-        config = dataclasses.replace(config, grad_specs=None)
-        return on_auto_axes(partial(_dense, config), out_spec, x, kernel, bias, quantizer_set)
-    return _dense(config, x, kernel, bias, quantizer_set)
+    operands = (x, kernel, bias, quantizer_set)
+    return cast(
+        Array, run_op(_dense, config, operands, kernel, quantizer_set.block_scaled, n_contract)
+    )
 
 
 # ----------------------------------------------------------------------------- grouped_dense

@@ -22,6 +22,7 @@ from te_flax._stages import (
     norm_operand,
     normalize,
     normalize_backward,
+    run_op,
     saved_operand,
 )
 from te_flax.quantize import (
@@ -38,9 +39,6 @@ from te_flax.sharding import (
     LogicalAxes,
     Specs,
     explicit_specs,
-    gemm_out_sharding,
-    on_auto_axes,
-    spec_of,
     vary_like,
     with_explicit_specs,
     with_logical_constraint,
@@ -296,14 +294,13 @@ def _run(config: _Config, x: Array, *operands: Any) -> _Output:
     *params, quantizer_set = operands
     kernel, gamma, beta, bias = vary_like(x, tuple(params))
     quantizer_set = float32_state(quantizer_set)
-    if config.grad_specs is None or not quantizer_set.block_scaled:
-        return _layernorm_dense(config, x, kernel, gamma, beta, bias, quantizer_set)
-    # Block-scaled on Explicit axes: the op runs with them as Auto (sharding.on_auto_axes).
-    out_spec = gemm_out_sharding(x, kernel, ((x.ndim - 1,), (0,)))
-    out_specs = (out_spec, spec_of(x)) if config.return_norm_output else out_spec
-    config = dataclasses.replace(config, grad_specs=None)
     operands = (x, kernel, gamma, beta, bias, quantizer_set)
-    return on_auto_axes(partial(_layernorm_dense, config), out_specs, *operands)
+    block_scaled = quantizer_set.block_scaled
+    return cast(
+        _Output,
+        run_op(_layernorm_dense, config, operands, kernel, block_scaled,
+               norm_output=config.return_norm_output),
+    )  # fmt: skip
 
 
 def _config(

@@ -47,6 +47,7 @@ from te_flax._stages import (
     normalize,
     normalize_backward,
     one_pass_layouts,
+    run_op,
     saved_operand,
 )
 from te_flax.collective import CollectiveOpSet, check_collective_op_set, noop_collective_op_set
@@ -66,9 +67,6 @@ from te_flax.sharding import (
     LogicalAxes,
     Specs,
     explicit_specs,
-    gemm_out_sharding,
-    on_auto_axes,
-    spec_of,
     vary_like,
     with_explicit_specs,
     with_logical_constraint,
@@ -791,14 +789,11 @@ def _apply(arguments: dict[str, Any], return_norm_output: bool) -> _Output:
         lora_kernels = vary_like(x, lora_kernels)
     sets = float32_state((set_1, set_2))
     operands = (x, gamma, beta, kernels, biases, sets, dropout_rng, lora_kernels)
-    if config.grad_specs is not None and (set_1.block_scaled or set_2.block_scaled):
-        # Block-scaled on Explicit axes: the op runs with them as Auto (sharding.on_auto_axes).
-        out_spec = gemm_out_sharding(x, kernels[-1], ((x.ndim - 1,), (0,)))
-        out_specs = (out_spec, spec_of(x)) if return_norm_output else out_spec
-        config = dataclasses.replace(config, grad_specs=None)
-        output = on_auto_axes(partial(_layernorm_mlp, config), out_specs, *operands)
-    else:
-        output = _layernorm_mlp(config, *operands)
+    block_scaled = set_1.block_scaled or set_2.block_scaled
+    output = run_op(
+        _layernorm_mlp, config, operands, kernels[-1], block_scaled,
+        norm_output=return_norm_output,
+    )  # fmt: skip
     # Named outside the custom_vjp, where remat policies see the op's output as a value.
     if return_norm_output:
         out, norm_output = cast(tuple[Array, Array], output)

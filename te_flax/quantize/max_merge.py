@@ -266,8 +266,13 @@ def _has_gpu() -> bool:
 
 
 def on_host(report: Callable[..., None], *arrays: Array) -> None:
-    """``report(*arrays)`` as a host callback of the traced program (on the CPU program only
-    where the process has no GPU: a deviceless GPU compile cannot lower a callback)."""
+    """``report(*arrays)`` on the host: now for concrete arrays, and as a host callback of the
+    traced program for traced ones (on the CPU program only where the process has no GPU: a
+    deviceless GPU compile cannot lower a callback). An error ``report`` raises stops the
+    program, as a runtime error that carries its message."""
+    if not any(isinstance(array, jax.core.Tracer) for array in arrays):
+        report(*(np.asarray(array) for array in arrays))
+        return
     if _has_gpu():
         jax.debug.callback(report, *arrays)
         return
@@ -282,12 +287,6 @@ def on_host(report: Callable[..., None], *arrays: Array) -> None:
         return jnp.zeros((), jnp.int32)
 
     lax.platform_dependent(*arrays, cpu=on_cpu, default=elsewhere)
-
-
-def _report_from_device(names: tuple[str, ...], flags: Array, factors: Array) -> None:
-    """``_report`` as a host callback of the traced program: a summed state stops the program
-    with the message (JAX raises it as a runtime error where the step's results are read)."""
-    on_host(partial(_report, names), flags, factors)
 
 
 class UncalibratedFp8StateWarning(UserWarning):
@@ -306,14 +305,12 @@ def _warn_uncalibrated(names: tuple[str, ...], flags: np.ndarray) -> None:
     message = (
         f"FP8 state still uncalibrated after a training step: {', '.join(stale)} (the amax "
         "histories of each such GEMM's input and kernel are empty, its scales still 1). Those "
-        "layers "
-        "were not differentiated in the step (a frozen backbone, a layer used for features "
-        "only, a layer the step did not run), and delayed scaling updates its state only "
-        "through the gradient, so they quantize with scale 1 for good: inputs far from 1 clip "
-        "or underflow. To fix it, "
-        "give the frozen layers Float8CurrentScaling() (scales from each tensor, no state), or "
-        "differentiate their FP8 state and hold only their parameters (see "
-        "docs/training_loops.md, 'Frozen layers')."
+        "layers were not differentiated in the step (a frozen backbone, a layer used for "
+        "features only, a layer the step did not run), and delayed scaling updates its state "
+        "only through the gradient, so they quantize with scale 1 for good: inputs far from 1 "
+        "clip or underflow. To fix it, give the frozen layers Float8CurrentScaling() (scales "
+        "from each tensor, no state), or differentiate their FP8 state and hold only their "
+        "parameters (see docs/training_loops.md, 'Frozen layers')."
     )
     if message not in _WARNED:
         _WARNED.add(message)
@@ -346,10 +343,7 @@ def check_calibrated(state: Any) -> None:
         return
     names = tuple(path for path, _, _ in pairs)
     flags = jnp.stack([jnp.all(x == 0) & jnp.all(kernel == 0) for _, x, kernel in pairs])
-    if isinstance(flags, jax.core.Tracer):
-        on_host(partial(_warn_uncalibrated, names), flags)
-    else:
-        _warn_uncalibrated(names, np.asarray(flags))
+    on_host(partial(_warn_uncalibrated, names), flags)
 
 
 def check_merged(previous: Any, updated: Any) -> None:
@@ -393,9 +387,4 @@ def check_merged(previous: Any, updated: Any) -> None:
     if not pairs:
         return
     names, flags, factors = _check_rows(pairs)
-    if isinstance(flags, jax.core.Tracer):
-        _report_from_device(names, flags, factors)
-        return
-    flagged, leaf_factors = _flagged(names, np.asarray(flags), np.asarray(factors))
-    if flagged:
-        raise ValueError(_message(flagged, leaf_factors))
+    on_host(partial(_report, names), flags, factors)
