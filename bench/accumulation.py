@@ -202,7 +202,7 @@ def transformer_step_bytes(hidden: int, microbatches: int, fp8: bool) -> float:
     import flax.linen as nn
 
     from bench.te_peer import Shape, peer_layer
-    from te_flax._kernels import pallas_kernels
+    from te_flax._ops.kernels import pallas_kernels
 
     recipe = DelayedScaling() if fp8 else None
     batch, seq = 8, 512

@@ -29,7 +29,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from bench import h100  # noqa: E402
-from te_flax._kernels import pallas_kernels  # noqa: E402
+from te_flax._ops.kernels import pallas_kernels  # noqa: E402
 from te_flax.layernorm_mlp import layernorm_mlp  # noqa: E402
 from te_flax.quantize import Float8BlockScaling, Float8CurrentScaling, QuantizerFactory  # noqa: E402
 

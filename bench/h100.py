@@ -19,7 +19,7 @@ import jax
 
 from bench.memory import compiled_memory
 from bench.models import Candidate, make_grad_step
-from te_flax._hlo import (
+from te_flax._tools.hlo import (
     computation_rows,
     count_gemms,
     custom_call_targets,
@@ -121,7 +121,7 @@ def analyze(candidate: Candidate, kernels: str = "auto") -> dict:
     ``kernels`` is the setting of te_flax's Pallas kernel switch while the step is traced
     (``"0"``: the XLA stages; ``"auto"``, the default: the kernels, on this CUDA target).
     """
-    from te_flax._kernels import pallas_kernels
+    from te_flax._ops.kernels import pallas_kernels
 
     sharding = _sharding()
 

@@ -50,7 +50,8 @@ from bench.flax_model import FlaxBlock, ScannedLM  # noqa: E402
 from bench.h100 import _sharding, available  # noqa: E402
 from bench.models import AMAX_HISTORY_LEN  # noqa: E402
 from te_flax import attention as te_attention  # noqa: E402
-from te_flax._hlo import (  # noqa: E402
+from te_flax._ops.kernels import pallas_kernels  # noqa: E402
+from te_flax._tools.hlo import (  # noqa: E402
     _INDEX_COMMENT,
     _INSTRUCTION,
     _OPERAND_NAME,
@@ -59,7 +60,6 @@ from te_flax._hlo import (  # noqa: E402
     parse_gemms,
     shape_bytes,
 )
-from te_flax._kernels import pallas_kernels  # noqa: E402
 from te_flax.quantize import DelayedScaling  # noqa: E402
 from te_flax.training import merge_fp8_state  # noqa: E402
 

@@ -43,7 +43,7 @@ from flax.linen import fp8_ops  # noqa: E402
 
 from bench import h100  # noqa: E402
 from bench.timing import interleaved, paired_ratio, stats  # noqa: E402
-from te_flax._grouped import pack_rows, unpack_rows  # noqa: E402
+from te_flax._ops.grouped import pack_rows, unpack_rows  # noqa: E402
 from te_flax.dense import grouped_dense, grouped_quantizer_set  # noqa: E402
 from te_flax.quantize import DelayedScaling, QuantizerFactory, noop_quantizer_set  # noqa: E402
 
@@ -224,7 +224,7 @@ def _weight_gradient_pass_bytes(instructions: list[dict], case: MoECase) -> floa
 
 def h100_figures(case: MoECase) -> dict[str, dict]:
     """GEMMs, FLOPs and bytes of each variant's training step compiled for the H100."""
-    from te_flax._kernels import pallas_kernels
+    from te_flax._ops.kernels import pallas_kernels
 
     sharding = h100._sharding()
 

@@ -37,7 +37,7 @@ from bench.models import (
     _te_model,
     make_grad_step,
 )
-from te_flax._hlo import FP8_GEMM, parse_gemms
+from te_flax._tools.hlo import FP8_GEMM, parse_gemms
 from te_flax.quantize import DelayedScaling
 
 CASE = Case("LayerNormMLP", 1, 4096, 8192, 28672, ("silu", "linear"))
@@ -100,7 +100,7 @@ def modelled_ms(hlo_text: str, total_bytes: float) -> float:
 
 def _compiled(candidate: Candidate):
     """One training step of ``candidate`` compiled for the H100 (te_flax's kernels as for a GPU)."""
-    from te_flax._kernels import pallas_kernels
+    from te_flax._ops.kernels import pallas_kernels
 
     sharding = h100._sharding()
 

@@ -10,8 +10,8 @@ Each layer's training step (loss, gradients of the variables and the input) is c
 deviceless for the H100 of ``tests/data`` by both libraries, without FP8 and with delayed
 scaling; te_flax with its Pallas kernels (``auto``) and with the XLA stages. From the optimized
 HLO it reads every entry instruction's bytes (operands read once, results written once, as
-``te_flax._hlo`` counts them), the GEMMs and the other kernels. The step time is a MODEL, not a
-measurement: every non-GEMM kernel ``bytes / HBM bandwidth + 2 us``, the GEMMs together
+``te_flax._tools.hlo`` counts them), the GEMMs and the other kernels. The step time is a MODEL,
+not a measurement: every non-GEMM kernel ``bytes / HBM bandwidth + 2 us``, the GEMMs together
 ``max(flops / peak, GEMM bytes / HBM bandwidth) + 2 us`` each, with the layer's GEMM flops
 (the same GEMMs in both libraries). Also the wall time to trace and lower, and to compile.
 Writes ``bench/RESULTS_te_peer.md``. Not part of the test suite.
@@ -221,7 +221,7 @@ def compile_step(
         model = peer_layer(library, layer, s, None)
     else:
         import te_flax.linen as library
-        from te_flax._kernels import pallas_kernels
+        from te_flax._ops.kernels import pallas_kernels
         from te_flax.quantize import DelayedScaling
 
         fp8_recipe = DelayedScaling() if recipe == "delayed" else None
@@ -255,7 +255,7 @@ def compile_step(
 def _is_gemm(instruction: str) -> bool:
     """cuBLAS GEMMs (te_flax's, and TE's in XLA) and TE's own GEMM custom call; every other
     custom call (TE's norm, activation and quantize kernels) is described as ``GEMM <target>``
-    by ``te_flax._hlo``."""
+    by ``te_flax._tools.hlo``."""
     if instruction == "FP8 GEMM":
         return True
     target = instruction.removeprefix("GEMM ").lower()
@@ -264,7 +264,7 @@ def _is_gemm(instruction: str) -> bool:
 
 def summarize(hlo_text: str, layer: str, s: Shape, recipe: str) -> dict:
     """Bytes of the GEMMs and of every other kernel, the kernel count and the modelled time."""
-    from te_flax._hlo import entry_rows, shape_bytes
+    from te_flax._tools.hlo import entry_rows, shape_bytes
 
     rows = entry_rows(hlo_text)
     for row in rows:  # without a GEMM's workspace (TE's GEMM returns its own, as a byte array)
@@ -347,7 +347,7 @@ def model_step(
         fp8_recipe = None
     else:
         import te_flax.linen as library
-        from te_flax._kernels import pallas_kernels
+        from te_flax._ops.kernels import pallas_kernels
         from te_flax.quantize import DelayedScaling
 
         switch = "auto" if variant == "te_flax kernels" else "0"
@@ -403,7 +403,7 @@ def model_step(
             elapsed = time.perf_counter() - start
     hlo_text = compiled.as_text()
     # Every Pallas kernel call: in a partitioned program a kernel's call does not carry its name
-    # in the op_name that te_flax._hlo.kernel_names reads.
+    # in the op_name that te_flax._tools.hlo.kernel_names reads.
     pallas = sum('"__gpu$xla.gpu.triton"' in line for line in hlo_text.splitlines())
 
     summary = summarize(hlo_text, "TransformerLayer", s, recipe)  # bytes per device

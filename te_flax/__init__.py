@@ -7,9 +7,9 @@ The functional ops live in ``te_flax.layernorm``, ``te_flax.dense`` and
 
 import importlib.metadata
 
-from te_flax._autocast import autocast, fp8_autocast
-from te_flax._show_config import show_config
+from te_flax._tools.show_config import show_config
 from te_flax.inject import DEFAULT_RULES, QuantizeModelNote, QuantizeRule, quantize_model
+from te_flax.quantize.autocast import autocast, fp8_autocast
 from te_flax.sharding import MeshResource
 
 try:

@@ -47,8 +47,8 @@ import jax.numpy as jnp
 from jax import Array
 from jax.extend.core import jaxpr_as_fun
 
-from te_flax._fp8_state import OVERWRITE_WITH_GRADIENT
-from te_flax._jax_compat import partial_eval_jaxpr_nounits
+from te_flax._base.jax_compat import partial_eval_jaxpr_nounits
+from te_flax._layers.fp8_state import OVERWRITE_WITH_GRADIENT
 
 __all__ = ["accumulate_gradients", "split_microbatches"]
 

@@ -1,6 +1,6 @@
 """``activation``: TransformerEngine's activation op on the ``act`` axis, optionally quantized.
 
-The same activations as ``LayerNormMLP``'s (``te_flax._activations``): one name, or a gated
+The same activations as ``LayerNormMLP``'s (``te_flax._ops.activations``): one name, or a gated
 tuple such as ``("silu", "linear")`` (SwiGLU), applied to ``x [..., len(activation_type), H]``.
 """
 
@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from te_flax import _validation as check
-from te_flax._activations import (
+from te_flax._base import checks as check
+from te_flax._ops.activations import (
     ClampedSwigluParams,
     activation_backward,
     activation_forward,

@@ -50,14 +50,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
-from te_flax import _validation as check
-from te_flax._context_parallel import (
+from te_flax._base import checks as check
+from te_flax._ops.fp8_attention import AttentionQuantizers, fp8_context, fp8_logits
+from te_flax._ops.packing import SequenceDescriptor
+from te_flax._parallel.context import (
     ReorderStrategy,
     inverse_reorder_causal_load_balancing,
     reorder_causal_load_balancing,
 )
-from te_flax._fp8_attention import AttentionQuantizers, fp8_context, fp8_logits
-from te_flax._packing import SequenceDescriptor
 from te_flax.sharding import sharded_along
 
 __all__ = [
@@ -277,7 +277,7 @@ def dot_product_attention(
       softmax_offset: the learned sink logit of each head, broadcastable to ``[1, heads, 1,
         1]`` (TE's ``softmax_offset`` parameter), for ``softmax_type="learnable"`` only.
       quantizers: FP8 attention (a recipe's ``fp8_dpa``): the quantizer sets of the two
-        attention GEMMs, ``q . k`` and ``p . v`` (see ``te_flax._fp8_attention``); None
+        attention GEMMs, ``q . k`` and ``p . v`` (see ``te_flax._ops.fp8_attention``); None
         (default): high precision. Runs on the XLA attention.
 
     Returns:

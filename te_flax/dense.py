@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
-from te_flax import _grouped
-from te_flax import _validation as check
-from te_flax._kernels import traced_in_scan
-from te_flax._stages import (
+from te_flax._base import checks as check
+from te_flax._ops import grouped as _grouped
+from te_flax._ops.kernels import traced_in_scan
+from te_flax._ops.stages import (
     constrained,
     dense_backward,
     dense_forward,

@@ -23,9 +23,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import Array
 
-from te_flax import _inject
-from te_flax._fp8_state import SR_RNG, fresh_state, needs_sr_key, quantizer_set
-from te_flax._inject import OPS, fp8_reason, plan_product, postfix, run_plan
+from te_flax._layers.fp8_state import SR_RNG, fresh_state, needs_sr_key, quantizer_set
+from te_flax._ops import products as _inject
+from te_flax._ops.products import OPS, fp8_reason, plan_product, postfix, run_plan
 from te_flax.linen._base import fp8_variables
 from te_flax.nnx.inject import add_fp8_state, owner_quantizer_set
 from te_flax.quantize import Recipe

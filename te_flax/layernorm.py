@@ -8,8 +8,8 @@ from typing import NamedTuple
 import jax
 from jax import Array
 
-from te_flax import _validation as check
-from te_flax._stages import NormSpec, NormStats, normalize, normalize_backward
+from te_flax._base import checks as check
+from te_flax._ops.stages import NormSpec, NormStats, normalize, normalize_backward
 from te_flax.quantize import (
     TRAILING,
     BlockOperand,

@@ -9,9 +9,9 @@ from typing import Any, NamedTuple, cast
 import jax
 from jax import Array
 
-from te_flax import _validation as check
-from te_flax._kernels import traced_in_scan
-from te_flax._stages import (
+from te_flax._base import checks as check
+from te_flax._ops.kernels import traced_in_scan
+from te_flax._ops.stages import (
     NormSpec,
     NormStats,
     apply_norm,

@@ -21,16 +21,16 @@ from jax import Array, lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 
-from te_flax import _validation as check
-from te_flax._activations import (
+from te_flax._base import checks as check
+from te_flax._layers.lora import lora_delta
+from te_flax._ops.activations import (
     ClampedSwigluParams,
     activation_backward,
     canonical_activation_params,
     canonical_activation_type,
 )
-from te_flax._kernels import traced_in_scan
-from te_flax._lora import lora_delta
-from te_flax._stages import (
+from te_flax._ops.kernels import traced_in_scan
+from te_flax._ops.stages import (
     GradOperand,
     NormSpec,
     NormStats,
@@ -401,7 +401,7 @@ def _backward(
     d_pre_activation: Array | GradOperand
     if lora_kernels is None:
         # On GPUs under per-tensor FP8, one kernel computes the activation's backward and
-        # quantizes it for both GEMMs (see te_flax._kernels); elsewhere the XLA stages.
+        # quantizes it for both GEMMs (see te_flax._ops.kernels); elsewhere the XLA stages.
         d_pre_activation = activation_grad(
             d_activated,
             residuals.pre_activation,

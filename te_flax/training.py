@@ -68,7 +68,7 @@ import jax.numpy as jnp
 import optax
 from jax import Array
 
-from te_flax._fp8_state import OVERWRITE_WITH_GRADIENT, hold_fp8_state
+from te_flax._layers.fp8_state import OVERWRITE_WITH_GRADIENT, hold_fp8_state
 from te_flax.accumulate import accumulate_gradients, split_microbatches
 from te_flax.quantize import (
     DelayedScaling,

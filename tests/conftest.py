@@ -109,7 +109,7 @@ def pytest_collection_modifyitems(config, items):
 
 import pytest  # noqa: E402
 
-from te_flax._kernels import switch  # noqa: E402
+from te_flax._ops.kernels import switch  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from te_flax import attention as attn
-from te_flax._attention_specs import ATTENTION_FROM_MHA, MultiHeadAttentionSpec
-from te_flax._transformer import (
+from te_flax._layers.attention import ATTENTION_FROM_MHA, MultiHeadAttentionSpec
+from te_flax._layers.transformer import (
     ATTENTION_FROM_LAYER,
     MLP_FROM_LAYER,
     NORM_FROM_LAYER,
@@ -97,9 +97,9 @@ def test_shared_attribute_tables_name_real_fields(table, owner):
 
 
 def test_transformer_layer_names_its_sublayers_by_description_type():
-    from te_flax._attention_specs import RelativePositionBiasesSpec
-    from te_flax._composite import DropoutSpec
-    from te_flax._layers import LayerNormMLPSpec
+    from te_flax._layers.attention import RelativePositionBiasesSpec
+    from te_flax._layers.composite import DropoutSpec
+    from te_flax._layers.linear import LayerNormMLPSpec
 
     children = TransformerLayerSpec(hidden_size=32, num_attention_heads=4).children()
     kinds = {name: child.kind for name, child in children.items()}

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the gpu-compile extra (jax[cuda12])")
 
-from te_flax._kernels import pallas_kernels
+from te_flax._ops.kernels import pallas_kernels
 from te_flax.dense import dense
 from te_flax.quantize import Float8BlockScaling, QuantizerFactory
 from tests.gpu_target import h100_sharding

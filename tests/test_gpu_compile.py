@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the gpu-compile extra (jax[cuda12])")
 
-from te_flax._hlo import (
+from te_flax._tools.hlo import (
     FP8_GEMM,
     NON_FP8_GEMMS,
     Gemm,

@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the gpu-compile extra (jax[cuda12])")
 
 import te_flax.linen as te_nn
-from te_flax._hlo import FP8_GEMM, fused_attention_calls, gemms_left_to_fusions, parse_gemms
+from te_flax._tools.hlo import FP8_GEMM, fused_attention_calls, gemms_left_to_fusions, parse_gemms
 from te_flax.quantize import DelayedScaling, merge_by_max
 from tests.gpu_target import h100_sharding
 

@@ -34,7 +34,7 @@ from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 
 import te_flax.linen as te_nn
-from te_flax._hlo import FP8_GEMM, NON_FP8_GEMMS, Collective, parse_collectives, parse_gemms
+from te_flax._tools.hlo import FP8_GEMM, NON_FP8_GEMMS, Collective, parse_collectives, parse_gemms
 from te_flax.quantize import DelayedScaling, Float8CurrentScaling
 from te_flax.sharding import load_axis_rules, make_mesh, with_logical_constraint
 from te_flax.training import apply_gradients, init_optimizer, merge_fp8_state

@@ -22,8 +22,8 @@ import pytest
 
 pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the gpu-compile extra (jax[cuda12])")
 
-from te_flax._hlo import FP8_GEMM, kernel_names
-from te_flax._kernels import pallas_kernels
+from te_flax._ops.kernels import pallas_kernels
+from te_flax._tools.hlo import FP8_GEMM, kernel_names
 from te_flax.layernorm_dense import layernorm_dense
 from te_flax.layernorm_mlp import layernorm_mlp
 from te_flax.quantize import DelayedScaling, Float8CurrentScaling, QuantizerFactory

@@ -25,7 +25,7 @@ import pytest
 pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the gpu-compile extra (jax[cuda12])")
 
 from bench.model import compile_gpt_step, modelled
-from te_flax._jax_compat import pallas_triton_kept
+from te_flax._base.jax_compat import pallas_triton_kept
 from tests.gpu_target import h100_sharding
 
 pytestmark = pytest.mark.gpu_compile

@@ -26,7 +26,7 @@ from jax.experimental import topologies
 from jax.sharding import NamedSharding
 
 import te_flax.linen as te_nn
-from te_flax._kernels import pallas_kernels
+from te_flax._ops.kernels import pallas_kernels
 from te_flax.quantize import DelayedScaling
 from te_flax.sharding import load_axis_rules, make_mesh, with_logical_constraint
 from tests.gpu_target import TARGET_CONFIG

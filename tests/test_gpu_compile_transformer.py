@@ -40,7 +40,8 @@ import pytest
 pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the gpu-compile extra (jax[cuda12])")
 
 import te_flax.linen as te_nn
-from te_flax._hlo import (
+from te_flax._ops.kernels import pallas_kernels
+from te_flax._tools.hlo import (
     FP8_GEMM,
     NON_FP8_GEMMS,
     Gemm,
@@ -49,7 +50,6 @@ from te_flax._hlo import (
     kernel_names,
     parse_gemms,
 )
-from te_flax._kernels import pallas_kernels
 from te_flax.quantize import DelayedScaling
 from te_flax.training import merge_fp8_state
 from tests.gpu_target import h100_sharding

@@ -288,7 +288,7 @@ def test_capacity_lowering_with_the_quantize_kernel():
     """On GPUs the capacity lowering quantizes each expert's kernel with te_flax's Pallas
     kernel, batched over experts by vmap: the same values and state as the XLA stage (the
     kernel in interpret mode here)."""
-    from te_flax._kernels import pallas_kernels
+    from te_flax._ops.kernels import pallas_kernels
 
     x, kernel, _, cotangent = _inputs()
     state = _quantizer_set(RECIPES["delayed"])

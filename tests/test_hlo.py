@@ -1,6 +1,6 @@
 """The compiled-HLO reader the benches and the GPU-compile tests share."""
 
-from te_flax._hlo import computation_rows, entry_rows
+from te_flax._tools.hlo import computation_rows, entry_rows
 
 # Two instructions of an optimized module: a custom call returning a tuple of seven values (its
 # text carries ``/*index=5*/`` comments) and a fusion reading one of them.

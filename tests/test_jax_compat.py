@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import pytest
 
 import te_flax
-from te_flax import _jax_compat
-from te_flax._kernels import switch
+from te_flax._base import jax_compat as _jax_compat
+from te_flax._ops.kernels import switch
 from te_flax.accumulate import accumulate_gradients
 
 

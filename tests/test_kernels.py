@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from te_flax import _stages
-from te_flax._kernels import ENV_VAR, mode, pallas_kernels, traced_in_scan
+from te_flax._ops import stages as _stages
+from te_flax._ops.kernels import ENV_VAR, mode, pallas_kernels, traced_in_scan
 from te_flax.dense import dense
 from te_flax.layernorm_dense import layernorm_dense
 from te_flax.layernorm_mlp import layernorm_mlp
@@ -430,7 +430,7 @@ def test_activation_backward_in_float32():
     within one rounding (2**-8 relative) of the float32 derivative of the same inputs. The
     bfloat16 chain it replaced rounded after every operation: 12% mean relative error here,
     where ``1 + tanh`` cancels for negative inputs."""
-    from te_flax._activations import activation_backward, activation_forward
+    from te_flax._ops.activations import activation_backward, activation_forward
 
     activation_type = ("gelu", "linear")
     pre = (normal(jax.random.key(15), (64, 2, 48)) * 3.0).astype(jnp.bfloat16)

@@ -1,6 +1,6 @@
 """The Pallas kernels in programs partitioned over a mesh, on 8 CPU devices in interpret mode.
 
-Each kernel runs on every device's block (``te_flax._kernels.partition``): the results equal the
+Each kernel runs on every device's block (``te_flax._ops.kernels.partition``): the results equal the
 unpartitioned program's (float8 data and amax histories bit for bit, float32 gradients within
 their sum order), and the program has the collectives of the XLA-stage program, no gather added.
 """
@@ -18,14 +18,14 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from te_flax._hlo import parse_collectives
-from te_flax._kernels import (
+from te_flax._ops.kernels import (
     activation_grad_operand,
     activation_quantize_operand,
     pallas_kernels,
     tiled_quantize_operand,
 )
-from te_flax._kernels.partition import mesh_partitioned
+from te_flax._ops.kernels.partition import mesh_partitioned
+from te_flax._tools.hlo import parse_collectives
 from te_flax.layernorm_dense import layernorm_dense
 from te_flax.quantize import (
     LEADING,

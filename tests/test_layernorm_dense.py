@@ -19,7 +19,7 @@ import optax
 import pytest
 from jax import lax
 
-from te_flax import _validation
+from te_flax._base import checks as _validation
 from te_flax.layernorm_dense import layernorm_dense
 from te_flax.quantize import (
     DelayedScaling,

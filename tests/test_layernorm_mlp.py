@@ -14,8 +14,8 @@ import pytest
 from jax import lax
 from jax.test_util import check_grads
 
-from te_flax._activations import activation_forward
-from te_flax._lora import lora_delta
+from te_flax._layers.lora import lora_delta
+from te_flax._ops.activations import activation_forward
 from te_flax.dense import dense
 from te_flax.layernorm_dense import layernorm_dense_with_norm_output
 from te_flax.layernorm_mlp import layernorm_mlp, layernorm_mlp_with_norm_output

@@ -19,7 +19,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import te_flax.linen as te_nn
 import te_flax.nnx as te_nnx
-from te_flax._jax_compat import JAX_VERSION
+from te_flax._base.jax_compat import JAX_VERSION
 from te_flax.dense import dense
 from te_flax.quantize import (
     DelayedScaling,

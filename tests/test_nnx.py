@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 import te_flax
 import te_flax.linen as te_nn
 import te_flax.nnx as te_nnx
-from te_flax._fp8_state import check_state_matches
+from te_flax._layers.fp8_state import check_state_matches
 from te_flax.quantize import DelayedScaling, Float8CurrentScaling
 from te_flax.training import (
     OVERWRITE_WITH_GRADIENT,

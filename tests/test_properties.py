@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 
 import te_flax.linen as te_nn
 import te_flax.nnx as te_nnx
-from te_flax._activations import ACTIVATIONS
+from te_flax._ops.activations import ACTIVATIONS
 from te_flax.dense import dense
 from te_flax.layernorm import layernorm
 from te_flax.layernorm_dense import layernorm_dense

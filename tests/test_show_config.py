@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import te_flax
-from te_flax._show_config import fp8_gemm_is_native, native_fp8_gemm_in_hlo
+from te_flax._tools.show_config import fp8_gemm_is_native, native_fp8_gemm_in_hlo
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -253,7 +253,7 @@ def test_dense_takes_the_noop_collective_op_set_in_tes_position():
 
 
 def test_activation_is_the_mlps_activation_and_quantizes_its_output():
-    from te_flax._activations import activation_forward
+    from te_flax._ops.activations import activation_forward
     from te_flax.activation import activation
     from te_flax.quantize import QuantizerFactory
     from tests import helpers

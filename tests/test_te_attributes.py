@@ -17,8 +17,8 @@ from flax import nnx
 
 import te_flax.linen as te_nn
 import te_flax.nnx as te_nnx
-from te_flax import _stages
-from te_flax._kernels import pallas_kernels
+from te_flax._ops import stages as _stages
+from te_flax._ops.kernels import pallas_kernels
 from te_flax.attention import dot_product_attention
 from te_flax.dense import dense
 from te_flax.layernorm_mlp import layernorm_mlp
@@ -151,7 +151,7 @@ def test_clamped_swiglu_under_fp8_matches_the_fake_quantized_formula(recipe, sca
 
 
 def test_clamped_swiglu_backward_equals_autodiff_of_the_formula_at_the_clamps():
-    from te_flax._activations import activation_backward, canonical_activation_params
+    from te_flax._ops.activations import activation_backward, canonical_activation_params
 
     params = canonical_activation_params(CLAMPED, PARAMS)
     # Values on both sides of each clamp, and exactly on them.
@@ -163,7 +163,7 @@ def test_clamped_swiglu_backward_equals_autodiff_of_the_formula_at_the_clamps():
 
 
 def test_clamped_swiglu_runs_the_xla_stage_whatever_the_kernel_switch():
-    from te_flax._activations import canonical_activation_params
+    from te_flax._ops.activations import canonical_activation_params
 
     params = canonical_activation_params(CLAMPED, PARAMS)
     pre = normal(jax.random.key(0), (8, 2, INTERMEDIATE), scale=3.0)

@@ -12,7 +12,7 @@ from flax import nnx
 
 import te_flax.linen as te_nn
 import te_flax.nnx as te_nnx
-from te_flax._layers import LayerNormMLPSpec
+from te_flax._layers.linear import LayerNormMLPSpec
 from te_flax.quantize import DelayedScaling
 from tests.helpers import normal
 

@@ -11,7 +11,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax import Array
 
-from te_flax._fp8_state import (
+from te_flax._layers.fp8_state import (
     OVERWRITE_WITH_GRADIENT,
     SR_RNG,
     check_state_matches,
@@ -21,7 +21,7 @@ from te_flax._fp8_state import (
     resolve_recipe,
     state_names,
 )
-from te_flax._layers import _named_sets
+from te_flax._layers.linear import _named_sets
 from te_flax.quantize import QuantizerSet, Recipe
 
 __all__ = ["TransformerEngineBase", "fp8_variables"]

@@ -8,7 +8,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax import Array
 
-from te_flax._fp8_state import (
+from te_flax._base.checks import check_dtype
+from te_flax._layers.fp8_state import (
     SR_RNG,
     merge_reuse,
     needs_sr_key,
@@ -16,8 +17,7 @@ from te_flax._fp8_state import (
     resolve_recipe,
     watch_fp8_state,
 )
-from te_flax._layers import ParamSpec
-from te_flax._validation import check_dtype
+from te_flax._layers.linear import ParamSpec
 from te_flax.linen._base import TransformerEngineBase, fp8_variables
 from te_flax.quantize import Recipe
 

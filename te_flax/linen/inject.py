@@ -15,7 +15,7 @@ from typing import Any
 import flax.linen as nn
 from jax import Array
 
-from te_flax._inject import plan_product, run_plan
+from te_flax._ops.products import plan_product, run_plan
 from te_flax.dense import grouped_dense
 from te_flax.linen._base import TransformerEngineBase
 from te_flax.quantize import QuantizerSet, Recipe

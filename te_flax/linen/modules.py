@@ -1,6 +1,6 @@
 """The Linen modules: TransformerEngine's attributes, parameter names and FP8 variable names.
 
-Each module is its layer description (``te_flax._layers``: attributes, parameters, forward)
+Each module is its layer description (``te_flax._layers.linear``: attributes, parameters, forward)
 plus the Linen shell that creates the variables. Parameters carry logical axis names
 (``nn.with_logical_partitioning``); FP8 state lives in the ``_overwrite_with_gradient``
 collection, whose "gradient" is its new value (``te_flax.training`` applies it): differentiate
@@ -18,7 +18,7 @@ from __future__ import annotations
 import flax.linen as nn
 from jax import Array
 
-from te_flax._layers import (
+from te_flax._layers.linear import (
     DenseGeneralSpec,
     LayerNormDenseGeneralSpec,
     LayerNormMLPSpec,

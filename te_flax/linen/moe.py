@@ -1,11 +1,11 @@
-"""``MoEBlock``, Linen style: the mixture-of-experts block of ``te_flax._moe``."""
+"""``MoEBlock``, Linen style: the mixture-of-experts block of ``te_flax._layers.moe``."""
 
 from __future__ import annotations
 
 import flax.linen as nn
 from jax import Array
 
-from te_flax._moe import MoEBlockSpec
+from te_flax._layers.moe import MoEBlockSpec
 from te_flax.linen._base import fp8_variables
 from te_flax.linen._shell import LinenShell
 from te_flax.quantize import Recipe

@@ -26,24 +26,24 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax import Array
 
-from te_flax._attention_specs import (
+from te_flax._layers.attention import (
     DotProductAttentionSpec,
     MultiHeadAttentionSpec,
     RelativePositionBiasesSpec,
 )
-from te_flax._composite import Child, DropoutSpec
-from te_flax._fp8_attention import AttentionQuantizers, attention_quantizers
-from te_flax._kv_cache import CacheSlots
-from te_flax._layers import (
+from te_flax._layers.composite import Child, DropoutSpec
+from te_flax._layers.kv_cache import CacheSlots
+from te_flax._layers.linear import (
     DenseGeneralSpec,
     LayerNormDenseGeneralSpec,
     LayerNormMLPSpec,
     LayerNormSpec,
     ParamSpec,
 )
-from te_flax._moe import MoEBlockSpec
-from te_flax._packing import SequenceDescriptor
-from te_flax._transformer import TransformerLayerSpec, TransformerLayerType
+from te_flax._layers.moe import MoEBlockSpec
+from te_flax._layers.transformer import TransformerLayerSpec, TransformerLayerType
+from te_flax._ops.fp8_attention import AttentionQuantizers, attention_quantizers
+from te_flax._ops.packing import SequenceDescriptor
 from te_flax.linen import modules
 from te_flax.linen._base import fp8_variables
 from te_flax.linen._shell import create_param

@@ -6,7 +6,7 @@ from typing import Any
 
 from flax import nnx
 
-from te_flax._fp8_state import OVERWRITE_WITH_GRADIENT
+from te_flax._layers.fp8_state import OVERWRITE_WITH_GRADIENT
 
 __all__ = ["Fp8Meta"]
 

@@ -12,7 +12,8 @@ from flax import nnx
 from jax import Array
 from jax.typing import DTypeLike
 
-from te_flax._fp8_state import (
+from te_flax._base.checks import check_dtype, check_sizes
+from te_flax._layers.fp8_state import (
     SR_RNG,
     check_state_matches,
     fresh_state,
@@ -23,12 +24,11 @@ from te_flax._fp8_state import (
     state_names,
     watch_fp8_state,
 )
-from te_flax._validation import check_dtype, check_sizes
 from te_flax.nnx._fp8_meta import Fp8Meta
 from te_flax.quantize import QuantizerSet, Recipe
 
 if TYPE_CHECKING:
-    from te_flax._layers import ParamSpec
+    from te_flax._layers.linear import ParamSpec
 
 __all__ = ["NnxShell", "create_param", "logical_param", "set_attributes"]
 

@@ -25,7 +25,7 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
-from te_flax._fp8_state import OVERWRITE_WITH_GRADIENT
+from te_flax._layers.fp8_state import OVERWRITE_WITH_GRADIENT
 from te_flax.nnx._fp8_meta import Fp8Meta
 
 __all__ = ["linen_variables", "load_linen_variables"]

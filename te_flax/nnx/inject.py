@@ -15,9 +15,15 @@ from typing import Any
 from flax import nnx
 from jax import Array
 
-from te_flax._fp8_state import SR_RNG, fresh_state, needs_sr_key, quantizer_set, resolve_recipe
-from te_flax._inject import plan_product, run_plan
-from te_flax._layers import _named_sets
+from te_flax._layers.fp8_state import (
+    SR_RNG,
+    fresh_state,
+    needs_sr_key,
+    quantizer_set,
+    resolve_recipe,
+)
+from te_flax._layers.linear import _named_sets
+from te_flax._ops.products import plan_product, run_plan
 from te_flax.nnx._fp8_meta import Fp8Meta
 from te_flax.nnx._shell import NnxShell
 from te_flax.quantize import QuantizerSet, Recipe

@@ -18,13 +18,13 @@ from typing import Any
 from flax import nnx
 from jax import Array
 
-from te_flax._layers import (
+from te_flax._base.checks import check_sizes
+from te_flax._layers.linear import (
     DenseGeneralSpec,
     LayerNormDenseGeneralSpec,
     LayerNormMLPSpec,
     LayerNormSpec,
 )
-from te_flax._validation import check_sizes
 from te_flax.nnx._shell import NnxShell
 
 __all__ = ["DenseGeneral", "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP"]

@@ -1,4 +1,4 @@
-"""``MoEBlock``, NNX style: the mixture-of-experts block of ``te_flax._moe``."""
+"""``MoEBlock``, NNX style: the mixture-of-experts block of ``te_flax._layers.moe``."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import Array
 
-from te_flax._fp8_state import check_state_matches, resolve_recipe, state_names
-from te_flax._moe import MoEBlockSpec
+from te_flax._layers.fp8_state import check_state_matches, resolve_recipe, state_names
+from te_flax._layers.moe import MoEBlockSpec
 from te_flax.nnx._fp8_meta import Fp8Meta
 from te_flax.nnx._shell import NnxShell
 from te_flax.quantize import Recipe

@@ -21,29 +21,29 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import Array
 
-from te_flax._attention_specs import (
+from te_flax._layers.attention import (
     DotProductAttentionSpec,
     MultiHeadAttentionSpec,
     RelativePositionBiasesSpec,
 )
-from te_flax._composite import Child, DropoutSpec
-from te_flax._fp8_attention import (
-    FP8_ATTENTION_POSTFIXES,
-    AttentionQuantizers,
-    attention_quantizers,
-)
-from te_flax._fp8_state import fresh_state
-from te_flax._kv_cache import CacheSlots
-from te_flax._layers import (
+from te_flax._layers.composite import Child, DropoutSpec
+from te_flax._layers.fp8_state import fresh_state
+from te_flax._layers.kv_cache import CacheSlots
+from te_flax._layers.linear import (
     DenseGeneralSpec,
     LayerNormDenseGeneralSpec,
     LayerNormMLPSpec,
     LayerNormSpec,
     ParamSpec,
 )
-from te_flax._moe import MoEBlockSpec
-from te_flax._packing import SequenceDescriptor
-from te_flax._transformer import TransformerLayerSpec, TransformerLayerType
+from te_flax._layers.moe import MoEBlockSpec
+from te_flax._layers.transformer import TransformerLayerSpec, TransformerLayerType
+from te_flax._ops.fp8_attention import (
+    FP8_ATTENTION_POSTFIXES,
+    AttentionQuantizers,
+    attention_quantizers,
+)
+from te_flax._ops.packing import SequenceDescriptor
 from te_flax.nnx import modules
 from te_flax.nnx._fp8_meta import Fp8Meta
 from te_flax.nnx._shell import NnxShell, create_param, logical_param, set_attributes

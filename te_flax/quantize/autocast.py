@@ -1,8 +1,10 @@
-"""``autocast``: a context that sets the default FP8 recipe for code traced inside it."""
+"""``autocast``: a context that sets the default FP8 recipe for code traced inside it, and
+``fp8_autocast``, TransformerEngine's deprecated spelling of it."""
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 
 import jax
@@ -10,7 +12,7 @@ import jax
 from te_flax.quantize.recipes import DelayedScaling, Recipe, check_recipe
 from te_flax.sharding import MeshResource, global_shard_guard
 
-__all__ = ["autocast", "get_autocast_recipe"]
+__all__ = ["autocast", "fp8_autocast", "get_autocast_recipe"]
 
 # A jit-cache-sensitive context (recipes are frozen, hashable dataclasses): a function jitted
 # outside ``autocast`` and called inside it is traced again, so it cannot silently reuse the
@@ -63,3 +65,21 @@ def get_autocast_recipe() -> Recipe | None:
     """The recipe of the innermost enabled ``autocast`` context, or None outside of one."""
     recipe: Recipe | None = _ACTIVE_RECIPE.value
     return recipe
+
+
+@contextlib.contextmanager
+def fp8_autocast(
+    enabled: bool = False,
+    fp8_recipe: Recipe | None = None,
+    mesh_resource: MeshResource | None = None,
+) -> Iterator[None]:
+    """TransformerEngine's deprecated spelling of ``autocast`` (``fp8_recipe`` is ``recipe``);
+    it warns with a ``DeprecationWarning``, as TE's does."""
+    warnings.warn(
+        "fp8_autocast is deprecated (as in TransformerEngine); use "
+        "te_flax.autocast(enabled=..., recipe=..., mesh_resource=...) instead",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    with autocast(enabled=enabled, recipe=fp8_recipe, mesh_resource=mesh_resource):
+        yield

@@ -21,14 +21,14 @@ from jax import Array
 from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 
-from te_flax import _validation as check
-from te_flax._activations import (
+from te_flax._base import checks as check
+from te_flax._layers.lora import lora_delta, lora_shapes
+from te_flax._ops.activations import (
     ClampedSwigluParams,
     activation_forward,
     canonical_activation_params,
     canonical_activation_type,
 )
-from te_flax._lora import lora_delta, lora_shapes
 from te_flax.dense import dense
 from te_flax.layernorm import layernorm
 from te_flax.layernorm_dense import layernorm_dense, layernorm_dense_with_norm_output

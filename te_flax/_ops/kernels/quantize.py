@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.typing import DTypeLike
 
-from te_flax._kernels.common import block_amax, lowered_once, saturating_cast
+from te_flax._ops.kernels.common import block_amax, lowered_once, saturating_cast
 
 __all__ = ["Tiles", "layouts_call", "quantize_tiles", "store_quantized"]
 

@@ -3,9 +3,9 @@
 Its sublayers are named by their description types (``MultiHeadAttentionSpec``,
 ``LayerNormMLPSpec``, ``RelativePositionBiasesSpec``, ``LayerNormSpec``, ``DropoutSpec``), and the
 attributes it hands them are copied by the tables below (``ATTENTION_FROM_LAYER``,
-``MLP_FROM_LAYER``, ``NORM_FROM_LAYER``). ``te_flax._composite`` says how a description runs;
-the attention descriptions are ``te_flax._attention_specs``, the decoding cache
-``te_flax._kv_cache`` (both re-exported here).
+``MLP_FROM_LAYER``, ``NORM_FROM_LAYER``). ``te_flax._layers.composite`` says how a description runs;
+the attention descriptions are ``te_flax._layers.attention``, the decoding cache
+``te_flax._layers.kv_cache`` (both re-exported here).
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ import jax.numpy as jnp
 from jax import Array
 
 from te_flax import attention as attn
-from te_flax._attention_specs import (
+from te_flax._layers.attention import (
     DotProductAttentionSpec,
     MultiHeadAttentionSpec,
     RelativePositionBiasesSpec,
 )
-from te_flax._composite import (
+from te_flax._layers.composite import (
     Axes,
     Child,
     DropoutSpec,
@@ -35,9 +35,9 @@ from te_flax._composite import (
     positive_int,
     rate,
 )
-from te_flax._kv_cache import CacheSlots
-from te_flax._layers import LayerNormMLPSpec, LayerNormSpec
-from te_flax._moe import MoEBlockSpec
+from te_flax._layers.kv_cache import CacheSlots
+from te_flax._layers.linear import LayerNormMLPSpec, LayerNormSpec
+from te_flax._layers.moe import MoEBlockSpec
 from te_flax.quantize import Recipe
 from te_flax.sharding import with_logical_constraint
 

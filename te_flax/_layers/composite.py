@@ -1,6 +1,6 @@
 """What the layers made of other layers share: sublayer records, the host, attribute tables.
 
-A composite layer (attention, transformer) is a description like ``te_flax._layers``'s, with
+A composite layer (attention, transformer) is a description like ``te_flax._layers.linear``'s, with
 ``children(...)``, the sublayers it is made of as ``Child`` records naming each sublayer's
 *description type* (``LayerNormMLPSpec``, ``MultiHeadAttentionSpec``, ``DropoutSpec``...), and
 ``forward(host, ...)``, which reaches those sublayers, RNG streams, parameters and decoding
@@ -19,11 +19,11 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from te_flax import _validation as check
+from te_flax._base import checks as check
 
 if TYPE_CHECKING:
-    from te_flax._kv_cache import CacheSlots
-    from te_flax._layers import ParamSpec
+    from te_flax._layers.kv_cache import CacheSlots
+    from te_flax._layers.linear import ParamSpec
 
 __all__ = [
     "Axes",

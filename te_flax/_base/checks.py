@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from te_flax._stages import NormSpec
+from te_flax._ops.stages import NormSpec
 from te_flax.quantize import QuantizerSet
 
 __all__ = [

@@ -1,8 +1,8 @@
 """The attention layers' descriptions: ``DotProductAttention``, ``MultiHeadAttention`` and
 ``RelativePositionBiases`` (TransformerEngine's attributes, Flax's ``dtype``/``param_dtype``).
 
-See ``te_flax._composite`` for how a description names its sublayers and runs through a host;
-the functional attention is ``te_flax.attention``, the decoding cache ``te_flax._kv_cache``.
+See ``te_flax._layers.composite`` for how a description names its sublayers and runs through a host;
+the functional attention is ``te_flax.attention``, the decoding cache ``te_flax._layers.kv_cache``.
 """
 
 from __future__ import annotations
@@ -18,10 +18,9 @@ import jax.numpy as jnp
 from jax import Array
 from jax.ad_checkpoint import checkpoint_name
 
-from te_flax import _context_parallel as cp
-from te_flax import _kv_cache as kv_cache
 from te_flax import attention as attn
-from te_flax._composite import (
+from te_flax._layers import kv_cache
+from te_flax._layers.composite import (
     REQUIRED,
     Axes,
     Child,
@@ -34,9 +33,10 @@ from te_flax._composite import (
     positive_int,
     rate,
 )
-from te_flax._fp8_attention import AttentionQuantizers, attention_recipe
-from te_flax._layers import DenseGeneralSpec, LayerNormDenseGeneralSpec, ParamSpec
-from te_flax._packing import SequenceDescriptor, padding_mask, segment_ids_and_pos
+from te_flax._layers.linear import DenseGeneralSpec, LayerNormDenseGeneralSpec, ParamSpec
+from te_flax._ops.fp8_attention import AttentionQuantizers, attention_recipe
+from te_flax._ops.packing import SequenceDescriptor, padding_mask, segment_ids_and_pos
+from te_flax._parallel import context as cp
 from te_flax.quantize import Recipe
 from te_flax.sharding import with_logical_constraint
 

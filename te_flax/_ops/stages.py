@@ -19,8 +19,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.layout import Layout, with_layout_constraint
 from jax.typing import DTypeLike
 
-from te_flax._activations import ClampedSwigluParams, activation_backward, activation_forward
-from te_flax._kernels import (
+from te_flax._ops.activations import ClampedSwigluParams, activation_backward, activation_forward
+from te_flax._ops.kernels import (
     GradOperand,
     activation_grad_operand,
     activation_quantize_operand,
@@ -29,7 +29,7 @@ from te_flax._kernels import (
     norm_quantize_operand,
     tiled_quantize_operand,
 )
-from te_flax._kernels.blockwise import blockwise_gemm_kernel, whole_operands
+from te_flax._ops.kernels.blockwise import blockwise_gemm_kernel, whole_operands
 from te_flax.quantize import (
     LEADING,
     TRAILING,
@@ -213,7 +213,7 @@ def normalize_backward(
         return d_x.astype(x.dtype), d_gamma, d_beta
 
     # On GPUs one Pallas kernel reads d_out and x once and writes dx and partial sums of
-    # dgamma and dbeta (see te_flax._kernels); elsewhere the XLA stage.
+    # dgamma and dbeta (see te_flax._ops.kernels); elsewhere the XLA stage.
     return norm_backward_grads(
         d_out,
         x,
@@ -251,7 +251,7 @@ def norm_operand(
         return one_pass_layouts(quantize_operand(ln, quantizer, x.dtype, x.ndim - 1, uses), uses)
 
     # Per-tensor FP8 on GPUs: one Pallas kernel reads x and writes the float8 operand and the
-    # amax (see te_flax._kernels); elsewhere, and for other quantizers, the XLA stage.
+    # amax (see te_flax._ops.kernels); elsewhere, and for other quantizers, the XLA stage.
     gamma_1d = _effective_gamma(gamma, spec)  # f32[hidden]
     beta_1d = None if beta is None else beta.astype(jnp.float32)
     operand, new_quantizer = norm_quantize_operand(
@@ -364,7 +364,7 @@ def kernel_operand(
         return one_pass_layouts(quantized, uses, pin_row_major=in_scan)
 
     # Per-tensor FP8 on GPUs: one Pallas kernel reads the kernel once and writes the float8
-    # data in both layouts and the amax (see te_flax._kernels); elsewhere, and for a scanned
+    # data in both layouts and the amax (see te_flax._ops.kernels); elsewhere, and for a scanned
     # kernel (which a custom call would first copy out of its stack), the XLA stage.
     if in_scan:
         operand, new_quantizer = xla_stage()
@@ -723,7 +723,7 @@ def activation_operand(
 
     Per-tensor FP8 on GPUs: one kernel reads the pre-activation once and writes the float8
     activation in the layouts of both GEMMs that read it, and the amax; the activation in high
-    precision is never written (see te_flax._kernels). Elsewhere the XLA stage.
+    precision is never written (see te_flax._ops.kernels). Elsewhere the XLA stage.
     """
 
     def xla_stage() -> tuple[GemmOperand, Quantizer | None]:

@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.typing import DTypeLike
 
-from te_flax._kernels.common import RowBlocks, block_amax, lowered_once, saturating_cast
+from te_flax._ops.kernels.common import RowBlocks, block_amax, lowered_once, saturating_cast
 
 __all__ = ["norm_quantize"]
 

@@ -24,9 +24,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.typing import DTypeLike
 
-from te_flax._activations import activation_backward_of_slices
-from te_flax._kernels.common import block_amax, lowered_once, saturating_cast
-from te_flax._kernels.quantize import Tiles
+from te_flax._ops.activations import activation_backward_of_slices
+from te_flax._ops.kernels.common import block_amax, lowered_once, saturating_cast
+from te_flax._ops.kernels.quantize import Tiles
 
 __all__ = ["KERNEL_ACTIVATIONS", "activation_grad_tiles"]
 
@@ -100,7 +100,7 @@ def activation_grad_tiles(
       pre_activation: ``[rows, n_act * intermediate]``, the slices side by side.
       grad: ``[rows, intermediate]``, the gradient of the activation's output.
       scale_inv: f32 ``[1]``, the dequantization scale.
-      activation_type: the canonical activation names (see ``te_flax._activations``).
+      activation_type: the canonical activation names (see ``te_flax._ops.activations``).
       q_dtype: the float8 dtype, or None for the amax partials (and column sums) only.
       with_bias: also return the column sums (for the bias gradient).
       interpret: run in Pallas interpret mode (off GPUs).

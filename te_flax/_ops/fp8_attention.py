@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
-from te_flax._fp8_state import quantizer_set as _quantizer_set
+from te_flax._layers.fp8_state import quantizer_set as _quantizer_set
 from te_flax.quantize import (
     CurrentScaleQuantizer,
     DelayedScaleQuantizer,

@@ -35,7 +35,7 @@ from te_flax.quantize import QuantizerSet, float32_state, scaling
 from te_flax.router import drop_over_capacity
 
 if TYPE_CHECKING:
-    from te_flax._moe import MoEBlockSpec, RoutingStats
+    from te_flax._layers.moe import MoEBlockSpec, RoutingStats
 
 __all__ = [
     "check_expert_count",

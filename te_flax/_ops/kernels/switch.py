@@ -35,8 +35,8 @@ from typing import Any, TypeVar
 import jax
 from jax import lax
 
-from te_flax._jax_compat import is_batch_tracer, pallas_triton_kept, traced_for_scan
-from te_flax._kernels.partition import mesh_partitioned
+from te_flax._base.jax_compat import is_batch_tracer, pallas_triton_kept, traced_for_scan
+from te_flax._ops.kernels.partition import mesh_partitioned
 
 __all__ = ["AUTO", "ENV_VAR", "MODES", "dispatch", "mode", "pallas_kernels", "traced_in_scan"]
 
@@ -136,7 +136,7 @@ def traced_in_scan(x: Any) -> bool:
     The XLA stage reads the slice in its cast instead, so the ops quantize such kernels there.
     A kernel closed over by a scan from outside it (a decoding loop's weights) is traced
     outside the body and keeps the kernel. (JAX has no public query for this:
-    ``te_flax._jax_compat.traced_for_scan``.)
+    ``te_flax._base.jax_compat.traced_for_scan``.)
     """
     return traced_for_scan(x)
 

@@ -14,14 +14,14 @@ import jax.numpy as jnp
 from jax import Array
 from jax.typing import DTypeLike
 
-from te_flax._kernels.activation_grad import KERNEL_ACTIVATIONS, activation_grad_tiles
-from te_flax._kernels.activation_quantize import activation_quantize_tiles
-from te_flax._kernels.common import RowBlocks, row_blocks
-from te_flax._kernels.norm_backward import norm_backward
-from te_flax._kernels.norm_quantize import norm_quantize
-from te_flax._kernels.partition import Reduction, mesh_partitioned, per_shard
-from te_flax._kernels.quantize import quantize_tiles
-from te_flax._kernels.switch import dispatch
+from te_flax._ops.kernels.activation_grad import KERNEL_ACTIVATIONS, activation_grad_tiles
+from te_flax._ops.kernels.activation_quantize import activation_quantize_tiles
+from te_flax._ops.kernels.common import RowBlocks, row_blocks
+from te_flax._ops.kernels.norm_backward import norm_backward
+from te_flax._ops.kernels.norm_quantize import norm_quantize
+from te_flax._ops.kernels.partition import Reduction, mesh_partitioned, per_shard
+from te_flax._ops.kernels.quantize import quantize_tiles
+from te_flax._ops.kernels.switch import dispatch
 from te_flax.quantize import scaling
 from te_flax.quantize.quantizer import (
     LEADING,

@@ -5,7 +5,7 @@ An optional pre-norm, the router (``te_flax.router``: a float32 gate GEMM, top-k
 aux loss, the capacity), the permutation (``te_flax.permutation``), two grouped GEMMs
 (``te_flax.dense.grouped_dense``) around a (gated) activation, and the weighted combine. With
 a mesh whose axis the logical name ``"exp"`` maps to, the experts are split over that axis
-and the tokens travel to them by ``all_to_all`` (``te_flax._expert_parallel``).
+and the tokens travel to them by ``all_to_all`` (``te_flax._parallel.experts``).
 
 Why one ``wi_kernel [E, hidden, n_act, intermediate]`` rather than TransformerEngine's split
 ``wi_0`` / ``wi_1``: it is LayerNormMLP's ``wi_kernel`` with an expert axis in front, so a
@@ -27,18 +27,8 @@ import jax.numpy as jnp
 from jax import Array, lax
 from jax.sharding import PartitionSpec
 
-from te_flax._activations import (
-    activation_forward,
-    canonical_activation_params,
-    canonical_activation_type,
-)
-from te_flax._expert_parallel import (
-    check_expert_count,
-    expert_parallel_forward,
-    expert_parallel_size,
-)
-from te_flax._fp8_state import fresh_state
-from te_flax._layers import (
+from te_flax._layers.fp8_state import fresh_state
+from te_flax._layers.linear import (
     Dropout,
     Initializer,
     Params,
@@ -48,6 +38,16 @@ from te_flax._layers import (
     _param,
     default_kernel_init,
     zeros,
+)
+from te_flax._ops.activations import (
+    activation_forward,
+    canonical_activation_params,
+    canonical_activation_type,
+)
+from te_flax._parallel.experts import (
+    check_expert_count,
+    expert_parallel_forward,
+    expert_parallel_size,
 )
 from te_flax.dense import grouped_dense
 from te_flax.layernorm import layernorm

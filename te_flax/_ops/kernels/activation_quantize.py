@@ -22,9 +22,9 @@ from jax import Array
 from jax.experimental.pallas import triton as plgpu
 from jax.typing import DTypeLike
 
-from te_flax._activations import activation_of_slices
-from te_flax._kernels.common import lowered_once
-from te_flax._kernels.quantize import Tiles, layouts_call, store_quantized
+from te_flax._ops.activations import activation_of_slices
+from te_flax._ops.kernels.common import lowered_once
+from te_flax._ops.kernels.quantize import Tiles, layouts_call, store_quantized
 
 __all__ = ["activation_quantize_tiles"]
 
@@ -66,7 +66,7 @@ def activation_quantize_tiles(
     Args:
       pre_activation: ``[rows, n_act * intermediate]``, the slices side by side.
       scale_inv: f32 ``[1]``, the dequantization scale.
-      activation_type: the canonical activation names (see ``te_flax._activations``).
+      activation_type: the canonical activation names (see ``te_flax._ops.activations``).
       q_dtype: the float8 dtype, or None to compute the amax partials only.
       layouts: which float8 results to write: ``[rows, intermediate]``, ``[intermediate,
         rows]``.

@@ -13,7 +13,7 @@ through Pallas' Triton lowering, and anywhere in interpret mode (tests).
 - ``norm_backward``: dx, dgamma and dbeta of the norm (kernel 3).
 """
 
-from te_flax._kernels.operands import (
+from te_flax._ops.kernels.operands import (
     GradOperand,
     activation_grad_operand,
     activation_quantize_operand,
@@ -21,7 +21,7 @@ from te_flax._kernels.operands import (
     norm_quantize_operand,
     tiled_quantize_operand,
 )
-from te_flax._kernels.switch import ENV_VAR, dispatch, mode, pallas_kernels, traced_in_scan
+from te_flax._ops.kernels.switch import ENV_VAR, dispatch, mode, pallas_kernels, traced_in_scan
 
 __all__ = [
     "ENV_VAR",

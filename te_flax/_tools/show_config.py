@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from te_flax._hlo import native_fp8_gemm
-from te_flax._jax_compat import TESTED_RANGE, outside_tested_range
+from te_flax._base.jax_compat import TESTED_RANGE, outside_tested_range
+from te_flax._tools.hlo import native_fp8_gemm
 
 __all__ = ["fp8_gemm_is_native", "native_fp8_gemm_in_hlo", "show_config"]
 

@@ -1,0 +1,1 @@
+"""Tools: the optimized-HLO reader and show_config."""
