@@ -60,9 +60,9 @@ def _record_amax_only(quantizer: DelayedScaleQuantizer, amax_value):
 @contextlib.contextmanager
 def without(parts: tuple[str, ...]) -> Iterator[None]:
     """The step with ``parts`` of the state bookkeeping stubbed out (see the module docstring)."""
-    saved = (training._keep_unused, training.check_merged, DelayedScaleQuantizer.update)
+    saved = (training.keep_unused, training.check_merged, DelayedScaleQuantizer.update)
     if "keep_unused" in parts:
-        training._keep_unused = lambda new, old: new
+        training.keep_unused = lambda new, old: new
     if "check_merged" in parts:
         training.check_merged = lambda old, new: None
     if "scale_update" in parts:
@@ -70,7 +70,7 @@ def without(parts: tuple[str, ...]) -> Iterator[None]:
     try:
         yield
     finally:
-        training._keep_unused, training.check_merged, DelayedScaleQuantizer.update = saved
+        training.keep_unused, training.check_merged, DelayedScaleQuantizer.update = saved
 
 
 class UnrolledGPT(nn.Module):

@@ -247,7 +247,8 @@ def process_signature(app, what, name, obj, options, signature, return_annotatio
             part = "*" + part
         if parameter.annotation is not parameter.empty:
             annotation = parameter.annotation
-            part += ": " + (annotation if isinstance(annotation, str) else repr(annotation))
+            # An NNX module's signature holds types (``described_by``), a Linen one strings.
+            part += ": " + inspect.formatannotation(annotation)
         if parameter.default is not parameter.empty:
             part += " = " + _default_text(parameter.default)
         parts.append(part)

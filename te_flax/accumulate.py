@@ -47,8 +47,9 @@ import jax.numpy as jnp
 from jax import Array
 from jax.extend.core import jaxpr_as_fun
 
+from te_flax._base.checks import check_positive_int
 from te_flax._base.jax_compat import partial_eval_jaxpr_nounits
-from te_flax._layers.fp8_state import OVERWRITE_WITH_GRADIENT
+from te_flax.quantize.state import OVERWRITE_WITH_GRADIENT
 
 __all__ = ["accumulate_gradients", "split_microbatches"]
 
@@ -66,8 +67,7 @@ def split_microbatches(batch: Any, num_microbatches: int) -> Any:
       >>> split_microbatches({"x": jnp.ones((8, 3))}, 4)["x"].shape
       (4, 2, 3)
     """
-    if not isinstance(num_microbatches, int) or num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}")
+    check_positive_int(num_microbatches, "num_microbatches", "1 means no accumulation")
 
     def split(leaf: Array) -> Array:
         if leaf.ndim == 0 or leaf.shape[0] % num_microbatches:

@@ -38,27 +38,34 @@ Two TransformerEngine options run on the XLA maths only, on every platform:
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
-from functools import partial
-from typing import Any, cast
+from typing import Any, NamedTuple
 
 import einops
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import Array, lax
+from jax import Array
 
 from te_flax._base import checks as check
-from te_flax._ops.fp8_attention import AttentionQuantizers, fp8_context, fp8_logits
+from te_flax._ops.attention import (
+    broadcast_batch,
+    check_qkv,
+    check_window,
+    keep_mask,
+    sink_logit,
+    xla_attention,
+)
+from te_flax._ops.fp8_attention import AttentionQuantizers
 from te_flax._ops.packing import SequenceDescriptor
+from te_flax._ops.score_mod import ScoreMod as ScoreMod
+from te_flax._ops.score_mod import score_modifier
 from te_flax._parallel.context import (
     ReorderStrategy,
     inverse_reorder_causal_load_balancing,
     reorder_causal_load_balancing,
 )
-from te_flax.sharding import sharded_along
 
 __all__ = [
     "BIAS_TYPES",
@@ -75,9 +82,6 @@ __all__ = [
     "reorder_causal_load_balancing",
     "rotary_pos_emb",
 ]
-
-# score_mod(score, tensors) -> modified score; score_mod_bprop(grad, tensors) -> grad of score.
-ScoreMod = Callable[[Array, dict[str, Any]], Array]
 
 MASK_TYPES = (
     "no_mask",
@@ -134,90 +138,6 @@ def canonical_bias_type(attn_bias_type: object, bias: Array | None) -> str:
             "leave attn_bias_type=None to follow the bias"
         )
     return name
-
-
-def _check_window(window_size: Sequence[int] | None) -> tuple[int, int] | None:
-    if window_size is None:
-        return None
-    window = tuple(window_size)
-    if len(window) != 2 or not all(isinstance(w, int) and w >= -1 for w in window):
-        raise ValueError(
-            f"window_size must be None or (left, right) ints >= -1 (-1: unbounded), got "
-            f"{window_size!r}"
-        )
-    return None if window == (-1, -1) else window
-
-
-def _keep_mask(
-    padding: Array | None,
-    causal: bool,
-    q_len: int,
-    kv_len: int,
-    window: tuple[int, int] | None,
-    q_offset: Array | int,
-) -> Array | None:
-    """The positions to attend as a boolean ``[batch or 1, 1, q_len, kv_len]`` (True: keep).
-
-    ``padding`` is TE's mask (True: masked out) or None. ``q_offset`` is the position of the
-    first query among the keys (a decoding step's cache index, or the bottom-right shift);
-    causality and windows are measured from there.
-    """
-    keep = None if padding is None else jnp.logical_not(padding)
-    query = jnp.arange(q_len)[:, None] + q_offset  # [q, 1] absolute positions
-    keys = jnp.arange(kv_len)[None, :]  # [1, kv]
-    limits = []
-    if causal:
-        limits.append(keys <= query)
-    if window is not None:
-        left, right = window
-        if left >= 0:
-            limits.append(keys >= query - left)
-        if right >= 0:
-            limits.append(keys <= query + right)
-    for limit in limits:
-        limit = limit[None, None]  # [1, 1, q, kv]
-        keep = limit if keep is None else jnp.logical_and(keep, limit)
-    return keep
-
-
-def _broadcast_batch(query: Array, key: Array, value: Array) -> tuple[Array, Array, Array]:
-    """The three with one batch where some have a batch of 1 (numpy's broadcasting, as
-    TransformerEngine's attention): a row of queries rotated by a batch of packed positions
-    meets its value row, for instance. Other mismatches are left to ``_check_qkv``."""
-    batches = {t.shape[0] for t in (query, key, value) if getattr(t, "ndim", 0) == 4}
-    if len(batches) != 2 or 1 not in batches:
-        return query, key, value
-    batch = max(batches)
-    return tuple(  # type: ignore[return-value]
-        jnp.broadcast_to(t, (batch, *t.shape[1:])) if t.ndim == 4 else t
-        for t in (query, key, value)
-    )
-
-
-def _check_qkv(query: Array, key: Array, value: Array) -> None:
-    for name, array in (("query", query), ("key", key), ("value", value)):
-        check.check_floating(array, name)
-        if array.ndim != 4:
-            raise ValueError(
-                f"{name} must be [batch, seq, heads, head_dim], got shape {array.shape}; add "
-                "the missing axes, e.g. split the hidden axis into heads x head_dim"
-            )
-    if key.shape != value.shape:
-        raise ValueError(f"key {key.shape} and value {value.shape} must have the same shape")
-    if query.shape[0] != key.shape[0] or query.shape[3] != key.shape[3]:
-        raise ValueError(
-            f"query {query.shape} and key {key.shape} must agree in batch and head_dim"
-        )
-    if query.shape[2] % key.shape[2]:
-        raise ValueError(
-            f"query has {query.shape[2]} heads, key/value {key.shape[2]}: the query heads must "
-            "be a multiple of the key/value heads (GQA groups)"
-        )
-    if query.dtype != key.dtype or key.dtype != value.dtype:
-        raise TypeError(
-            f"query, key and value must share one dtype, got {query.dtype}, {key.dtype}, "
-            f"{value.dtype}"
-        )
 
 
 def dot_product_attention(
@@ -284,25 +204,61 @@ def dot_product_attention(
       ``[batch, q_len, heads, head_dim]`` in the dtype of ``query``; with
       ``return_max_logit``, ``(output, max_logit)`` with ``max_logit`` ``[heads]`` in that dtype.
     """
-    query, key, value = _broadcast_batch(query, key, value)
-    _check_qkv(query, key, value)
+    # The arguments, checked and put in canonical form.
+    query, key, value = broadcast_batch(query, key, value)
+    check_qkv(query, key, value)
     mask_type = canonical_mask_type(attn_mask_type)
     bias_type = canonical_bias_type(attn_bias_type, bias)
-    window = _check_window(window_size)
+    window = check_window(window_size)
     check.check_rate(dropout_rate, "dropout_rate")
-    batch, q_len, heads = query.shape[:3]
-    kv_len = key.shape[1]
-    if bias is not None:
-        check.check_floating(bias, "bias")
-        check.check_broadcastable(
-            bias, (batch, heads, q_len, kv_len), "bias", "[batch, heads, q_len, kv_len]"
-        )
+    _check_bias(bias, query, key)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    modify = _score_modifier(score_mod, score_mod_bprop, score_mod_tensors, score_mod_bprop_tensors)
+    modify = score_modifier(score_mod, score_mod_bprop, score_mod_tensors, score_mod_bprop_tensors)
     check.check_bool(return_max_logit, "return_max_logit")
-    sink = _sink_logit(canonical_softmax_type(softmax_type), softmax_offset, heads)
-    xla_only = modify is not None or return_max_logit or sink is not None
+    sink = sink_logit(canonical_softmax_type(softmax_type), softmax_offset, query.shape[2])
+    xla_only = _xla_only(implementation, modify, return_max_logit, sink, quantizers)
+    # What the logits go through: scale, bias, masks, dropout.
+    padding, (query, key, value) = _padding_mask(mask, mask_type, query, key, value)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale_factor is None else float(scale_factor)
+    bias = _float32_bias(bias, bias_type, scale)
+    masks = _masks(padding, mask_type, window, q_offset, query.shape[1], key.shape[1])
+    dropout = (
+        (dropout_rate, dropout_rng) if dropout_rate > 0.0 and dropout_rng is not None else None
+    )
+    # cuDNN's fused attention where it applies, else the XLA attention.
+    chosen = "xla" if xla_only else implementation or _fused_implementation(query)
+    if chosen == "cudnn":
+        fused = _cudnn_attention(query, key, value, bias, masks, scale, dropout, implementation)
+        if fused is not None:
+            return fused
+    out, max_logit = xla_attention(
+        query, key, value, masks.keep, bias, scale, dropout, modify, return_max_logit, sink,
+        quantizers,
+    )  # fmt: skip
+    if max_logit is None:
+        return out
+    return out, max_logit.astype(query.dtype)
+
+
+def _check_bias(bias: Array | None, query: Array, key: Array) -> None:
+    if bias is not None:
+        batch, q_len, heads = query.shape[:3]
+        check.check_floating(bias, "bias")
+        check.check_broadcastable(
+            bias, (batch, heads, q_len, key.shape[1]), "bias", "[batch, heads, q_len, kv_len]"
+        )
+
+
+def _xla_only(
+    implementation: str | None,
+    score_mod: Callable[[Array], Array] | None,
+    return_max_logit: bool,
+    sink: Array | None,
+    quantizers: AttentionQuantizers | None,
+) -> bool:
+    """Whether the options need the XLA attention; refuses them with ``"cudnn"``."""
+    xla_only = score_mod is not None or return_max_logit or sink is not None
     if xla_only and implementation == "cudnn":
         raise ValueError(
             "score_mod, return_max_logit and the softmax types with a sink run on the XLA "
@@ -315,230 +271,125 @@ def dot_product_attention(
             "attention. Use implementation='xla' or None, or leave fp8_dpa=False for cuDNN's "
             "16-bit flash attention"
         )
-    xla_only = xla_only or quantizers is not None
+    return xla_only or quantizers is not None
+
+
+def _padding_mask(
+    mask: Array | None, mask_type: str, query: Array, key: Array, value: Array
+) -> tuple[Array | None, tuple[Array, Array, Array]]:
+    """The boolean padding mask (True: masked out) of a padding mask type, broadcastable to
+    ``[batch, 1, q_len, kv_len]`` (None for the other types), and the query, key and value,
+    broadcast to the mask's batch where they have a batch of 1."""
     if "padding" in mask_type and mask is None:
         raise ValueError(
             f"attn_mask_type={mask_type!r} needs a mask ([batch, 1, q_len, kv_len], True = "
             "masked out); pass one, or use 'causal' / 'no_mask'"
         )
-    if mask is not None and mask.ndim == 5 and mask.shape[1:3] == (1, 1):
+    if mask is None or "padding" not in mask_type:
+        return None, (query, key, value)
+    if mask.ndim == 5 and mask.shape[1:3] == (1, 1):
         mask = mask[:, 0]  # TE's rank-5 form [batch, 1, 1, q_len, kv_len]
-    if mask is not None and "padding" in mask_type:
-        if not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.integer)):
-            raise TypeError(
-                f"mask must be boolean or integer (True / nonzero = masked out), got {mask.dtype}"
-            )
-        if batch == 1 and mask.ndim == 4 and mask.shape[0] > 1:
-            # As TransformerEngine: one row of queries broadcasts against the mask's batch
-            # (MaxText initialises its attention on one dummy row with the real batch's
-            # sequence descriptor); the output has the mask's batch.
-            batch = mask.shape[0]
-            query, key, value = (
-                jnp.broadcast_to(t, (batch, *t.shape[1:])) for t in (query, key, value)
-            )
-        check.check_broadcastable(
-            mask, (batch, 1, q_len, kv_len), "mask", "[batch, 1, q_len, kv_len]"
+    if not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.integer)):
+        raise TypeError(
+            f"mask must be boolean or integer (True / nonzero = masked out), got {mask.dtype}"
         )
-        mask = mask.astype(jnp.bool_)  # TE's examples pass uint8 0/1 masks
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale_factor is None else float(scale_factor)
-    if bias is not None:
-        bias = bias.astype(jnp.float32)
-        if bias_type == "pre_scale_bias":
-            # (q.k + bias) * scale == q.k * scale + bias * scale.
-            bias = bias * jnp.float32(scale)
+    batch, q_len = query.shape[:2]
+    if batch == 1 and mask.ndim == 4 and mask.shape[0] > 1:
+        # As TransformerEngine: one row of queries broadcasts against the mask's batch
+        # (MaxText initialises its attention on one dummy row with the real batch's
+        # sequence descriptor); the output has the mask's batch.
+        batch = mask.shape[0]
+        query, key, value = (
+            jnp.broadcast_to(t, (batch, *t.shape[1:])) for t in (query, key, value)
+        )
+    check.check_broadcastable(
+        mask, (batch, 1, q_len, key.shape[1]), "mask", "[batch, 1, q_len, kv_len]"
+    )
+    return mask.astype(jnp.bool_), (query, key, value)  # TE's examples pass uint8 0/1 masks
+
+
+def _float32_bias(bias: Array | None, bias_type: str, scale: float) -> Array | None:
+    """The bias to add to the scaled logits, in float32."""
+    if bias is None:
+        return None
+    bias = bias.astype(jnp.float32)
+    if bias_type == "pre_scale_bias":
+        # (q.k + bias) * scale == q.k * scale + bias * scale.
+        bias = bias * jnp.float32(scale)
+    return bias
+
+
+class _Masks(NamedTuple):
+    """The masks of one attention call, as the XLA attention and cuDNN's take them."""
+
+    keep: Array | None  # every position to attend, [batch or 1, 1, q_len, kv_len], or None
+    # cuDNN's: a top-left causal mask and its window are left to jax (is_causal /
+    # local_window_size) so that cuDNN can use its own masks; the rest is cudnn_keep.
+    cudnn_keep: Array | None
+    is_causal: bool
+    cudnn_window: tuple[int, int] | None
+
+
+def _masks(
+    padding: Array | None,
+    mask_type: str,
+    window: tuple[int, int] | None,
+    q_offset: Array | int,
+    q_len: int,
+    kv_len: int,
+) -> _Masks:
+    """The masks of a mask type, a padding mask (True: masked out, or None), a window and the
+    queries' offset among the keys."""
     shift = kv_len - q_len if mask_type.endswith("bottom_right") else 0
     decoding = not (isinstance(q_offset, int) and q_offset == 0)
-    padding = mask if "padding" in mask_type else None
     # A decoding step is causal whatever the type: cached keys past its position are empty.
     causal = "causal" in mask_type or decoding
-    top_left_causal = causal and shift == 0 and not decoding
-    if top_left_causal:
-        # Left to jax as is_causal / local_window_size, so that cuDNN can use its own masks.
-        keep = _keep_mask(padding, False, q_len, kv_len, None, 0)
-        jax_window = None if window is None else _jax_window(window, q_len, kv_len)
-    else:
-        keep = _keep_mask(padding, causal, q_len, kv_len, window, q_offset + shift)
-        jax_window = None
-    if keep is not None:
-        keep = jnp.broadcast_to(keep, (keep.shape[0], 1, q_len, kv_len))
-    dropout = (
-        (dropout_rate, dropout_rng) if dropout_rate > 0.0 and dropout_rng is not None else None
-    )
-    chosen = implementation or _fused_implementation(query)
-    if xla_only:
-        chosen = "xla"
-    if chosen == "cudnn" and dropout is None:
-        try:
-            return jax.nn.dot_product_attention(
-                query,
-                key,
-                value,
-                bias,
-                keep,
-                scale=scale,
-                is_causal=top_left_causal,
-                local_window_size=jax_window,
-                implementation="cudnn",
-            )
-        except (ValueError, NotImplementedError):
-            if implementation == "cudnn":  # asked for explicitly: say why it does not apply
-                raise
-    elif chosen == "cudnn" and implementation == "cudnn":
-        raise ValueError("implementation='cudnn' has no attention dropout; use 'xla' or None")
-    if top_left_causal:
-        keep = _and(keep, _keep_mask(None, True, q_len, kv_len, window, 0))
-    out, max_logit = _xla_attention(
-        query, key, value, keep, bias, scale, dropout, modify, return_max_logit, sink, quantizers
-    )
-    if max_logit is None:
-        return out
-    return out, max_logit.astype(query.dtype)
+    if not causal or shift != 0 or decoding:
+        keep = keep_mask(padding, causal, q_len, kv_len, window, q_offset + shift)
+        keep = _full_keep(keep, q_len, kv_len)
+        return _Masks(keep, keep, is_causal=False, cudnn_window=None)
+    padding_keep = _full_keep(keep_mask(padding, False, q_len, kv_len, None, 0), q_len, kv_len)
+    keep = _and(padding_keep, keep_mask(None, True, q_len, kv_len, window, 0))
+    cudnn_window = None if window is None else _jax_window(window, q_len, kv_len)
+    return _Masks(keep, padding_keep, is_causal=True, cudnn_window=cudnn_window)
 
 
-def _sink_logit(softmax_type: str, softmax_offset: Array | None, heads: int) -> Array | None:
-    """The attention sink's logit ``[1, heads, 1, 1]`` in float32, or None (vanilla)."""
-    if softmax_type != "learnable":
-        if softmax_offset is not None:
-            raise ValueError(
-                f"softmax_offset is the learned sink of softmax_type='learnable'; with "
-                f"softmax_type={softmax_type!r} pass softmax_offset=None"
-            )
-        return None if softmax_type == "vanilla" else jnp.zeros((1, 1, 1, 1), jnp.float32)
-    if softmax_offset is None:
-        raise ValueError(
-            "softmax_type='learnable' needs softmax_offset, the sink logit of each head "
-            f"([1, {heads}, 1, 1]; the attention modules create it as a parameter)"
-        )
-    softmax_offset = jnp.asarray(softmax_offset)
-    check.check_floating(softmax_offset, "softmax_offset")
-    if softmax_offset.size not in (1, heads):
-        raise ValueError(
-            f"softmax_offset must hold one logit per head ({heads}) or one for all, got shape "
-            f"{softmax_offset.shape}"
-        )
-    return jnp.reshape(softmax_offset.astype(jnp.float32), (1, -1, 1, 1))
+def _full_keep(keep: Array | None, q_len: int, kv_len: int) -> Array | None:
+    return None if keep is None else jnp.broadcast_to(keep, (keep.shape[0], 1, q_len, kv_len))
 
 
-def _check_callback(callback: object, name: str, arguments: str) -> None:
-    """Raises a clear error unless ``callback`` can be called as ``name(<arguments>)``."""
-    if not callable(callback):
-        raise TypeError(f"{name} must be a function {name}({arguments}) or None, got {callback!r}")
-    try:
-        signature = inspect.signature(callback)
-    except (TypeError, ValueError):  # a builtin without a signature: trust it
-        return
-    try:
-        signature.bind(*arguments.split(", "))
-    except TypeError:
-        raise TypeError(
-            f"{name} must take two arguments, {name}({arguments}), and return the float32 "
-            f"scores' {'gradient' if 'grad' in arguments else 'modification'}, but its "
-            f"signature is {name}{signature}. TransformerEngine's callbacks build a cuDNN graph "
-            f"({name}(graph, ...)); in te_flax write the same function on jax.Arrays, without "
-            "the graph (e.g. graph.mul(score, t['s']) becomes score * t['s'])"
-        ) from None
-
-
-def _tensors(tensors: Mapping[str, Any] | None, name: str) -> dict[str, Any]:
-    if tensors is None:
-        return {}
-    if not isinstance(tensors, Mapping):
-        raise TypeError(f"{name} must be a dict of arrays or numbers, or None, got {tensors!r}")
-    # As in TE, the tensors are auxiliary inputs: no gradient flows into them.
-    return {k: lax.stop_gradient(jnp.asarray(v)) for k, v in tensors.items()}
-
-
-def _score_modifier(
-    score_mod: object,
-    score_mod_bprop: object,
-    score_mod_tensors: Mapping[str, Any] | None,
-    score_mod_bprop_tensors: Mapping[str, Any] | None,
-) -> Callable[[Array], Array] | None:
-    """The float32 scores -> modified scores, with ``score_mod_bprop`` as its backward."""
-    if score_mod is None:
-        given = [
-            name
-            for name, value in (
-                ("score_mod_bprop", score_mod_bprop),
-                ("score_mod_tensors", score_mod_tensors),
-                ("score_mod_bprop_tensors", score_mod_bprop_tensors),
-            )
-            if value is not None
-        ]
-        if given:
-            raise ValueError(f"{', '.join(given)} given without score_mod; pass score_mod too")
+def _cudnn_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    bias: Array | None,
+    masks: _Masks,
+    scale: float,
+    dropout: tuple[float, Array] | None,
+    implementation: str | None,
+) -> Array | None:
+    """cuDNN's fused attention, or None where it does not apply (the XLA attention runs then),
+    unless ``implementation="cudnn"`` asked for it: then the reason is raised."""
+    if dropout is not None:
+        if implementation == "cudnn":
+            raise ValueError("implementation='cudnn' has no attention dropout; use 'xla' or None")
         return None
-    _check_callback(score_mod, "score_mod", "score, tensors")
-    tensors = _tensors(score_mod_tensors, "score_mod_tensors")
-    forward = cast(ScoreMod, score_mod)
-    if score_mod_bprop is None:
-        return lambda score: _modified(forward, score, tensors)
-    _check_callback(score_mod_bprop, "score_mod_bprop", "grad, tensors")
-    bprop_tensors = _tensors(score_mod_bprop_tensors, "score_mod_bprop_tensors")
-    backward = cast(ScoreMod, score_mod_bprop)
-    return lambda score: _modified_with_bprop(forward, backward, score, tensors, bprop_tensors)
-
-
-def _modified(score_mod: ScoreMod, score: Array, tensors: dict[str, Any]) -> Array:
-    modified = jnp.asarray(score_mod(score, tensors))
-    if modified.shape != score.shape:
-        raise ValueError(
-            f"score_mod must return scores of the shape it was given, {score.shape} ([batch, "
-            f"heads, q_len, kv_len]), got {modified.shape}"
+    try:
+        return jax.nn.dot_product_attention(
+            query,
+            key,
+            value,
+            bias,
+            masks.cudnn_keep,
+            scale=scale,
+            is_causal=masks.is_causal,
+            local_window_size=masks.cudnn_window,
+            implementation="cudnn",
         )
-    return modified.astype(jnp.float32)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _modified_with_bprop(
-    score_mod: ScoreMod,
-    score_mod_bprop: ScoreMod,
-    score: Array,
-    tensors: dict[str, Any],
-    bprop_tensors: dict[str, Any],
-) -> Array:
-    return _modified(score_mod, score, tensors)
-
-
-def _modified_forward(
-    score_mod: ScoreMod,
-    score_mod_bprop: ScoreMod,
-    score: Array,
-    tensors: dict[str, Any],
-    bprop_tensors: dict[str, Any],
-) -> tuple[Array, tuple[Array, dict[str, Any], dict[str, Any]]]:
-    return _modified(score_mod, score, tensors), (score, tensors, bprop_tensors)
-
-
-def _modified_backward(
-    score_mod: ScoreMod,
-    score_mod_bprop: ScoreMod,
-    residuals: tuple[Array, dict[str, Any], dict[str, Any]],
-    grad: Array,
-) -> tuple[Array, dict[str, Any], dict[str, Any]]:
-    score, tensors, bprop_tensors = residuals
-    # cuDNN builds the forward modification again before the backward one: a callable object
-    # may keep what its backward needs (XLA drops the recomputation when nothing reads it).
-    _modified(score_mod, score, tensors)
-    d_score = jnp.asarray(score_mod_bprop(grad, bprop_tensors))
-    if d_score.shape != score.shape:
-        raise ValueError(
-            f"score_mod_bprop must return the scores' gradient, of shape {score.shape}, got "
-            f"{d_score.shape}"
-        )
-    return d_score.astype(jnp.float32), _no_gradient(tensors), _no_gradient(bprop_tensors)
-
-
-def _no_gradient(tree: dict[str, Any]) -> dict[str, Any]:
-    def zero(value: Array) -> Array | np.ndarray:
-        if jnp.issubdtype(value.dtype, jnp.inexact):
-            return jnp.zeros_like(value)
-        return np.zeros(value.shape, jax.dtypes.float0)
-
-    return {name: zero(value) for name, value in tree.items()}
-
-
-_modified_with_bprop.defvjp(_modified_forward, _modified_backward)
+    except (ValueError, NotImplementedError):
+        if implementation == "cudnn":  # asked for explicitly: say why it does not apply
+            raise
+        return None
 
 
 def _fused_implementation(query: Array) -> str:
@@ -557,105 +408,6 @@ def _and(a: Array | None, b: Array | None) -> Array | None:
     if a is None or b is None:
         return b if a is None else a
     return jnp.logical_and(a, b)
-
-
-def _xla_attention(
-    query: Array,
-    key: Array,
-    value: Array,
-    keep: Array | None,
-    bias: Array | None,
-    scale: float,
-    dropout: tuple[float, Array] | None,
-    score_mod: Callable[[Array], Array] | None = None,
-    return_max_logit: bool = False,
-    sink: Array | None = None,
-    quantizers: AttentionQuantizers | None = None,
-) -> tuple[Array, Array | None]:
-    """Attention as plain XLA ops: float32 logits and softmax, optional probability dropout;
-    returns the output and, with ``return_max_logit``, the per-head maximum logit ``[heads]``.
-    With ``quantizers`` the two GEMMs take float8 operands (FP8 attention).
-
-    The maths of ``jax.nn.dot_product_attention``'s XLA path, written with explicit dtypes:
-    jax's own promotes the 16-bit inputs implicitly and pins a dot algorithm whose lowering
-    does too, so it fails under strict dtype promotion; and it has no dropout.
-    """
-    kv_heads = key.shape[2]
-    # [batch, q, heads, d] -> [batch, q, kv_heads, group, d]: query head n = k * group + g.
-    grouped = einops.rearrange(query, "b q (k g) d -> b q k g d", k=kv_heads)
-    if quantizers is None:
-        logits = _logits(grouped, key)  # [batch, kv_heads, group, q, kv], float32
-    else:
-        logits = fp8_logits(grouped, key, quantizers.qk)
-    logits = einops.rearrange(logits, "b k g q s -> b (k g) q s") * jnp.float32(scale)
-    if score_mod is not None:  # where cuDNN's graph applies TE's: scaled, before bias and masks
-        logits = score_mod(logits)
-    if bias is not None:
-        logits = logits + sharded_along(bias, logits)
-    max_logit = None
-    if return_max_logit:
-        # The largest score the softmax sees per head (masked positions excluded), a statistic
-        # without a gradient (TE's fused attention drops its cotangent).
-        seen = logits if keep is None else jnp.where(keep, logits, -jnp.inf)
-        max_logit = lax.stop_gradient(jnp.max(seen, axis=(0, 2, 3)))  # [heads]
-    if keep is not None:
-        # A large finite negative, not -inf: a fully masked row (a padded query) stays finite.
-        large_negative = jnp.float32(-0.7 * np.finfo(np.float32).max)
-        logits = jnp.where(keep, logits, large_negative)
-    if sink is None:
-        probs = jax.nn.softmax(logits, axis=-1)  # [batch, heads, q, kv]
-    else:
-        # The sink is one more logit in every row; its probability is dropped, so a row's
-        # probabilities sum to less than one. [batch, heads, q, kv + 1] -> [.., kv]
-        sink_column = jnp.broadcast_to(sink, (*logits.shape[:-1], 1))
-        probs = jax.nn.softmax(jnp.concatenate([logits, sink_column], axis=-1), axis=-1)
-        probs = probs[..., :-1]
-    if keep is not None:
-        # Masked positions get exactly zero, and so does every position of a fully masked row
-        # (a padding query), as in TE: its output is zero and no gradient flows from it.
-        probs = jnp.where(keep, probs, jnp.float32(0.0))
-    if dropout is not None:
-        rate, rng = dropout
-        kept = jax.random.bernoulli(rng, 1.0 - rate, probs.shape)
-        probs = jnp.where(kept, probs / jnp.float32(1.0 - rate), jnp.float32(0.0))
-    if quantizers is None:
-        probs = probs.astype(value.dtype)
-    probs = einops.rearrange(probs, "b (k g) q s -> b k g q s", k=kv_heads)
-    if quantizers is None:
-        out = jnp.einsum("bkgqs,bskd->bqkgd", probs, value)  # [batch, q, kv_heads, group, d]
-    else:  # the float32 probabilities quantized directly (no 16-bit rounding first)
-        out = fp8_context(probs, value, quantizers.pv)
-    return einops.rearrange(out, "b q k g d -> b q (k g) d"), max_logit
-
-
-@jax.custom_vjp
-def _logits(grouped: Array, key: Array) -> Array:
-    """``q . k`` in float32, accumulated from the (16-bit) operands.
-
-    Plain autodiff would multiply the float32 logits' gradient with the 16-bit operands, which
-    XLA does as float32 GEMMs; the gradient is rounded to the operands' dtype first instead, as
-    flash attention keeps it, so that every attention GEMM runs in the operands' dtype.
-    """
-    return jnp.einsum("bqkgd,bskd->bkgqs", grouped, key, preferred_element_type=jnp.float32)
-
-
-def _logits_forward(grouped: Array, key: Array) -> tuple[Array, tuple[Array, Array]]:
-    return _logits(grouped, key), (grouped, key)
-
-
-def _logits_backward(residuals: tuple[Array, Array], cotangent: Array) -> tuple[Array, Array]:
-    grouped, key = residuals
-    cotangent = cotangent.astype(grouped.dtype)
-    d_grouped = jnp.einsum(
-        "bkgqs,bskd->bqkgd", cotangent, key, preferred_element_type=jnp.float32
-    )  # [batch, q, kv_heads, group, d]
-    d_key = jnp.einsum(
-        "bkgqs,bqkgd->bskd", cotangent, grouped, preferred_element_type=jnp.float32
-    )  # [batch, kv, kv_heads, d]
-    return d_grouped.astype(grouped.dtype), d_key.astype(key.dtype)
-
-
-_logits.defvjp(_logits_forward, _logits_backward)
 
 
 # ----------------------------------------------------------------------------- positions

@@ -40,7 +40,7 @@ from flax.core import meta
 from jax import Array
 from jax.typing import ArrayLike
 
-from te_flax._layers.fp8_state import OVERWRITE_WITH_GRADIENT
+from te_flax.quantize.state import OVERWRITE_WITH_GRADIENT
 
 __all__ = [
     "TE_FP8_COLLECTION",

@@ -14,20 +14,19 @@ from jax import Array, lax
 
 from te_flax._base import checks as check
 from te_flax._ops import grouped as _grouped
+from te_flax._ops.arguments import check_quantizer_set
+from te_flax._ops.gemm import dense_backward, dense_forward
 from te_flax._ops.kernels import traced_in_scan
 from te_flax._ops.stages import (
     constrained,
-    dense_backward,
-    dense_forward,
     input_uses,
     kernel_operand,
     run_op,
-    saved_operand,
+    saved_gemm_operands,
+    unquantized_operand,
 )
 from te_flax.collective import CollectiveOpSet, check_collective_op_set, noop_collective_op_set
 from te_flax.quantize import (
-    LEADING,
-    TRAILING,
     GemmOperand,
     QuantizerSet,
     ScaledTensor,
@@ -59,7 +58,7 @@ class _Config:
     output_axes: tuple[str | None, ...] | None
     kernel_dtype: Any
     bias_dtype: Any  # None without a bias
-    kernel_in_scan: bool = False  # traced in a scan body (_stages.kernel_operand)
+    kernel_in_scan: bool = False  # traced in a scan body (stages.kernel_operand)
     # The shardings of x, kernel and bias under Explicit mesh axes (their gradients'), or None.
     grad_specs: Specs = None
 
@@ -100,13 +99,11 @@ def _forward(
     # [batch..., K...] x [K..., features...] -> [batch..., features...]
     out = dense_forward(lhs, rhs, config.n_contract, x.dtype, bias, quantizer_set.precision)
     out = with_logical_constraint(out, config.output_axes)
-    fp8 = not quantizer_set.is_noop
-    residuals = _Residuals(
-        lhs=saved_operand(lhs, LEADING, quantizer_set.checkpoint_name) if fp8 else x,
-        rhs=saved_operand(rhs, TRAILING, quantizer_set.checkpoint_name) if fp8 else kernel,
-        quantizers=dataclasses.replace(quantizer_set, x=x_quantizer, kernel=kernel_quantizer),
-    )
-    return out, residuals
+    quantizers = dataclasses.replace(quantizer_set, x=x_quantizer, kernel=kernel_quantizer)
+    if quantizer_set.is_noop:
+        # Without FP8 the residuals are x and the kernel themselves.
+        return out, _Residuals(x, kernel, quantizers)
+    return out, _Residuals(*saved_gemm_operands(lhs, rhs, quantizer_set), quantizers)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -125,9 +122,8 @@ def _backward(
     lhs: GemmOperand
     rhs: GemmOperand
     if quantizers.is_noop:
-        # Without FP8 the residuals are x and the kernel themselves.
-        x, kernel = cast(Array, residuals.lhs), cast(Array, residuals.rhs)
-        lhs, rhs = ScaledTensor(x), ScaledTensor(kernel.astype(x.dtype))
+        x = cast(Array, residuals.lhs)
+        lhs, rhs = ScaledTensor(x), unquantized_operand(residuals.rhs, x.dtype)
     else:
         lhs, rhs = cast(GemmOperand, residuals.lhs), cast(GemmOperand, residuals.rhs)
     compute_dtype = grad.dtype
@@ -265,6 +261,28 @@ def dense(
       >>> dense(jnp.ones((2, 5, 8)), jnp.ones((8, 4)), bias=jnp.ones(4))[0, 0]
       Array([9., 9., 9., 9.], dtype=float32)
     """
+    config, operands = _check(
+        x, kernel, bias, contracting_dims, transpose_batch_sequence, input_axes, kernel_axes,
+        output_axes, collective_op_set, quantizer_set,
+    )  # fmt: skip
+    kernel, block_scaled = operands[1], operands[-1].block_scaled
+    return cast(Array, run_op(_dense, config, operands, kernel, block_scaled, config.n_contract))
+
+
+def _check(
+    x: Array,
+    kernel: Array,
+    bias: Array | None,
+    contracting_dims: tuple[Sequence[int], Sequence[int]] | None,
+    transpose_batch_sequence: bool,
+    input_axes: LogicalAxes,
+    kernel_axes: LogicalAxes,
+    output_axes: LogicalAxes,
+    collective_op_set: CollectiveOpSet,
+    quantizer_set: QuantizerSet,
+) -> tuple[_Config, tuple[Any, ...]]:
+    """Validates ``dense``'s arguments: its static configuration and the operands of its
+    ``custom_vjp``, ``(x, kernel, bias, quantizer_set)``."""
     check.check_floating(x, "x")
     check.check_floating(kernel, "kernel")
     n_contract = _contraction_size(x, kernel, contracting_dims)
@@ -275,7 +293,7 @@ def dense(
         )
     check.check_bool(transpose_batch_sequence, "transpose_batch_sequence")
     check_collective_op_set(collective_op_set)
-    quantizer_set = check.check_quantizer_set(quantizer_set)
+    quantizer_set = check_quantizer_set(quantizer_set)
     out_ndim = x.ndim - n_contract + kernel.ndim - n_contract
     config = _Config(
         n_contract=n_contract,
@@ -288,11 +306,7 @@ def dense(
         grad_specs=explicit_specs((x, kernel, bias)),
     )
     kernel, bias = vary_like(x, (kernel, bias))
-    quantizer_set = float32_state(quantizer_set)
-    operands = (x, kernel, bias, quantizer_set)
-    return cast(
-        Array, run_op(_dense, config, operands, kernel, quantizer_set.block_scaled, n_contract)
-    )
+    return config, (x, kernel, bias, float32_state(quantizer_set))
 
 
 # ----------------------------------------------------------------------------- grouped_dense
@@ -370,12 +384,8 @@ def _check_grouped_shapes(
 def _lowering(lowering: object, capacity: object) -> str:
     if lowering not in LOWERINGS:
         raise ValueError(f"lowering must be one of {LOWERINGS}, got {lowering!r}")
-    if capacity is not None and (
-        not isinstance(capacity, int | np.integer) or isinstance(capacity, bool) or capacity < 1
-    ):
-        raise ValueError(
-            f"capacity must be a positive int (rows per group) or None, got {capacity!r}"
-        )
+    if capacity is not None:
+        check.check_positive_int(capacity, "capacity", "the rows per group, or None")
     if lowering == "auto":
         return "capacity" if capacity is not None else "ragged"
     return str(lowering)
@@ -460,7 +470,7 @@ def grouped_dense(
         raise TypeError(f"precision must be a jax.lax.Precision or None, got {precision!r}")
     out_dtype = x.dtype if preferred_element_type is None else preferred_element_type
     out_dtype = check.check_dtype(out_dtype, "preferred_element_type")
-    quantizer_set = check.check_quantizer_set(quantizer_set)
+    quantizer_set = check_quantizer_set(quantizer_set)
     _grouped.check_grouped_set(quantizer_set, n_groups)
     path = _lowering(lowering, capacity)
     kernel, bias = vary_like(x, (kernel, bias))

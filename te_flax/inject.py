@@ -1,19 +1,27 @@
 """``quantize_model``: FP8 for a Linen or NNX model written with Flax's own layers.
 
 One call makes a model's matrix products (``nn.Dense``, ``nn.DenseGeneral``, ``nn.Einsum``,
-``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum``, and ``jax.lax.dot_general``,
-``jnp.einsum``, ``jnp.dot``, ``jnp.matmul`` called in module methods) run as te_flax FP8 GEMMs
-(the ``dense`` op: te_flax's quantizers, FP8 state and max-merge rule). Each product's FP8 state
-lives in the module that calls it: Linen variables in ``_overwrite_with_gradient``, NNX
-``Fp8Meta`` variables. Rules choose products by module path and operation; by default
-embeddings, the output head and MoE router gates stay in high precision.
+``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum``; with ``bare_products=True`` also
+``jax.lax.dot_general``, ``jnp.einsum``, ``jnp.dot``, ``jnp.matmul`` called in a module's
+``__call__``) run as te_flax FP8 GEMMs (the ``dense`` op: te_flax's quantizers, FP8 state and
+max-merge rule). Each product's FP8 state lives in the module that calls it: Linen variables in
+``_overwrite_with_gradient``, NNX ``Fp8Meta`` variables. Rules choose products by module path
+and operation; by default embeddings, the output head and MoE router gates stay in high
+precision.
+
+The layers are reached through Flax's own hooks: Linen's method interceptor
+(``te_flax.linen.inject.hooks``) and, in NNX, the layers' ``dot_general`` / ``einsum_op``
+attributes (``te_flax.nnx.inject.hook_layers``). Bare ``jnp`` / ``lax`` calls have no hook;
+``bare_products=True`` reaches them by replacing JAX's four product functions for the whole
+process while the model runs (``te_flax._layers.products.intercepting``); without it, those
+that read a parameter are found in the jaxpr of one trace of the quantized model
+(``te_flax._layers.bare_products``) and named in a note.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,21 +29,24 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax import Array
 
-from te_flax._layers.fp8_state import SR_RNG, fresh_state, needs_sr_key, quantizer_set
-from te_flax._ops import products as _inject
-from te_flax._ops.products import OPS, fp8_reason, plan_product, postfix, run_plan
-from te_flax.linen._base import fp8_variables
-from te_flax.nnx.inject import add_fp8_state, owner_quantizer_set
+from te_flax._layers.bare_products import leaf_paths, module_of, parameter_products, unrun_note
+from te_flax._layers.products import (
+    LAYER,
+    OPS,
+    QuantizeModelNote,
+    Record,
+    Session,
+    note_once,
+    postfix,
+)
+from te_flax.linen.inject import QuantizedModule, hooks
+from te_flax.nnx.inject import add_fp8_state, discovering, hook_layers
 from te_flax.quantize import Recipe
 from te_flax.quantize.recipes import check_recipe
+from te_flax.quantize.state import SR_RNG, fresh_state, needs_sr_key
 
 __all__ = ["DEFAULT_RULES", "QuantizeModelNote", "QuantizeRule", "quantize_model"]
-
-
-class QuantizeModelNote(UserWarning):
-    """Products ``quantize_model`` leaves in high precision although a rule selects them."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,9 +58,10 @@ class QuantizeRule:
         paths join attribute names (NNX) or module names (Linen) with ``/``, e.g.
         ``"blocks/0/mlp/up"`` or ``"Block_0/Dense_1"`` (default ``".*"``: every module).
       op_names: the operations selected, among ``"dot_general"`` (``nn.Dense``,
-        ``nn.DenseGeneral``, ``nnx.Linear``, ``nnx.LinearGeneral``, ``lax.dot_general``),
-        ``"einsum"`` (``nn.Einsum``, ``nnx.Einsum``, ``jnp.einsum``), ``"dot"``, ``"matmul"``
-        (default None: all).
+        ``nn.DenseGeneral``, ``nnx.Linear``, ``nnx.LinearGeneral``, bare ``lax.dot_general``),
+        ``"einsum"`` (``nn.Einsum``, ``nnx.Einsum``, bare ``jnp.einsum``), ``"dot"``,
+        ``"matmul"`` (bare ``jnp.dot``, ``jnp.matmul``) (default None: all). Bare calls are
+        seen with ``quantize_model(..., bare_products=True)``.
       quantize: True (default) runs the selected products in FP8, False keeps them as they are.
       recipe: the recipe of the selected products (default None: ``quantize_model``'s).
     """
@@ -106,8 +118,11 @@ def _check_rules(rules: object) -> tuple[QuantizeRule, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
+    """The selection of a quantized model's products (``Selection`` for its sessions)."""
+
     recipe: Recipe
     rules: tuple[QuantizeRule, ...]
+    bare_products: bool = False
 
     def recipe_for(self, path: str, op: str) -> Recipe | None:
         """The recipe of a product (None: high precision): the first rule that selects it."""
@@ -117,107 +132,35 @@ class _Config:
         return None
 
 
-@dataclasses.dataclass
-class _Record:
-    op: str
-    recipe: Recipe | None
-    reason: str | None
-    index: int | None  # the product's FP8 state postfix index in its module (FP8 only)
+_Records = dict[tuple[str, Any], Record]
+# Each bare product over parameters that runs in high precision: the paths of those it reads.
+_Unrun = list[tuple[str, ...]]
 
 
-def _path(keys: Sequence[Any]) -> str:
-    return "/".join(str(key) for key in keys)
+def _selects(rule: QuantizeRule, path: str, op: str) -> bool:
+    """Whether ``rule`` selects a product; a bare product found in the jaxpr (op ``"bare"``) is
+    one of the four operations, which one the jaxpr does not tell."""
+    return any(rule.matches(path, op) for op in (OPS if op == "bare" else (op,)))
 
 
-class _Session:
-    """The handler of one model call: finds the calling module, plans and runs each product."""
-
-    def __init__(self, front_end: str, config: _Config, discovering: bool = False) -> None:
-        self.front_end = front_end
-        self.config = config
-        self.discovering = discovering
-        self.sites: dict[tuple[str, Any], int] = {}
-        self.counts: dict[str, int] = {}
-        self.records: dict[tuple[str, Any], _Record] = {}
-        self.owners: dict[str, Any] = {}  # path -> the module as seen in the call (NNX)
-
-    def _owner(self) -> tuple[Any, Any, str] | None:
-        for frame in _inject.calling_frames(3):
-            owner = frame.f_locals.get("self")
-            if self.front_end == "linen":
-                if not isinstance(owner, nn.Module) or owner.scope is None:
-                    continue
-                path = _path(owner.scope.path)
-            else:
-                if not isinstance(owner, nnx.Module) or not hasattr(owner, "_te_flax_path"):
-                    continue
-                path = owner._te_flax_path
-            # te_flax's own layers run their products themselves.
-            if type(owner).__module__.startswith("te_flax."):
-                return None
-            return owner, frame, path
-        return None
-
-    def __call__(self, op: str, lhs: Any, rhs: Any, spec: Any, original: Callable[[], Any]) -> Any:
-        found = self._owner()
-        if found is None:
-            return None
-        owner, frame, path = found
-        site = (path, (frame.f_code, frame.f_lasti))
-        recipe = self.config.recipe_for(path, op)
-        plan = plan_product(op, lhs, rhs, spec)
-        reason = None if recipe is None else fp8_reason(plan, lhs, rhs, recipe)
-        if site not in self.sites and recipe is not None and reason is None:
-            self.sites[site] = self.counts.get(path, 0)
-            self.counts[path] = self.sites[site] + 1
-        index = self.sites.get(site)
-        self.records.setdefault(site, _Record(op, recipe, reason, index))
-        self.owners.setdefault(path, owner)
-        if index is None or self.discovering or isinstance(plan, str):
-            return None
-        assert recipe is not None
-        out = jax.eval_shape(original)  # the product's own output dtype
-        if self.front_end == "linen":
-            state = fp8_variables(owner, recipe, postfix(index))
-            key = owner.make_rng(SR_RNG) if needs_sr_key(recipe) else None
-            qs = quantizer_set(recipe, postfix(index), state, key)
-        else:
-            qs = self._nnx_set(owner, path, recipe, index)
-            if qs is None:
-                return None
-        return run_plan(plan, lhs, rhs, qs, out.dtype)
-
-    def _nnx_set(self, owner: nnx.Module, path: str, recipe: Recipe, index: int) -> Any:
-        if index >= getattr(owner, "_te_flax_products", 0):
-            _note_once(
-                (path, index),
-                f"{path}: a product that quantize_model's example inputs did not reach runs "
-                "in high precision (its FP8 state was not created); quantize the model with "
-                "inputs that take every branch",
-            )
-            return None
-        return owner_quantizer_set(owner, recipe, postfix(index))
-
-
-_NOTED: set[Any] = set()
-
-
-def _note_once(key: Any, message: str) -> None:
-    if key not in _NOTED:
-        _NOTED.add(key)
-        warnings.warn(message, QuantizeModelNote, stacklevel=3)
-
-
-def _report(records: dict[tuple[str, Any], _Record], rules: Sequence[QuantizeRule] | None) -> None:
+def _report(records: _Records, rules: Sequence[QuantizeRule] | None, unrun: _Unrun) -> None:
     """Refuses rules that select nothing; notes the selected products left as they were."""
-    products = sorted({(path, record.op) for (path, _), record in records.items()})
+    products = sorted(
+        {(path, record.op) for (path, _), record in records.items()}
+        | {(module_of(path), "bare") for reads in unrun for path in reads}
+    )
     for rule in rules or ():
-        if not any(rule.matches(path, op) for path, op in products):
-            listing = ", ".join(f"{path or '<root>'} ({op})" for path, op in products)
+        if not any(_selects(rule, path, op) for path, op in products):
+            listing = ", ".join(
+                f"{path or '<root>'} ({'a bare jnp / lax product' if op == 'bare' else op})"
+                for path, op in products
+            )
             raise ValueError(
                 f"{rule} selects no product of this model; the products are called from: "
                 f"{listing or 'nowhere (the model calls no matrix product)'}. Fix the rule's "
-                "module_path (a regular expression over the whole path) or op_names"
+                "module_path (a regular expression over the whole path) or op_names; bare jnp / "
+                "lax products are listed where they read a parameter (with bare_products=True, "
+                "all of them)"
             )
     left = sorted(
         {
@@ -227,83 +170,80 @@ def _report(records: dict[tuple[str, Any], _Record], rules: Sequence[QuantizeRul
         }
     )
     if left:
-        _note_once(
+        note_once(
             tuple(left),
             "quantize_model leaves these products in high precision, as FP8 cannot take them: "
             + "; ".join(left),
         )
 
 
-# ----------------------------------------------------------------------------- Linen
+def _note_unrun(model: Any, config: _Config, unrun: _Unrun) -> None:
+    """One note for the bare products over parameters that a rule selects for FP8 but that
+    run in high precision (without ``bare_products=True``)."""
+    selected = [
+        reads
+        for reads in unrun
+        if any(config.recipe_for(module_of(path), op) for path in reads for op in OPS)
+    ]
+    if selected:
+        message = unrun_note(type(model).__name__, selected)
+        note_once(message, message)
 
 
-class QuantizedModule(nn.Module):
-    """A Linen model whose products run in FP8 (``quantize_model``'s result for Linen).
+def _find_unrun(
+    forward: Callable[..., Any], parameters: Any, args: tuple[Any, ...], theirs: set[str]
+) -> _Unrun:
+    """The products of one trace of ``forward(parameters, *args)`` (the quantized forward)
+    that read a parameter of a module other than those in ``theirs`` (modules that run their
+    own products: the stock layers and te_flax's modules, with their submodules)."""
 
-    It shares its scope with ``module``: the variables are the model's own, plus the FP8 state
-    in ``_overwrite_with_gradient`` under each calling module.
-    """
+    def owned(path: str) -> bool:
+        module = module_of(path)
+        return any(module == own or module.startswith(own + "/") for own in theirs)
 
-    module: nn.Module
-    config: _Config
+    paths = leaf_paths(parameters)
+    try:
+        found = parameter_products(forward, parameters, *args)
+    except Exception as error:  # a check that must never stop quantize_model
+        note_once(
+            ("bare products", repr(error)),
+            "quantize_model could not trace the quantized model to look for bare jnp / lax "
+            f"products over parameters ({type(error).__name__}: {error}); such products run "
+            "in high precision unless quantize_model is called with bare_products=True",
+        )
+        return []
+    unrun = [tuple(sorted(paths[i] for i in reads)) for reads in found]
+    return [reads for reads in unrun if not all(owned(path) for path in reads)]
 
-    def setup(self) -> None:
-        nn.share_scope(self, self.module)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with _inject.intercepting(_Session("linen", self.config)):
-            return self.module(*args, **kwargs)
-
-
-_Records = dict[tuple[str, Any], _Record]
+def _layer_paths(records: _Records) -> set[str]:
+    """The paths of the stock layers whose products the hooks saw."""
+    return {path for path, site in records if site == LAYER}
 
 
 def _quantize_linen(
     model: nn.Module, config: _Config, inputs: tuple[Any, ...]
-) -> tuple[nn.Module, _Records]:
-    quantized = QuantizedModule(model, config)
-    session = _Session("linen", config)
+) -> tuple[nn.Module, _Records, _Unrun]:
+    session = Session(config)
     key = jax.random.key(0)
     rngs = {"params": key, "dropout": key, SR_RNG: key}
 
     def init(*args: Any) -> Any:
-        with _inject.intercepting(session):
+        with hooks(session):
             return model.init(rngs, *args)
 
-    jax.eval_shape(init, *inputs)
-    return quantized, session.records
+    variables = dict(jax.eval_shape(init, *inputs))
+    quantized = QuantizedModule(model, config)
+    if config.bare_products:
+        return quantized, session.records, []
+    others = {name: value for name, value in variables.items() if name != "params"}
 
+    def forward(params: Any, others: Any, *args: Any) -> Any:
+        return quantized.apply({"params": params, **others}, *args, rngs=rngs, mutable=True)
 
-# ----------------------------------------------------------------------------- NNX
-
-
-def _linen_free_dot_general(*args: Any, **kwargs: Any) -> Array:
-    """``nnx.Linear``'s product, looked up when called (so that it can be intercepted)."""
-    return jax.lax.dot_general(*args, **kwargs)
-
-
-def _einsum_op(*args: Any, **kwargs: Any) -> Array:
-    """``nnx.Einsum``'s product, looked up when called (so that it can be intercepted)."""
-    return jnp.einsum(*args, **kwargs)
-
-
-_QUANTIZED_CLASSES: dict[type, type] = {}
-
-
-def _quantized_class(cls: type) -> type:
-    """``cls`` with a ``__call__`` that runs inside the model's interception."""
-    if cls not in _QUANTIZED_CLASSES:
-
-        def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-            with _inject.intercepting(_Session("nnx", self._te_flax_config)):
-                return cls.__call__(self, *args, **kwargs)
-
-        _QUANTIZED_CLASSES[cls] = type(
-            cls.__name__,
-            (cls,),
-            {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__},
-        )
-    return _QUANTIZED_CLASSES[cls]
+    theirs = _layer_paths(session.records) | session.own_modules
+    params = variables.get("params", {})
+    return quantized, session.records, _find_unrun(forward, params, (others, *inputs), theirs)
 
 
 def _first_param_shape(module: nnx.Module) -> tuple[int, ...] | None:
@@ -311,27 +251,21 @@ def _first_param_shape(module: nnx.Module) -> tuple[int, ...] | None:
     return tuple(jnp.shape(leaves[0])) if leaves else None
 
 
-def _quantize_nnx(model: Any, config: _Config, inputs: tuple[Any, ...]) -> tuple[Any, _Records]:
-    modules: dict[Any, Any] = dict(nnx.iter_modules(model))
-    for keys, module in modules.items():
-        module._te_flax_path = _path(keys)
-        if isinstance(module, nnx.Linear) and module.dot_general is jax.lax.dot_general:
-            module.dot_general = _linen_free_dot_general
-        if isinstance(module, nnx.Einsum) and module.einsum_op is jnp.einsum:
-            module.einsum_op = _einsum_op
+def _quantize_nnx(
+    model: Any, config: _Config, inputs: tuple[Any, ...]
+) -> tuple[Any, _Records, _Unrun]:
+    by_path = hook_layers(model, config)
     graphdef, state = nnx.split(model)
-    session = _Session("nnx", config, discovering=True)
+    session = Session(config, discovering=True)
     seen_shapes: dict[str, tuple[int, ...] | None] = {}
 
     def discover(state: Any, *args: Any) -> None:
-        copy = nnx.merge(graphdef, state)
-        with _inject.intercepting(session):
-            copy(*args)
+        with discovering(session):
+            nnx.merge(graphdef, state)(*args)
         for path, owner in session.owners.items():
             seen_shapes[path] = _first_param_shape(owner)
 
     jax.eval_shape(discover, state, *inputs)
-    by_path = {module._te_flax_path: module for module in modules.values()}
     for (path, _), record in session.records.items():
         if record.index is None:
             continue
@@ -341,9 +275,24 @@ def _quantize_nnx(model: Any, config: _Config, inputs: tuple[Any, ...]) -> tuple
         if needs_sr_key(record.recipe) and getattr(owner, "sr_rngs", None) is None:
             owner.sr_rngs = nnx.Rngs(0)[SR_RNG].fork()
         _stack_state(owner, seen_shapes.get(path), record.recipe, postfix(record.index))
-    model._te_flax_config = config
-    model.__class__ = _quantized_class(type(model))
-    return model, session.records
+    unrun = [] if config.bare_products else _nnx_unrun(model, session.records, inputs)
+    return model, session.records, unrun
+
+
+def _nnx_unrun(model: nnx.Module, records: _Records, inputs: tuple[Any, ...]) -> _Unrun:
+    """The quantized NNX model's bare products over parameters (one trace of its call)."""
+    graphdef, params, *rest_states = nnx.split(model, nnx.Param, ...)
+    (rest,) = rest_states
+
+    def forward(params: Any, rest: Any, *args: Any) -> Any:
+        return nnx.merge(graphdef, params, rest)(*args)
+
+    own = {
+        "/".join(str(key) for key in keys)
+        for keys, module in nnx.iter_modules(model)
+        if type(module).__module__.startswith("te_flax.")
+    }
+    return _find_unrun(forward, params, (rest, *inputs), _layer_paths(records) | own)
 
 
 def _stack_state(
@@ -367,13 +316,16 @@ def quantize_model(
     recipe: Recipe,
     *model_inputs: Any,
     rules: Sequence[QuantizeRule] | None = None,
+    bare_products: bool = False,
 ) -> Any:
     """Runs a Flax model's matrix products as te_flax FP8 GEMMs; one call, no model rewrite.
 
     The products of ``nn.Dense``, ``nn.DenseGeneral``, ``nn.Einsum``, ``nnx.Linear``,
-    ``nnx.LinearGeneral`` and ``nnx.Einsum``, and ``jax.lax.dot_general``, ``jnp.einsum``,
-    ``jnp.dot`` and ``jnp.matmul`` called in the model's module methods, run through te_flax's
-    ``dense`` with ``recipe``: the quantizers, FP8 state and max-merge rule of te_flax's layers.
+    ``nnx.LinearGeneral`` and ``nnx.Einsum`` (with ``bare_products=True`` also
+    ``jax.lax.dot_general``, ``jnp.einsum``, ``jnp.dot`` and ``jnp.matmul`` called in a
+    module's ``__call__``) run through te_flax's ``dense`` with ``recipe``: the quantizers, FP8
+    state and max-merge rule of te_flax's layers. The layers are reached through Flax's own
+    hooks (Linen's method interceptor; NNX layers' ``dot_general`` / ``einsum_op``).
     A product whose shapes or dtypes FP8 cannot take (a contracting size that is not a multiple
     of 16, integer operands, batch dimensions) stays as it was, with one note
     (``QuantizeModelNote``) that names it and why.
@@ -396,6 +348,15 @@ def quantize_model(
       rules: ``QuantizeRule``\\ s, the first that selects a product decides; a product no rule
         selects stays as it is (default ``DEFAULT_RULES``: embeddings, output heads and
         routers in high precision, every other product in FP8).
+      bare_products: also run in FP8 the products a module's ``__call__`` writes as bare
+        ``jax.lax.dot_general``, ``jnp.einsum``, ``jnp.dot`` or ``jnp.matmul`` calls (MoE
+        experts as einsums over parameters, say); each takes the next FP8 state of its module,
+        in call order (default False: only the layers' products). Flax has no hook for such
+        calls, so this fallback replaces those four JAX functions for the whole process while
+        the quantized model runs (calls from other threads go to JAX's own). Without it, one
+        trace of the quantized model (``jax.make_jaxpr``, nothing replaced) finds the bare
+        products that read a parameter, and one ``QuantizeModelNote`` says how many run in
+        high precision and in which modules (those that rules keep in high precision aside).
 
     Returns:
       Linen: a ``QuantizedModule`` to ``init`` and ``apply`` in place of ``model`` (the same
@@ -418,16 +379,19 @@ def quantize_model(
             "quantize_model needs a recipe, got None; e.g. te_flax.quantize.DelayedScaling()"
         )
     check_recipe(recipe, "quantize_model(recipe=)")
-    config = _Config(recipe, _check_rules(rules))
+    if not isinstance(bare_products, bool):
+        raise TypeError(f"bare_products must be True or False, got {bare_products!r}")
+    config = _Config(recipe, _check_rules(rules), bare_products)
     if isinstance(model, nn.Module):
-        quantized, records = _quantize_linen(model, config, model_inputs)
+        quantized, records, unrun = _quantize_linen(model, config, model_inputs)
     elif isinstance(model, nnx.Module):
-        quantized, records = _quantize_nnx(model, config, model_inputs)
+        quantized, records, unrun = _quantize_nnx(model, config, model_inputs)
     else:
         raise TypeError(
             f"quantize_model takes a flax.linen.Module or a flax.nnx.Module, got "
             f"{type(model).__name__}; pass the model object (for Linen the unbound module "
             "whose init/apply you call, for NNX the module itself)"
         )
-    _report(records, rules)
+    _report(records, rules, unrun)
+    _note_unrun(model, config, unrun)
     return quantized

@@ -9,7 +9,8 @@ import jax
 from jax import Array
 
 from te_flax._base import checks as check
-from te_flax._ops.stages import NormSpec, NormStats, normalize, normalize_backward
+from te_flax._ops.arguments import check_norm
+from te_flax._ops.norm import NormSpec, NormStats, normalize, normalize_backward
 from te_flax.quantize import (
     TRAILING,
     BlockOperand,
@@ -112,7 +113,7 @@ def layernorm(
     check.check_floating(x, "x")
     if x.ndim < 1:
         raise ValueError("x must have at least one axis (the hidden axis it is normalized over)")
-    spec = check.check_norm(x, gamma, beta, norm_type, zero_centered_gamma, epsilon)
+    spec = check_norm(x, gamma, beta, norm_type, zero_centered_gamma, epsilon)
     if quantizer is not None:
         check_quantizer(quantizer, "quantizer")
     return _layernorm(spec, x, gamma, beta, float32_state(quantizer))

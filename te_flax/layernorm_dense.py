@@ -10,27 +10,19 @@ import jax
 from jax import Array
 
 from te_flax._base import checks as check
+from te_flax._ops.arguments import check_norm, check_quantizer_set
+from te_flax._ops.gemm import dense_backward
 from te_flax._ops.kernels import traced_in_scan
-from te_flax._ops.stages import (
-    NormSpec,
-    NormStats,
-    apply_norm,
-    dense_backward,
-    dense_forward,
-    input_uses,
-    kernel_operand,
-    norm_operand,
-    normalize,
-    normalize_backward,
-    run_op,
-    saved_operand,
+from te_flax._ops.norm import NormInput, NormSpec, normalize_backward
+from te_flax._ops.norm_gemm import (
+    norm_gemm_forward,
+    recomputed_norm_operand,
+    split_norm_output_grad,
 )
+from te_flax._ops.stages import run_op, same_arguments, saved_gemm_operands, unquantized_operand
 from te_flax.quantize import (
-    LEADING,
-    TRAILING,
     GemmOperand,
     QuantizerSet,
-    ScaledTensor,
     as_cotangent,
     float32_state,
     noop_quantizer_set,
@@ -57,16 +49,13 @@ class _Config:
     bias_dtype: Any  # None without a bias
     # Also return the norm output (in x's dtype), for return_layernorm_output and LoRA.
     return_norm_output: bool = False
-    kernel_in_scan: bool = False  # traced in a scan body (_stages.kernel_operand)
+    kernel_in_scan: bool = False  # traced in a scan body (stages.kernel_operand)
     # The shardings of x, kernel, gamma, beta and bias under Explicit mesh axes, or None.
     grad_specs: Specs = None
 
 
 class _Residuals(NamedTuple):
-    x: Array
-    stats: NormStats
-    gamma: Array
-    beta: Array | None
+    norm: NormInput
     # FP8: the quantized norm output and kernel as the backward GEMMs contract them (per-tensor:
     # the forward GEMM's own). Without FP8 the norm output is recomputed from x and the
     # statistics, and the kernel is the parameter itself, so that no high-precision
@@ -88,85 +77,52 @@ def _forward(
     beta: Array | None,
     bias: Array | None,
     quantizer_set: QuantizerSet,
+    *,
     for_backward: bool = True,
 ) -> tuple[_Output, _Residuals]:
-    x = with_logical_constraint(x, config.layernorm_input_axes)
-    _, stats = normalize(x, gamma, beta, config.norm)
-    lhs, x_quantizer = norm_operand(
-        x,
-        stats,
-        gamma,
-        beta,
-        config.norm,
-        quantizer_set.x,
-        config.dot_input_axes,
-        input_uses(for_backward),
-        source_axes=config.layernorm_input_axes,
-    )
-    rhs, kernel_quantizer = kernel_operand(
-        kernel, quantizer_set.kernel, x.dtype, 1, for_backward, config.kernel_axes,
-        config.kernel_in_scan,
-    )  # fmt: skip
-    # [batch..., hidden] x [hidden, features...] -> [batch..., features...]
-    out = dense_forward(lhs, rhs, 1, x.dtype, bias, quantizer_set.precision)
     fp8 = not quantizer_set.is_noop
-    output: _Output = out
-    if config.return_norm_output:
-        # Without FP8 the GEMM operand is that very array; under FP8 a second cast of the
-        # float32 norm output, which XLA computes in the same fusion.
-        ln = apply_norm(x, stats, gamma, beta, config.norm) if fp8 else cast(ScaledTensor, lhs).data
-        output = (out, ln.astype(x.dtype))
-    residuals = _Residuals(
-        x=x,
-        stats=stats,
-        gamma=gamma,
-        beta=beta,
-        ln_operand=saved_operand(lhs, LEADING, quantizer_set.checkpoint_name) if fp8 else None,
-        kernel_operand=saved_operand(rhs, TRAILING, quantizer_set.checkpoint_name)
-        if fp8
-        else kernel,
-        quantizers=dataclasses.replace(quantizer_set, x=x_quantizer, kernel=kernel_quantizer),
+    axes = (config.layernorm_input_axes, config.dot_input_axes, config.kernel_axes)
+    # [batch..., hidden] -> norm -> x [hidden, features...] -> [batch..., features...]
+    step = norm_gemm_forward(
+        x, gamma, beta, kernel, bias, config.norm, quantizer_set, axes, config.kernel_in_scan,
+        for_backward, config.return_norm_output, fp8,
+    )  # fmt: skip
+    ln_operand, kernel_residual = (
+        saved_gemm_operands(step.lhs, step.rhs, quantizer_set) if fp8 else (None, kernel)
     )
-    return output, residuals
+    residuals = _Residuals(
+        norm=step.norm,
+        ln_operand=ln_operand,
+        kernel_operand=kernel_residual,
+        quantizers=dataclasses.replace(
+            quantizer_set, x=step.x_quantizer, kernel=step.kernel_quantizer
+        ),
+    )
+    if config.return_norm_output:
+        return (step.out, cast(Array, step.norm_output)), residuals
+    return step.out, residuals
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _layernorm_dense(
-    config: _Config,
-    x: Array,
-    kernel: Array,
-    gamma: Array,
-    beta: Array | None,
-    bias: Array | None,
-    quantizer_set: QuantizerSet,
-) -> _Output:
+def _layernorm_dense(config: _Config, *operands: Any) -> _Output:
+    """``_forward``'s output on ``(x, kernel, gamma, beta, bias, quantizer_set)``."""
     # Not differentiated: no quantization for the backward GEMMs.
-    args = (config, x, kernel, gamma, beta, bias, quantizer_set)
-    return _forward(*args, for_backward=False)[0]
+    return _forward(config, *operands, for_backward=False)[0]
 
 
 def _backward(
     config: _Config, residuals: _Residuals, grad: _Output
 ) -> tuple[Array, Array, Array, Array | None, Array | None, QuantizerSet]:
-    x, quantizers = residuals.x, residuals.quantizers
-    out_grad, d_ln_output = (
-        cast(tuple[Array, Array], grad) if config.return_norm_output else (cast(Array, grad), None)
-    )
+    norm, quantizers = residuals.norm, residuals.quantizers
+    out_grad, d_ln_output = split_norm_output_grad(grad, config.return_norm_output)
     lhs: GemmOperand
     rhs: GemmOperand
     if quantizers.is_noop:
-        lhs, _ = norm_operand(
-            x,
-            residuals.stats,
-            residuals.gamma,
-            residuals.beta,
-            config.norm,
-            None,
-            config.dot_input_axes,
-            source_axes=config.layernorm_input_axes,
+        lhs = recomputed_norm_operand(
+            norm, config.norm, config.dot_input_axes, config.layernorm_input_axes
         )
         # Without FP8 the kernel residual is the parameter itself.
-        rhs = ScaledTensor(cast(Array, residuals.kernel_operand).astype(x.dtype))
+        rhs = unquantized_operand(residuals.kernel_operand, norm.x.dtype)
     else:
         lhs = cast(GemmOperand, residuals.ln_operand)
         rhs = cast(GemmOperand, residuals.kernel_operand)
@@ -176,7 +132,7 @@ def _backward(
         rhs,
         quantizers.dgrad,
         1,
-        x.dtype,
+        norm.x.dtype,
         config.kernel_dtype,
         config.bias_dtype,
         precision=quantizers.precision,
@@ -186,9 +142,7 @@ def _backward(
     d_ln = grads.lhs if d_ln_output is None else grads.lhs + d_ln_output
     d_ln = with_logical_constraint(d_ln, config.layernorm_input_axes)
     d_kernel = with_logical_constraint(grads.rhs, config.kernel_axes)
-    d_x, d_gamma, d_beta = normalize_backward(
-        d_ln, x, residuals.stats, residuals.gamma, residuals.beta, config.norm, grads.lhs_scale
-    )
+    d_x, d_gamma, d_beta = normalize_backward(d_ln, *norm, config.norm, grads.lhs_scale)
     new_state = dataclasses.replace(quantizers, dgrad=grads.dgrad_quantizer)
     primal_grads = (d_x, d_kernel, d_gamma, d_beta, grads.bias)
     return (*with_explicit_specs(primal_grads, config.grad_specs), as_cotangent(new_state))
@@ -251,26 +205,16 @@ def layernorm_dense(
       >>> layernorm_dense(x, kernel, gamma, beta, quantizer_set=qs).shape
       (4, 8, 3, 32)
     """
-    config = _config(**locals())
-    return cast(Array, _run(config, x, kernel, gamma, beta, bias, quantizer_set))
+    config, operands = _check(
+        x, kernel, gamma, beta, bias, norm_type, zero_centered_gamma, epsilon,
+        transpose_batch_sequence, layernorm_input_axes, dot_input_axes, kernel_axes, quantizer_set,
+    )  # fmt: skip
+    return cast(Array, _run(config, operands))
 
 
-def layernorm_dense_with_norm_output(
-    x: Array,
-    kernel: Array,
-    gamma: Array,
-    beta: Array | None,
-    bias: Array | None = None,
-    norm_type: str = "layernorm",
-    zero_centered_gamma: bool = False,
-    epsilon: float = 1e-6,
-    transpose_batch_sequence: bool = False,
-    layernorm_input_axes: LogicalAxes = None,
-    dot_input_axes: LogicalAxes = None,
-    kernel_axes: LogicalAxes = None,
-    quantizer_set: QuantizerSet = noop_quantizer_set,
-) -> tuple[Array, Array]:
-    """``layernorm_dense`` that also returns the norm output, ``(out, norm(x))``.
+def layernorm_dense_with_norm_output(*args: Any, **kwargs: Any) -> tuple[Array, Array]:
+    """``layernorm_dense`` (the same arguments) that also returns the norm output,
+    ``(out, norm(x))``.
 
     The norm output (in x's dtype) is differentiable: its gradient joins the GEMM's in the
     norm backward. The modules use it for ``return_layernorm_output`` and for low-rank
@@ -285,25 +229,22 @@ def layernorm_dense_with_norm_output(
       >>> out.shape, ln.shape
       ((2, 4), (2, 8))
     """
-    config = dataclasses.replace(_config(**locals()), return_norm_output=True)
-    return cast(tuple[Array, Array], _run(config, x, kernel, gamma, beta, bias, quantizer_set))
+    arguments = same_arguments(layernorm_dense, args, kwargs)
+    config, operands = _check(**arguments, return_norm_output=True)
+    return cast(tuple[Array, Array], _run(config, operands))
 
 
-def _run(config: _Config, x: Array, *operands: Any) -> _Output:
-    """The op on ``x`` and ``(kernel, gamma, beta, bias, quantizer_set)``."""
-    *params, quantizer_set = operands
-    kernel, gamma, beta, bias = vary_like(x, tuple(params))
-    quantizer_set = float32_state(quantizer_set)
-    operands = (x, kernel, gamma, beta, bias, quantizer_set)
-    block_scaled = quantizer_set.block_scaled
+def _run(config: _Config, operands: tuple[Any, ...]) -> _Output:
+    """The op on the checked ``(x, kernel, gamma, beta, bias, quantizer_set)``."""
+    kernel, block_scaled = operands[1], operands[-1].block_scaled
+    norm_output = config.return_norm_output
     return cast(
         _Output,
-        run_op(_layernorm_dense, config, operands, kernel, block_scaled,
-               norm_output=config.return_norm_output),
-    )  # fmt: skip
+        run_op(_layernorm_dense, config, operands, kernel, block_scaled, norm_output=norm_output),
+    )
 
 
-def _config(
+def _check(
     x: Array,
     kernel: Array,
     gamma: Array,
@@ -317,8 +258,10 @@ def _config(
     dot_input_axes: LogicalAxes,
     kernel_axes: LogicalAxes,
     quantizer_set: QuantizerSet,
-) -> _Config:
-    """Validates the arguments of ``layernorm_dense`` and returns its static configuration."""
+    return_norm_output: bool = False,
+) -> tuple[_Config, tuple[Any, ...]]:
+    """Validates ``layernorm_dense``'s arguments: its static configuration and the operands of
+    its ``custom_vjp``, ``(x, kernel, gamma, beta, bias, quantizer_set)``."""
     check.check_floating(x, "x")
     if x.ndim < 1:
         raise ValueError("x must have at least one axis (the hidden axis it is normalized over)")
@@ -328,13 +271,13 @@ def _config(
             f"kernel has shape {kernel.shape} but must be [hidden, features...] with hidden = "
             f"x.shape[-1] = {x.shape[-1]}; the GEMM contracts x's last axis with kernel axis 0"
         )
-    norm = check.check_norm(x, gamma, beta, norm_type, zero_centered_gamma, epsilon)
+    norm = check_norm(x, gamma, beta, norm_type, zero_centered_gamma, epsilon)
     if bias is not None:
         check.check_floating(bias, "bias")
         check.check_shape(bias, kernel.shape[1:], "bias", "it matches the kernel's feature axes")
     check.check_bool(transpose_batch_sequence, "transpose_batch_sequence")
-    check.check_quantizer_set(quantizer_set)
-    return _Config(
+    check_quantizer_set(quantizer_set)
+    config = _Config(
         norm=norm,
         layernorm_input_axes=check.check_axes(
             layernorm_input_axes, x.ndim, "layernorm_input_axes", "x"
@@ -343,6 +286,9 @@ def _config(
         kernel_axes=check.check_axes(kernel_axes, kernel.ndim, "kernel_axes", "kernel"),
         kernel_dtype=kernel.dtype,
         bias_dtype=None if bias is None else bias.dtype,
+        return_norm_output=return_norm_output,
         kernel_in_scan=traced_in_scan(kernel),
         grad_specs=explicit_specs((x, kernel, gamma, beta, bias)),
     )
+    kernel, gamma, beta, bias = vary_like(x, (kernel, gamma, beta, bias))
+    return config, (x, kernel, gamma, beta, bias, float32_state(quantizer_set))

@@ -68,7 +68,7 @@ import jax.numpy as jnp
 import optax
 from jax import Array
 
-from te_flax._layers.fp8_state import OVERWRITE_WITH_GRADIENT, hold_fp8_state
+from te_flax._layers.fp8_state import hold_fp8_state
 from te_flax.accumulate import accumulate_gradients, split_microbatches
 from te_flax.quantize import (
     DelayedScaling,
@@ -77,6 +77,7 @@ from te_flax.quantize import (
     merge_by_max,
     scaling,
 )
+from te_flax.quantize.state import OVERWRITE_WITH_GRADIENT
 
 __all__ = [
     "OVERWRITE_WITH_GRADIENT",
@@ -255,11 +256,12 @@ def all_finite(tree: Any) -> Array:
     return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
 
 
-def _select(keep_new: Array, new: Any, old: Any) -> Any:
+def select_tree(keep_new: Array, new: Any, old: Any) -> Any:
+    """``new`` where ``keep_new`` (a bool scalar) is True, else ``old``, leaf by leaf."""
     return jax.tree.map(lambda n, o: scaling.where(keep_new, n, o), new, old)
 
 
-def _keep_unused(new_fp8: Any, old_fp8: Any) -> Any:
+def keep_unused(new_fp8: Any, old_fp8: Any) -> Any:
     """The old value where a state got no update in the step (it came back all zeros).
 
     An FP8 state that no op read in the step can have a zero gradient (``merge_by_max``), and a
@@ -267,12 +269,13 @@ def _keep_unused(new_fp8: Any, old_fp8: Any) -> Any:
     ``scale_inv`` is all zeros keeps its old ``scale_inv`` and its old amax history (the
     ``..._amax_history`` beside it), decided from its ``[1]`` scale instead of a reduction of
     its history. A leaf without a ``_scale_inv`` sibling is decided alone: kept when all zeros.
-    With ``check_merged`` reading the kept state, this took the 12-layer example's unrolled
-    delayed step from 3239 to 2951 fusions (``bench.compile_time``).
+    With ``check_merged`` reading the kept state, this cut the fusions of the example's unrolled
+    delayed step (``bench/RESULTS_compile_time.md``, "Unused state kept per variable, one
+    conversion per tree").
 
     Decided per quantizer, not for the whole model at once: stacking a model's states into one
     array makes fewer operations but one concatenation of every state, which XLA compiled
-    slowly (that step compiled in about 10.6 s stacked, 7.4 s per variable).
+    slowly (the same section).
     """
     leaves, tree = jax.tree_util.tree_flatten_with_path(new_fp8)
     names = [jax.tree_util.keystr(path) for path, _ in leaves]
@@ -368,7 +371,7 @@ def apply_gradients(
     new_variables["params"] = new_params
     pending = opt_state.pending_fp8
     if OVERWRITE_WITH_GRADIENT in grads:
-        new_fp8 = _keep_unused(grads[OVERWRITE_WITH_GRADIENT], variables[OVERWRITE_WITH_GRADIENT])
+        new_fp8 = keep_unused(grads[OVERWRITE_WITH_GRADIENT], variables[OVERWRITE_WITH_GRADIENT])
         # Checked after keep-unused: the kept history is the program's output, and the check
         # reading it (not the gradient) lets XLA write it in one fusion.
         check_merged(variables[OVERWRITE_WITH_GRADIENT], new_fp8)
@@ -389,9 +392,9 @@ def apply_gradients(
         finite = all_finite((grads["params"], grads.get(OVERWRITE_WITH_GRADIENT)))
         for name in ("params", OVERWRITE_WITH_GRADIENT):
             if name in new_variables:
-                new_variables[name] = _select(finite, new_variables[name], variables[name])
-        tx_state = _select(finite, tx_state, opt_state.tx_state)
-        pending = _select(finite, pending, opt_state.pending_fp8)
+                new_variables[name] = select_tree(finite, new_variables[name], variables[name])
+        tx_state = select_tree(finite, tx_state, opt_state.tx_state)
+        pending = select_tree(finite, pending, opt_state.pending_fp8)
         skipped = skipped + jnp.where(finite, 0, 1).astype(skipped.dtype)
     new_opt_state = OptimizerState(tx_state, pending, skipped)
     if hasattr(variables, "copy") and not isinstance(variables, dict):

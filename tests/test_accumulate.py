@@ -215,7 +215,11 @@ def test_split_microbatches_reshapes_every_leaf():
     ("batch", "k", "message"),
     [
         ({"x": jnp.zeros((6, 3))}, 4, r"shape \(6, 3\) cannot be split into 4 microbatches"),
-        ({"x": jnp.zeros((8,))}, 0, r"num_microbatches must be an int >= 1, got 0"),
+        (
+            {"x": jnp.zeros((8,))},
+            0,
+            r"num_microbatches must be a positive int, got 0; 1 means no accumulation",
+        ),
     ],
 )
 def test_split_microbatches_refuses_what_does_not_divide(batch, k, message):

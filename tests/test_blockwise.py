@@ -13,8 +13,8 @@ from flax import nnx
 import te_flax
 import te_flax.linen as te_nn
 import te_flax.nnx as te_nnx
+from te_flax._ops.gemm import blockwise_gemm_exact
 from te_flax._ops.kernels.blockwise import blockwise_gemm_kernel
-from te_flax._ops.stages import blockwise_gemm_exact
 from te_flax.dense import dense
 from te_flax.layernorm_mlp import layernorm_mlp
 from te_flax.quantize import (

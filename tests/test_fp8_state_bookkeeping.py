@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from te_flax.quantize import check_merged
-from te_flax.training import _keep_unused
+from te_flax.training import keep_unused
 
 
 def test_check_merged_names_only_the_summed_histories_with_their_factor():
@@ -41,7 +41,7 @@ def test_check_merged_names_only_the_summed_histories_with_their_factor():
 def test_keep_unused_decides_each_variable_alone():
     old = {"h1": jnp.ones((2, 3)), "h2": jnp.full((2, 3), 2.0), "s": jnp.array([4.0])}
     new = {"h1": jnp.zeros((2, 3)), "h2": jnp.array([[0.0, 0, 0], [5, 0, 0]]), "s": jnp.zeros(1)}
-    kept = _keep_unused(new, old)
+    kept = keep_unused(new, old)
     np.testing.assert_array_equal(kept["h1"], old["h1"])  # no update: the old value
     np.testing.assert_array_equal(kept["h2"], new["h2"])  # one nonzero row: the update
     np.testing.assert_array_equal(kept["s"], old["s"])
@@ -65,7 +65,7 @@ def test_keep_unused_decides_a_quantizer_by_its_scale():
         "used": {"x_amax_history": jnp.zeros(4), "x_scale_inv": jnp.full(1, 0.5)},
         "unused": {"x_amax_history": jnp.array([0.0, 7, 0, 0]), "x_scale_inv": jnp.zeros(1)},
     }
-    kept = _keep_unused(new, old)
+    kept = keep_unused(new, old)
     np.testing.assert_array_equal(kept["used"]["x_amax_history"], jnp.zeros(4))
     np.testing.assert_array_equal(kept["used"]["x_scale_inv"], [0.5])
     np.testing.assert_array_equal(kept["unused"]["x_amax_history"], old["unused"]["x_amax_history"])
@@ -75,6 +75,6 @@ def test_keep_unused_decides_a_quantizer_by_its_scale():
     state = nnx.state(layer, Fp8Meta)
     zeros = jax.tree.map(jnp.zeros_like, state)
     grown = jax.tree.map(lambda leaf: leaf + 1.0, state)
-    kept = _keep_unused(zeros, grown)
+    kept = keep_unused(zeros, grown)
     for old_leaf, kept_leaf in zip(jax.tree.leaves(grown), jax.tree.leaves(kept), strict=True):
         np.testing.assert_array_equal(kept_leaf, old_leaf)

@@ -59,7 +59,7 @@ def _abstract(tree):
 
 def _nnx_step_hlo(recipe) -> str:
     x = jnp.zeros((TOKENS, HIDDEN), jnp.bfloat16)
-    model = te_flax.quantize_model(StockMLP(nnx.Rngs(0)), recipe, x)
+    model = te_flax.quantize_model(StockMLP(nnx.Rngs(0)), recipe, x, bare_products=True)
     graphdef, state = nnx.split(model)
 
     def loss(state, x):

@@ -34,7 +34,7 @@ from te_flax.quantize import (
     Float8CurrentScaling,
     QuantizerFactory,
 )
-from te_flax.quantize.quantizers import quantize_operand
+from te_flax.quantize.tensor_quantizers import quantize_operand
 from te_flax.sharding import make_mesh
 from tests.helpers import normal
 

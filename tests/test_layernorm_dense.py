@@ -20,7 +20,7 @@ import pytest
 from jax import lax
 
 from te_flax._base import checks as _validation
-from te_flax.layernorm_dense import layernorm_dense
+from te_flax.layernorm_dense import layernorm_dense, layernorm_dense_with_norm_output
 from te_flax.quantize import (
     DelayedScaling,
     Float8CurrentScaling,
@@ -911,3 +911,24 @@ def test_sharding_constraints_apply_only_with_rules_and_mesh(recipe):
         assert constrained == sorted(expected), lines
     assert all('{"data"}' in line for line in lines if "8x4x16" in line), lines
     assert all('{"model"}' in line for line in lines if "16x24" in line), lines
+
+
+def test_with_norm_output_takes_the_ops_arguments_by_position_and_by_name():
+    """``layernorm_dense_with_norm_output`` reads its arguments as ``layernorm_dense`` does
+    (positions, names and defaults), returns the op's output and the norm output, and refuses
+    a call that the op refuses."""
+    inputs = make_inputs(0, (3, 16), (16, 5), norm_type="rmsnorm")
+    x, kernel, gamma = inputs["x"], inputs["kernel"], inputs["gamma"]
+    expected = layernorm_dense(x, kernel, gamma, None, None, "rmsnorm", False, 1e-5)
+    by_position = layernorm_dense_with_norm_output(
+        x, kernel, gamma, None, None, "rmsnorm", False, 1e-5
+    )
+    by_name = layernorm_dense_with_norm_output(
+        x, kernel, gamma=gamma, beta=None, norm_type="rmsnorm", epsilon=1e-5
+    )
+    norm = reference_norm(x, gamma, None, "rmsnorm", eps=1e-5)
+    for out, ln in (by_position, by_name):
+        np.testing.assert_array_equal(out, expected)
+        np.testing.assert_allclose(ln, norm, rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'layernorm_type'"):
+        layernorm_dense_with_norm_output(x, kernel, gamma, None, layernorm_type="rmsnorm")

@@ -14,8 +14,8 @@ import pytest
 from jax import lax
 from jax.test_util import check_grads
 
-from te_flax._layers.lora import lora_delta
 from te_flax._ops.activations import activation_forward
+from te_flax._ops.lora import lora_delta
 from te_flax.dense import dense
 from te_flax.layernorm_dense import layernorm_dense_with_norm_output
 from te_flax.layernorm_mlp import layernorm_mlp, layernorm_mlp_with_norm_output
@@ -632,3 +632,34 @@ def test_dropout_mask_is_drawn_from_the_key_and_not_saved():
     with_dropout, without = saved(0.5), saved(0.0)
     extra = [item for item in with_dropout if item not in without]
     assert extra == [((), "key<fry>")], extra
+
+
+def test_with_norm_output_takes_the_ops_arguments_by_position_and_by_name():
+    """``layernorm_mlp_with_norm_output`` reads its arguments as ``layernorm_mlp`` does
+    (positions, names, defaults and keyword-only options), returns the op's output and the
+    norm output, and refuses a call that the op refuses."""
+    inputs = make_inputs(("gelu",))
+    x, gamma, beta = inputs["x"], inputs["gamma"], inputs["beta"]
+    kernels, biases = [inputs["kernel_1"], inputs["kernel_2"]], [inputs["bias_1"], None]
+    expected = layernorm_mlp(x, gamma, beta, kernels, biases, "layernorm", epsilon=1e-5)
+    by_position = layernorm_mlp_with_norm_output(
+        x, gamma, beta, kernels, biases, "layernorm", False, 1e-5
+    )
+    by_name = layernorm_mlp_with_norm_output(
+        x=x, gamma=gamma, beta=beta, kernels=kernels, biases=biases, norm_type="layernorm",
+        epsilon=1e-5, intermediate_dropout_rate=0.0,
+    )  # fmt: skip
+    norm = reference_norm(x, gamma, beta, eps=1e-5)
+    for out, ln in (by_position, by_name):
+        np.testing.assert_array_equal(out, expected)
+        assert_close(ln, norm, 1e-5, "norm output")
+    # The 20 positional parameters of TransformerEngine's signature, then a 21st: the options
+    # after them (intermediate_dropout_rate, ...) are keyword-only, as in layernorm_mlp.
+    positional = (x, gamma, beta, kernels, biases, "layernorm", False, 1e-5, False)
+    positional += (None,) * 5 + ("ffn1", "ffn2", ("gelu",), None) + (None, None) + (0.0,)
+    with pytest.raises(TypeError, match="too many positional arguments"):
+        layernorm_mlp_with_norm_output(*positional)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'dropout_rate'"):
+        layernorm_mlp_with_norm_output(
+            x, gamma, beta, kernels, biases, "layernorm", dropout_rate=0.1
+        )

@@ -128,6 +128,19 @@ def test_kind_predicates():
     assert not Float8BlockScaling.float8_per_tensor_scaling()
 
 
+def test_kind_predicates_follow_subclasses_and_carry_docstrings():
+    @dataclasses.dataclass(frozen=True)
+    class TunedDelayedScaling(DelayedScaling):
+        note: str = ""
+
+    assert TunedDelayedScaling.delayed() and TunedDelayedScaling(note="x").delayed()
+    assert TunedDelayedScaling.float8_per_tensor_scaling()
+    assert not TunedDelayedScaling.mxfp8() and not TunedDelayedScaling.custom()
+    assert DelayedScaling.kinds == {"delayed", "float8_per_tensor_scaling"}
+    assert MXFP8BlockScaling.kinds == {"mxfp8"}
+    assert DelayedScaling.mxfp8.__doc__ == "Whether the recipe is MXFP8 block scaling."
+
+
 def test_quantization_params_follow_the_fields():
     assert Float8CurrentScaling().fp8_quant_fwd_inp.power_2_scale is False
     power_2 = Float8CurrentScaling(use_power_2_scales=True)

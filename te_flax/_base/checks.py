@@ -1,18 +1,19 @@
-"""Input checks shared by the ops (and the modules): each error names the argument, what was
-received, and how to fix it."""
+"""Input checks shared by every layer of te_flax: each error names the argument, what was
+received, and how to fix it.
+
+The checks of values (ints, dtypes, axes, rates, shapes) live here, below everything else, so
+that any module can use them. Checks that need a type of a higher layer live beside it and are
+built on these: ``te_flax._ops.arguments`` (a norm's arguments, a quantizer set).
+"""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any, cast
 
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
-
-from te_flax._ops.stages import NormSpec
-from te_flax.quantize import QuantizerSet
 
 __all__ = [
     "canonical_norm_type",
@@ -21,8 +22,7 @@ __all__ = [
     "check_broadcastable",
     "check_dtype",
     "check_floating",
-    "check_norm",
-    "check_quantizer_set",
+    "check_positive_int",
     "check_rate",
     "check_shape",
     "check_sizes",
@@ -61,41 +61,28 @@ def canonical_norm_type(norm_type: object, name: str = "norm_type") -> str:
     raise ValueError(f'{name} must be "layernorm" or "rmsnorm", got {norm_type!r}')
 
 
-def check_norm(
-    x: Array,
-    gamma: Array,
-    beta: Array | None,
-    norm_type: object,
-    zero_centered_gamma: object,
-    epsilon: object,
-) -> NormSpec:
-    """Validates the norm arguments against ``x`` and returns their static description."""
-    norm_type = canonical_norm_type(norm_type)
-    if not isinstance(zero_centered_gamma, bool):
-        raise TypeError(f"zero_centered_gamma must be a bool, got {zero_centered_gamma!r}")
-    if (
-        not isinstance(epsilon, int | float)
-        or isinstance(epsilon, bool)
-        or not math.isfinite(epsilon)
-        or epsilon <= 0
-    ):
-        raise ValueError(f"epsilon must be a positive finite number, got {epsilon!r}")
-    hidden = x.shape[-1]
-    check_floating(gamma, "gamma")
-    check_shape(gamma, (hidden,), "gamma", f"the norm runs over x's last axis of size {hidden}")
-    if norm_type == "rmsnorm" and beta is not None:
-        raise ValueError(
-            'beta must be None for rmsnorm (it has no shift); drop it or use norm_type="layernorm"'
-        )
-    if norm_type == "layernorm":
-        if beta is None:
-            raise ValueError(
-                f"beta is None but layernorm needs a shift of shape ({hidden},); pass "
-                f'jnp.zeros({hidden}) or use norm_type="rmsnorm"'
-            )
-        check_floating(beta, "beta")
-        check_shape(beta, (hidden,), "beta", f"the norm runs over x's last axis of size {hidden}")
-    return NormSpec(norm_type, zero_centered_gamma, float(epsilon))
+def check_positive_int(value: object, name: str, fix: str = "pass an int >= 1") -> int:
+    """``value`` as an int >= 1 (a numpy integer too; a bool is refused).
+
+    Args:
+      value: what the caller passed.
+      name: the argument, as the error names it (``"num_microbatches"``, ``"DenseGeneral:
+        n_groups"``).
+      fix: how to fix a wrong value, appended to the error.
+
+    Example usage::
+
+      >>> from te_flax._base.checks import check_positive_int
+      >>> check_positive_int(4, "num_microbatches")
+      4
+      >>> check_positive_int(0, "num_microbatches")
+      Traceback (most recent call last):
+      ...
+      ValueError: num_microbatches must be a positive int, got 0; pass an int >= 1
+    """
+    if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}; {fix}")
+    return int(value)
 
 
 def check_axes(
@@ -118,16 +105,6 @@ def check_axes(
             "logical name (or None) per dimension"
         )
     return axes
-
-
-def check_quantizer_set(quantizer_set: object, name: str = "quantizer_set") -> QuantizerSet:
-    if not isinstance(quantizer_set, QuantizerSet):
-        raise TypeError(
-            f"{name} must be a te_flax.quantize.QuantizerSet, got {quantizer_set!r}; build one "
-            "with QuantizerFactory.create_set(fp8_recipe=...) or pass noop_quantizer_set"
-        )
-    quantizer_set.check(name)
-    return quantizer_set
 
 
 def check_bool(value: object, name: str) -> bool:

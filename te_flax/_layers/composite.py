@@ -13,19 +13,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 from jax import Array
 
 from te_flax._base import checks as check
-
-if TYPE_CHECKING:
-    from te_flax._layers.kv_cache import CacheSlots
-    from te_flax._layers.linear import ParamSpec
+from te_flax._layers.base import ParamSpec
+from te_flax._layers.kv_cache import CacheSlots
 
 __all__ = [
+    "AttentionHeads",
     "Axes",
     "Child",
     "DropoutSpec",
@@ -39,6 +38,18 @@ Initializer = Callable[..., Array]
 LogicalAxes = tuple[str | None, ...]
 # The default of attributes the user must give (the dataclass fields need one): checked in use.
 REQUIRED: Any = None
+
+
+@dataclasses.dataclass
+class AttentionHeads:
+    """The heads of an attention layer: the first fields of TransformerEngine's
+    ``DotProductAttention`` and ``MultiHeadAttention``, in its order (a layer deriving from it
+    declares its own fields after these)."""
+
+    head_dim: int = REQUIRED
+    num_attention_heads: int = REQUIRED
+    num_gqa_groups: int | None = None
+    attention_dropout: float = 0.0
 
 
 @dataclasses.dataclass
@@ -100,9 +111,7 @@ class Host(Protocol):
 
 
 def positive_int(value: object, name: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
+    return check.check_positive_int(value, name)
 
 
 def rate(value: object, name: str) -> float:

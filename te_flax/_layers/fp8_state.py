@@ -1,121 +1,38 @@
-"""FP8 state as module variables: names, fresh values, and the quantizer sets built from them.
-
-One GEMM's delayed-scaling state is six float32 variables in the ``_overwrite_with_gradient``
-collection: ``{x,kernel,grad}{postfix}_amax_history`` (``[L]``) and ``..._scale_inv`` (``[1]``).
-Current scaling, the block-scaled recipes and no quantization keep none; NVFP4 with stochastic
-rounding takes an RNG key per call from the ``"sr_rng"`` stream instead. Both the Linen and the
-NNX shells go through here.
+"""FP8 state in modules: a state read twice in one step merges by max, a state that was never
+updated or is stale is refused. Both the Linen and the NNX shells go through here; the state's
+names, fresh values and quantizer sets are ``te_flax.quantize.state``'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import dataclasses
 import weakref
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
-from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from jax import Array
 from jax.custom_derivatives import SymbolicZero
 
+from te_flax._base.settings import ScopedSetting
 from te_flax.quantize import (
-    DelayedScaleQuantizer,
-    DelayedScaling,
-    NVFP4BlockScaling,
-    QuantizerFactory,
-    QuantizerSet,
     Recipe,
     float32_state,
-    get_autocast_recipe,
     merge_by_max,
-    noop_quantizer_set,
 )
 from te_flax.quantize.max_merge import on_host
+from te_flax.quantize.state import OVERWRITE_WITH_GRADIENT
 
 __all__ = [
-    "OVERWRITE_WITH_GRADIENT",
-    "SR_RNG",
     "check_state_matches",
-    "fresh_state",
     "hold_fp8_state",
     "merge_reuse",
-    "needs_sr_key",
-    "quantizer_set",
-    "resolve_recipe",
-    "state_names",
     "watch_fp8_state",
 ]
 
 P = TypeVar("P")
 S = TypeVar("S")
-
-# Variable role -> QuantizerSet field. "grad" quantizes the gradient of the GEMM's output.
-_ROLES = {"x": "x", "kernel": "kernel", "grad": "dgrad"}
-
-# The RNG stream stochastic rounding draws from (TransformerEngine's name).
-SR_RNG = "sr_rng"
-
-
-def needs_sr_key(recipe: Recipe | None) -> bool:
-    """Whether a module applied with ``recipe`` must draw a stochastic-rounding key."""
-    return isinstance(recipe, NVFP4BlockScaling) and recipe.stochastic_rounding
-
-
-def resolve_recipe(recipe: Recipe | None) -> Recipe | None:
-    """A module's recipe: its own, else the active ``te_flax.autocast`` one, else None."""
-    return recipe if recipe is not None else get_autocast_recipe()
-
-
-def state_names(postfix: str) -> tuple[str, ...]:
-    """All variable names one GEMM's delayed-scaling state may have."""
-    return tuple(
-        f"{role}{postfix}_{kind}" for role in _ROLES for kind in ("amax_history", "scale_inv")
-    )
-
-
-def fresh_state(recipe: Recipe | None, postfix: str) -> dict[str, Array]:
-    """Initial variable values for one GEMM (empty unless the recipe keeps state)."""
-    if not isinstance(recipe, DelayedScaling):
-        return {}
-    qs = QuantizerFactory.create_set(fp8_recipe=recipe)
-    values = {}
-    for role, field in _ROLES.items():
-        quantizer = getattr(qs, field)
-        values[f"{role}{postfix}_amax_history"] = quantizer.amax_history
-        values[f"{role}{postfix}_scale_inv"] = quantizer.scale_inv
-    return values
-
-
-def quantizer_set(
-    recipe: Recipe | None, postfix: str, state: dict[str, Array], sr_key: Array | None = None
-) -> QuantizerSet:
-    """The quantizer set of one GEMM, its state leaves read from ``state`` (variable values).
-
-    ``sr_key`` is the stochastic-rounding key when ``needs_sr_key(recipe)``.
-
-    The gradient of the loss with respect to these variables is their new value. Reuses of
-    the variables merge by max when the step marked them (``te_flax.training.merge_fp8_state``)
-    before they fanned out; marking here, after the fan-out, would be too late.
-    """
-    if recipe is None:
-        return noop_quantizer_set
-    qs = QuantizerFactory.create_set(fp8_recipe=recipe, sr_key=sr_key)
-    if not isinstance(recipe, DelayedScaling):
-        return qs
-    members = {}
-    for role, field in _ROLES.items():
-        quantizer: DelayedScaleQuantizer = getattr(qs, field)
-        members[field] = dataclasses.replace(
-            quantizer,
-            amax_history=state[f"{role}{postfix}_amax_history"],
-            scale_inv=state[f"{role}{postfix}_scale_inv"],
-        )
-    return dataclasses.replace(qs, x=members["x"], kernel=members["kernel"], dgrad=members["dgrad"])
-
 
 # owner id -> (weak reference to the owner, weak references to the state leaves it last read,
 # those leaves marked to merge by max).
@@ -179,7 +96,7 @@ def check_state_matches(
 
 
 # Set by ``hold_fp8_state()``: gradients of parameters alone are allowed, the state held.
-_HOLD: contextvars.ContextVar[bool] = contextvars.ContextVar("hold_fp8_state", default=False)
+_HOLD: ScopedSetting[bool] = ScopedSetting("hold_fp8_state", False)
 
 
 @contextlib.contextmanager
@@ -192,8 +109,9 @@ def hold_fp8_state() -> Iterator[None]:
     without ``jit``, while the state has never been updated: the state's update leaves a step
     as its gradient, so a loop that differentiates the parameters only would keep the initial
     scales for good. (A state updated before is kept as it is without the context.) The
-    context is read when the step is traced: enter it around the first call of a jitted step
-    (or around ``jax.grad`` itself).
+    context is read when the step is traced and is part of ``jax.jit``'s cache key: enter it
+    around the calls of a jitted step (a step traced outside it is traced again inside it), or
+    around ``jax.grad`` itself.
 
     Example usage::
 
@@ -210,11 +128,8 @@ def hold_fp8_state() -> Iterator[None]:
       >>> sorted(grads)
       ['bias', 'kernel']
     """
-    token = _HOLD.set(True)
-    try:
+    with _HOLD.scope(True):
         yield
-    finally:
-        _HOLD.reset(token)
 
 
 # The fix, per front end, named in the message.
@@ -300,7 +215,7 @@ def watch_fp8_state(module: str, front_end: str, params: P, state: S) -> tuple[P
         state_perturbed = any(leaf.perturbed for leaf in jax.tree.leaves(state))
         unwrap = lambda leaf: leaf.value  # noqa: E731
         state = jax.tree.map(unwrap, state)
-        if params_perturbed and not state_perturbed and not _HOLD.get():
+        if params_perturbed and not state_perturbed and not _HOLD.value:
             _refuse_if_never_updated(module, front_end, state)
         return (jax.tree.map(unwrap, params), state), None
 

@@ -11,9 +11,8 @@ and NNX cannot drift apart.
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +21,23 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 
 from te_flax._base import checks as check
-from te_flax._layers.lora import lora_delta, lora_shapes
+from te_flax._layers.base import (
+    Dropout,
+    Fp8Layer,
+    FusedNorm,
+    Initializer,
+    LowRank,
+    Norm,
+    Params,
+    ParamSpec,
+    check_last_axis,
+    compute_input,
+    default_kernel_init,
+    flat_fan_in,
+    named_sets,
+    param,
+    zeros,
+)
 from te_flax._ops.activations import (
     ClampedSwigluParams,
     activation_forward,
@@ -47,55 +62,6 @@ __all__ = [
     "LayerNormSpec",
     "ParamSpec",
 ]
-
-Initializer = Callable[..., Array]  # init(key, shape, dtype)
-# The key of a layer's dropout, None when its dropout is off.
-Dropout = Array | None
-# A layer's parameters by name (ParamSpec.name -> array).
-Params = dict[str, Array]
-zeros = jax.nn.initializers.zeros
-ones = jax.nn.initializers.ones
-
-
-def default_kernel_init() -> Initializer:
-    """TransformerEngine's default: variance scaling 1.0, fan-in, truncated normal."""
-    return jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamSpec:
-    """One parameter: its name, shape, ``init(key, shape, dtype)`` and logical axis names."""
-
-    name: str
-    shape: tuple[int, ...]
-    init: Initializer
-    axes: tuple[str | None, ...]
-
-
-def _param(
-    name: str, shape: Sequence[int], init: Initializer, axes: Sequence[str | None]
-) -> ParamSpec:
-    dims = tuple(int(d) for d in shape)
-    names = tuple(axes) if axes else (None,) * len(dims)
-    if len(names) != len(dims):
-        raise ValueError(
-            f"the logical axes {names} of parameter {name!r} name {len(names)} dimensions but it "
-            f"has shape {dims}; give one logical axis name (or None) per dimension"
-        )
-    return ParamSpec(name, dims, init, names)
-
-
-def _flat_fan_in(init: Initializer, n_in: int) -> Initializer:
-    """``init`` called on the 2-D ``[prod(in), prod(out)]`` shape, then reshaped.
-
-    Fan-in and fan-out are then the contracted and the output sizes whatever the kernel's rank.
-    """
-
-    def flat_init(key: Array, shape: Sequence[int], dtype: DTypeLike = jnp.float32) -> Array:
-        flat = (math.prod(shape[:n_in]), math.prod(shape[n_in:]))
-        return jnp.reshape(init(key, flat, dtype), shape)
-
-    return flat_init
 
 
 def _per_activation(init: Initializer) -> Initializer:
@@ -125,113 +91,14 @@ def _features(features: int | Sequence[int] | None) -> tuple[int, ...]:
     return sizes
 
 
-def _compute_input(x: Array, dtype: DTypeLike | None) -> Array:
-    check.check_floating(x, "the input")
-    dtype = check.check_dtype(dtype, "dtype")
-    return x if dtype is None else x.astype(dtype)
-
-
-def _check_last_axis(axis: object, x: Array) -> None:
-    if axis not in (-1, x.ndim - 1):
-        raise ValueError(
-            f"axis={axis!r} is not supported: this layer normalizes and contracts the last axis "
-            "only (axis=-1); move the features axis last, e.g. with jnp.moveaxis"
-        )
-
-
-class _Norm:
-    """The parameters and checks of the norm that several layers share."""
-
-    if TYPE_CHECKING:  # fields of the layer descriptions that use it
-        layernorm_type: str
-        epsilon: float
-        zero_centered_gamma: bool
-        scale_init: Initializer | None
-        scale_axes: tuple[str | None, ...]
-
-    def _norm_params(
-        self, hidden: int, bias_init: Initializer, bias_axes: tuple[str | None, ...]
-    ) -> list[ParamSpec]:
-        norm_type = check.canonical_norm_type(self.layernorm_type, "layernorm_type")
-        scale_init = self.scale_init or (zeros if self.zero_centered_gamma else ones)
-        params = [_param("scale", (hidden,), scale_init, self.scale_axes)]
-        if norm_type == "layernorm":
-            params.append(_param("ln_bias", (hidden,), bias_init, bias_axes))
-        return params
-
-    def _norm_arguments(self, params: Params) -> dict[str, Any]:
-        return dict(
-            gamma=params["scale"],
-            beta=params.get("ln_bias"),
-            norm_type=self.layernorm_type,
-            zero_centered_gamma=self.zero_centered_gamma,
-            epsilon=self.epsilon,
-        )
-
-
-class _LowRank:
-    """Low-rank adaptation beside a GEMM, with TE's attribute and parameter names."""
-
-    if TYPE_CHECKING:  # fields of the layer descriptions that use it
-        kernel_init: Initializer | None
-        enable_low_rank_adaptation: bool
-        low_rank_adaptation_dim: int
-        low_rank_adaptation_alpha: float | None
-
-    def _lora_params(
-        self, prefix: str, in_features: Sequence[int], features: Sequence[int]
-    ) -> list[ParamSpec]:
-        if not self.enable_low_rank_adaptation:
-            return []
-        a_shape, b_shape = lora_shapes(
-            tuple(in_features), tuple(features), self.low_rank_adaptation_dim
-        )
-        kernel_init = _flat_fan_in(self.kernel_init or default_kernel_init(), len(in_features))
-        return [
-            _param(f"{prefix}lora_a_kernel", a_shape, kernel_init, ()),
-            _param(f"{prefix}lora_b_kernel", b_shape, zeros, ()),
-        ]
-
-    def _with_lora(
-        self, out: Array, x: Array | None, params: Params, prefix: str, n_contract: int
-    ) -> Array:
-        if not self.enable_low_rank_adaptation:
-            return out
-        assert x is not None, "the layer keeps the GEMM input when LoRA is on"
-        delta = lora_delta(
-            x,
-            params[f"{prefix}lora_a_kernel"],
-            params[f"{prefix}lora_b_kernel"],
-            n_contract,
-            self.low_rank_adaptation_dim,
-            self.low_rank_adaptation_alpha,
-        )
-        return out + delta.astype(out.dtype)
-
-
-def _named_sets(
-    quantizer_sets: Sequence[QuantizerSet], name: str | None
-) -> tuple[QuantizerSet, ...]:
-    """The sets with TE's ``quantization_checkpoint_name``: the quantized operands each GEMM
-    saves for its backward carry that ``jax.checkpoint`` name (unquantized sets save none)."""
-    if name is not None and not isinstance(name, str):
-        raise TypeError(
-            f"quantization_checkpoint_name must be a str (a jax.checkpoint name) or None, got "
-            f"{name!r}"
-        )
-    return tuple(
-        qs if name is None or qs.is_noop else dataclasses.replace(qs, checkpoint_name=name)
-        for qs in quantizer_sets
-    )
-
-
 # ----------------------------------------------------------------------------- LayerNorm
 
 
 @dataclasses.dataclass
-class LayerNormSpec(_Norm):
+class LayerNormSpec(Norm, Fp8Layer):
     """Layernorm or rmsnorm over the last axis (parameters ``scale`` and ``ln_bias``)."""
 
+    # TransformerEngine's fields, in its order.
     epsilon: float = 1e-6
     layernorm_type: str = "layernorm"
     zero_centered_gamma: bool = False
@@ -240,16 +107,15 @@ class LayerNormSpec(_Norm):
     bias_init: Initializer = zeros
     bias_axes: tuple[str | None, ...] = ("embed",)
     dtype: Any = None
+    # te_flax's.
     param_dtype: Any = jnp.float32
     transpose_batch_sequence: bool = False
-
-    fp8_postfixes: tuple[str, ...] = ()
 
     def in_features(self, x: Array) -> tuple[int, ...]:
         return (x.shape[-1],)
 
     def param_specs(self, in_features: tuple[int, ...]) -> list[ParamSpec]:
-        return self._norm_params(in_features[-1], self.bias_init, self.bias_axes)
+        return self.norm_params(in_features[-1], self.bias_init, self.bias_axes)
 
     def forward(
         self,
@@ -258,17 +124,18 @@ class LayerNormSpec(_Norm):
         quantizer_sets: Sequence[QuantizerSet] = (),
         dropout: Dropout = None,
     ) -> Array:
-        x = _compute_input(x, self.dtype)
-        return layernorm(x, **self._norm_arguments(params))
+        x = compute_input(x, self.dtype)
+        return layernorm(x, **self.norm_arguments(params))
 
 
 # ----------------------------------------------------------------------------- DenseGeneral
 
 
 @dataclasses.dataclass
-class DenseGeneralSpec(_LowRank):
+class DenseGeneralSpec(LowRank, Fp8Layer):
     """``x . kernel + bias`` over one or more trailing axes of x."""
 
+    # TransformerEngine's fields, in its order.
     features: int | tuple[int, ...] | None = None  # required
     kernel_init: Initializer | None = None
     kernel_axes: tuple[str | None, ...] = ()
@@ -280,13 +147,14 @@ class DenseGeneralSpec(_LowRank):
     low_rank_adaptation_alpha: float | None = None
     axis: int | tuple[int, ...] = -1
     dtype: Any = None
-    param_dtype: Any = jnp.float32
     input_axes: tuple[str | None, ...] = ()
     transpose_batch_sequence: bool = False
     quantization_checkpoint_name: str | None = None
+    # te_flax's.
+    param_dtype: Any = jnp.float32
     recipe: Recipe | None = None
 
-    fp8_postfixes: tuple[str, ...] = ("",)
+    fp8_postfixes: ClassVar[tuple[str, ...]] = ("",)
 
     def _axes(self, ndim: int) -> tuple[int, ...]:
         axes = (self.axis,) if isinstance(self.axis, int) else tuple(self.axis)
@@ -303,11 +171,11 @@ class DenseGeneralSpec(_LowRank):
 
     def param_specs(self, in_features: tuple[int, ...]) -> list[ParamSpec]:
         features = _features(self.features)
-        kernel_init = _flat_fan_in(self.kernel_init or default_kernel_init(), len(in_features))
-        params = [_param("kernel", (*in_features, *features), kernel_init, self.kernel_axes)]
+        kernel_init = flat_fan_in(self.kernel_init or default_kernel_init(), len(in_features))
+        params = [param("kernel", (*in_features, *features), kernel_init, self.kernel_axes)]
         if self.use_bias:
-            params.append(_param("bias", features, self.bias_init, self.bias_axes))
-        return params + self._lora_params("", in_features, features)
+            params.append(param("bias", features, self.bias_init, self.bias_axes))
+        return params + self.lora_params("", in_features, features, self.kernel_init)
 
     def forward(
         self,
@@ -316,9 +184,9 @@ class DenseGeneralSpec(_LowRank):
         quantizer_sets: Sequence[QuantizerSet],
         dropout: Dropout = None,
     ) -> Array:
-        x = _compute_input(x, self.dtype)
+        x = compute_input(x, self.dtype)
         axes = self._axes(x.ndim)
-        quantizer_sets = _named_sets(quantizer_sets, self.quantization_checkpoint_name)
+        quantizer_sets = named_sets(quantizer_sets, self.quantization_checkpoint_name)
         out = dense(
             x,
             params["kernel"],
@@ -329,16 +197,17 @@ class DenseGeneralSpec(_LowRank):
             kernel_axes=self.kernel_axes or None,
             quantizer_set=quantizer_sets[0],
         )
-        return self._with_lora(out, x, params, "", len(axes))
+        return self.with_lora(out, x, params, "", len(axes))
 
 
 # --------------------------------------------------------------------------- LayerNormDenseGeneral
 
 
 @dataclasses.dataclass
-class LayerNormDenseGeneralSpec(_Norm, _LowRank):
+class LayerNormDenseGeneralSpec(FusedNorm, LowRank, Fp8Layer):
     """A norm fused with the GEMM after it; returns ``(out, norm output or None)``."""
 
+    # TransformerEngine's fields, in its order.
     features: int | tuple[int, ...] | None = None  # required
     enable_layernorm: bool = True
     layernorm_type: str = "layernorm"
@@ -359,18 +228,19 @@ class LayerNormDenseGeneralSpec(_Norm, _LowRank):
     low_rank_adaptation_alpha: float | None = None
     axis: int = -1
     dtype: Any = None
-    param_dtype: Any = jnp.float32
     layernorm_input_axes: tuple[str | None, ...] | None = None
     dot_input_axes: tuple[str | None, ...] | None = None
     depth_scaling: float | None = None
     transpose_batch_sequence: bool = False
     quantization_checkpoint_name: str | None = None
+    # te_flax's.
+    param_dtype: Any = jnp.float32
     recipe: Recipe | None = None
 
-    fp8_postfixes: tuple[str, ...] = ("",)
+    fp8_postfixes: ClassVar[tuple[str, ...]] = ("",)
 
     def in_features(self, x: Array) -> tuple[int, ...]:
-        _check_last_axis(self.axis, x)
+        check_last_axis(self.axis, x)
         return (x.shape[-1],)
 
     def param_specs(self, in_features: tuple[int, ...]) -> list[ParamSpec]:
@@ -378,12 +248,12 @@ class LayerNormDenseGeneralSpec(_Norm, _LowRank):
         features = _features(self.features)
         params: list[ParamSpec] = []
         if self.enable_layernorm:
-            params += self._norm_params(hidden, self.ln_bias_init, self.ln_bias_axes)
-        kernel_init = _flat_fan_in(self.kernel_init or default_kernel_init(), 1)
-        params.append(_param("kernel", (hidden, *features), kernel_init, self.kernel_axes))
+            params += self.fused_norm_params(hidden)
+        kernel_init = flat_fan_in(self.kernel_init or default_kernel_init(), 1)
+        params.append(param("kernel", (hidden, *features), kernel_init, self.kernel_axes))
         if self.use_bias:
-            params.append(_param("bias", features, self.bias_init, self.bias_axes))
-        return params + self._lora_params("", (hidden,), features)
+            params.append(param("bias", features, self.bias_init, self.bias_axes))
+        return params + self.lora_params("", (hidden,), features, self.kernel_init)
 
     def forward(
         self,
@@ -392,9 +262,9 @@ class LayerNormDenseGeneralSpec(_Norm, _LowRank):
         quantizer_sets: Sequence[QuantizerSet],
         dropout: Dropout = None,
     ) -> tuple[Array, Array | None]:
-        x = _compute_input(x, self.dtype)
-        _check_last_axis(self.axis, x)
-        quantizer_sets = _named_sets(quantizer_sets, self.quantization_checkpoint_name)
+        x = compute_input(x, self.dtype)
+        check_last_axis(self.axis, x)
+        quantizer_sets = named_sets(quantizer_sets, self.quantization_checkpoint_name)
         gemm: dict[str, Any] = dict(
             kernel=params["kernel"],
             bias=params.get("bias"),
@@ -410,14 +280,14 @@ class LayerNormDenseGeneralSpec(_Norm, _LowRank):
             out, ln = layernorm_dense_with_norm_output(x, **gemm, **self._fused_norm(params))
         else:
             out, ln = layernorm_dense(x, **gemm, **self._fused_norm(params)), None
-        out = self._with_lora(out, ln, params, "", 1)
+        out = self.with_lora(out, ln, params, "", 1)
         if self.depth_scaling is not None:
             out = out / jnp.asarray(self.depth_scaling, out.dtype)
         return out, ln if self.return_layernorm_output else None
 
     def _fused_norm(self, params: Params) -> dict[str, Any]:
         return dict(
-            **self._norm_arguments(params),
+            **self.norm_arguments(params),
             layernorm_input_axes=self.layernorm_input_axes,
             dot_input_axes=self.dot_input_axes,
         )
@@ -443,9 +313,10 @@ def _fused_gradient_quantizers(
 
 
 @dataclasses.dataclass
-class LayerNormMLPSpec(_Norm, _LowRank):
+class LayerNormMLPSpec(FusedNorm, LowRank, Fp8Layer):
     """Norm, GEMM 1, (gated) activation, dropout, GEMM 2; returns ``(out, norm output or None)``."""
 
+    # TransformerEngine's fields, in its order.
     intermediate_dim: int = 2048
     enable_layernorm: bool = True
     layernorm_type: str = "layernorm"
@@ -473,7 +344,6 @@ class LayerNormMLPSpec(_Norm, _LowRank):
     low_rank_adaptation_alpha: float | None = None
     axis: int = -1
     dtype: Any = None
-    param_dtype: Any = jnp.float32
     layernorm_input_axes: tuple[str | None, ...] | None = None
     dot_1_input_axes: tuple[str | None, ...] | None = None
     dot_2_input_axes: tuple[str | None, ...] | None = None
@@ -481,43 +351,44 @@ class LayerNormMLPSpec(_Norm, _LowRank):
     ffn2_ckpt_name: str = "ffn2"
     transpose_batch_sequence: bool = False
     quantization_checkpoint_name: str | None = None
+    # te_flax's.
+    param_dtype: Any = jnp.float32
     recipe: Recipe | None = None
 
-    fp8_postfixes: tuple[str, ...] = ("_0", "_1")
+    fp8_postfixes: ClassVar[tuple[str, ...]] = ("_0", "_1")
 
     def in_features(self, x: Array) -> tuple[int, ...]:
-        _check_last_axis(self.axis, x)
+        check_last_axis(self.axis, x)
         return (x.shape[-1],)
 
     def param_specs(self, in_features: tuple[int, ...]) -> list[ParamSpec]:
         hidden = in_features[-1]
         n_act = len(self._activation()[0])
         intermediate = self.intermediate_dim
-        if not isinstance(intermediate, int) or intermediate < 1:
-            raise ValueError(f"intermediate_dim must be a positive int, got {intermediate!r}")
+        check.check_positive_int(intermediate, "intermediate_dim")
         check.check_rate(self.intermediate_dropout_rate, "intermediate_dropout_rate")
         kernel_init = self.kernel_init or default_kernel_init()
         params: list[ParamSpec] = []
         if self.enable_layernorm:
-            params += self._norm_params(hidden, self.ln_bias_init, self.ln_bias_axes)
+            params += self.fused_norm_params(hidden)
         params += [
-            _param(
+            param(
                 "wi_kernel",
                 (hidden, n_act, intermediate),
                 _per_activation(kernel_init),
                 self.kernel_axes_1,
             ),
-            _param("wo_kernel", (intermediate, hidden), kernel_init, self.kernel_axes_2),
+            param("wo_kernel", (intermediate, hidden), kernel_init, self.kernel_axes_2),
         ]
         if self.use_bias:
             params += [
-                _param("wi_bias", (n_act, intermediate), self.bias_init, self.bias_axes_1),
-                _param("wo_bias", (hidden,), self.bias_init, self.bias_axes_2),
+                param("wi_bias", (n_act, intermediate), self.bias_init, self.bias_axes_1),
+                param("wo_bias", (hidden,), self.bias_init, self.bias_axes_2),
             ]
         return (
             params
-            + self._lora_params("wi_", (hidden,), (n_act, intermediate))
-            + self._lora_params("wo_", (intermediate,), (hidden,))
+            + self.lora_params("wi_", (hidden,), (n_act, intermediate), self.kernel_init)
+            + self.lora_params("wo_", (intermediate,), (hidden,), self.kernel_init)
         )
 
     def forward(
@@ -533,10 +404,10 @@ class LayerNormMLPSpec(_Norm, _LowRank):
         Every configuration with the norm runs the one fused ``layernorm_mlp`` op: the dropout
         mask is drawn inside it from the key, LoRA and the norm output are part of it.
         """
-        x = _compute_input(x, self.dtype)
-        _check_last_axis(self.axis, x)
+        x = compute_input(x, self.dtype)
+        check_last_axis(self.axis, x)
         activation_type, activation_params = self._activation()
-        set_1, set_2 = _named_sets(quantizer_sets, self.quantization_checkpoint_name)[:2]
+        set_1, set_2 = named_sets(quantizer_sets, self.quantization_checkpoint_name)[:2]
         rate = 0.0 if dropout is None else self.intermediate_dropout_rate
         lora = None
         if self.enable_low_rank_adaptation:
@@ -549,7 +420,7 @@ class LayerNormMLPSpec(_Norm, _LowRank):
             )
             return out, ln if self.return_layernorm_output else None
         arguments: dict[str, Any] = dict(
-            **self._norm_arguments(params),
+            **self.norm_arguments(params),
             kernels=[params["wi_kernel"], params["wo_kernel"]],
             biases=[params.get("wi_bias"), params.get("wo_bias")],
             transpose_batch_sequence=self.transpose_batch_sequence,
@@ -601,7 +472,7 @@ class LayerNormMLPSpec(_Norm, _LowRank):
             quantizer_set=set_1,
         )
         # [batch..., hidden] -> [batch..., n_act, intermediate]
-        pre_activation = self._with_lora(pre_activation, x, params, "wi_", 1)
+        pre_activation = self.with_lora(pre_activation, x, params, "wi_", 1)
         pre_activation = checkpoint_name(pre_activation, self.ffn1_ckpt_name)
         # [batch..., n_act, intermediate] -> [batch..., intermediate]
         activated = activation_forward(pre_activation, activation_type, activation_params)
@@ -619,5 +490,5 @@ class LayerNormMLPSpec(_Norm, _LowRank):
             kernel_axes=self.kernel_axes_2 or None,
             quantizer_set=set_2,
         )
-        out = self._with_lora(out, activated, params, "wo_", 1)
+        out = self.with_lora(out, activated, params, "wo_", 1)
         return checkpoint_name(out, self.ffn2_ckpt_name), x

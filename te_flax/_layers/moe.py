@@ -20,23 +20,24 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 from jax import Array, lax
 from jax.sharding import PartitionSpec
 
-from te_flax._layers.fp8_state import fresh_state
-from te_flax._layers.linear import (
+from te_flax._base import checks as check
+from te_flax._layers.base import (
     Dropout,
+    Fp8Layer,
+    FusedNorm,
     Initializer,
     Params,
     ParamSpec,
-    _compute_input,
-    _Norm,
-    _param,
+    compute_input,
     default_kernel_init,
+    param,
     zeros,
 )
 from te_flax._ops.activations import (
@@ -45,6 +46,8 @@ from te_flax._ops.activations import (
     canonical_activation_type,
 )
 from te_flax._parallel.experts import (
+    Routed,
+    RoutingStats,
     check_expert_count,
     expert_parallel_forward,
     expert_parallel_size,
@@ -65,15 +68,7 @@ from te_flax.router import (
 )
 from te_flax.sharding import explicit_axes, on_auto_axes, spec_of
 
-__all__ = ["MoEBlockSpec", "RoutingStats", "grouped_fresh_state"]
-
-
-def grouped_fresh_state(recipe: Recipe | None, postfix: str, n_groups: int) -> dict[str, Array]:
-    """One grouped GEMM's initial FP8 variables: a leading group axis on each."""
-    return {
-        name: jnp.broadcast_to(value, (n_groups, *value.shape))
-        for name, value in fresh_state(recipe, postfix).items()
-    }
+__all__ = ["MoEBlockSpec", "RoutingStats"]
 
 
 def _per_expert(init: Initializer, n_in: int) -> Initializer:
@@ -89,22 +84,8 @@ def _per_expert(init: Initializer, n_in: int) -> Initializer:
     return init_experts
 
 
-class RoutingStats(NamedTuple):
-    """What the router did in one call (not differentiated)."""
-
-    tokens_per_expert: Array  # int32 [E], assignments each expert computed (after drops)
-    tokens_dropped: Array  # int32 [], assignments dropped by the capacity
-
-
-class _Routed(NamedTuple):
-    tokens: Array  # [T, H] the (normalised) GEMM input
-    selected: Array  # int32 [T, k]; num_experts marks a dropped assignment
-    weights: Array  # float32 [T, k]
-    aux_loss: Array  # float32 []
-
-
 @dataclasses.dataclass
-class MoEBlockSpec(_Norm):
+class MoEBlockSpec(FusedNorm, Fp8Layer):
     """Router, ``num_experts`` gated MLPs and the weighted combine; returns ``(out, aux_loss)``."""
 
     num_experts: int = 8
@@ -143,7 +124,7 @@ class MoEBlockSpec(_Norm):
     param_dtype: Any = jnp.float32
     recipe: Recipe | None = None
 
-    fp8_postfixes: tuple[str, ...] = ("_0", "_1")
+    fp8_postfixes: ClassVar[tuple[str, ...]] = ("_0", "_1")
 
     # ------------------------------------------------------------------ description
 
@@ -154,9 +135,7 @@ class MoEBlockSpec(_Norm):
 
     def _check(self) -> None:
         for name in ("num_experts", "num_experts_per_tok", "intermediate_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check.check_positive_int(getattr(self, name), name)
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) is larger than num_experts "
@@ -177,16 +156,16 @@ class MoEBlockSpec(_Norm):
         kernel_init = self.kernel_init or default_kernel_init()
         params: list[ParamSpec] = []
         if self.enable_layernorm:
-            params += self._norm_params(hidden, self.ln_bias_init, self.ln_bias_axes)
+            params += self.fused_norm_params(hidden)
         params += [
-            _param("gate_kernel", (hidden, experts), kernel_init, self.gate_kernel_axes),
-            _param(
+            param("gate_kernel", (hidden, experts), kernel_init, self.gate_kernel_axes),
+            param(
                 "wi_kernel",
                 (experts, hidden, n_act, intermediate),
                 _per_expert(kernel_init, 1),
                 self.wi_kernel_axes,
             ),
-            _param(
+            param(
                 "wo_kernel",
                 (experts, intermediate, hidden),
                 _per_expert(kernel_init, 1),
@@ -195,22 +174,21 @@ class MoEBlockSpec(_Norm):
         ]
         if self.use_bias:
             params += [
-                _param(
-                    "wi_bias", (experts, n_act, intermediate), self.bias_init, self.wi_bias_axes
-                ),
-                _param("wo_bias", (experts, hidden), self.bias_init, self.wo_bias_axes),
+                param("wi_bias", (experts, n_act, intermediate), self.bias_init, self.wi_bias_axes),
+                param("wo_bias", (experts, hidden), self.bias_init, self.wo_bias_axes),
             ]
         if self.use_expert_routing_bias:
-            params.append(_param("expert_bias", (experts,), self.expert_bias_init, ("exp",)))
+            params.append(param("expert_bias", (experts,), self.expert_bias_init, ("exp",)))
         return params
 
     def _activation(self) -> tuple[tuple[str, ...], Any]:
         activation_type = canonical_activation_type(self.activations)
         return activation_type, canonical_activation_params(activation_type, self.activation_params)
 
-    def fresh_fp8_state(self, recipe: Recipe | None, postfix: str) -> dict[str, Array]:
-        """FP8 variables of the two grouped GEMMs: one state per expert (``[E, history]``)."""
-        return grouped_fresh_state(recipe, postfix, self.num_experts)
+    @property
+    def fp8_groups(self) -> int | None:
+        """The two grouped GEMMs keep one FP8 state per expert (``[E, history]``)."""
+        return self.num_experts
 
     # ------------------------------------------------------------------ forward
 
@@ -223,7 +201,7 @@ class MoEBlockSpec(_Norm):
     ) -> tuple[tuple[Array, Array], RoutingStats]:
         """``[batch..., hidden]`` -> ``((out [batch..., hidden], aux_loss []), stats)``."""
         self._check()
-        x = _compute_input(x, self.dtype)
+        x = compute_input(x, self.dtype)
         self.in_features(x)
         if expert_parallel_size() > 1:
             return expert_parallel_forward(self, params, x, tuple(quantizer_sets))
@@ -255,14 +233,14 @@ class MoEBlockSpec(_Norm):
             num_tokens, self.num_experts, self.num_experts_per_tok, self.capacity_factor
         )
 
-    def route(self, params: Params, tokens: Array, token_axes: Any = None) -> _Routed:
+    def route(self, params: Params, tokens: Array, token_axes: Any = None) -> Routed:
         """Norm, float32 gate GEMM, top-k and aux loss for ``tokens [T, H]``.
 
         ``token_axes``: inside ``shard_map``, the mesh axes the tokens are split over; the
         aux loss then sums its statistics over them, so that it is the whole batch's.
         """
         if self.enable_layernorm:
-            tokens = layernorm(tokens, **self._norm_arguments(params))
+            tokens = layernorm(tokens, **self.norm_arguments(params))
         # The router runs in float32 (TE promotes the logits before its top-k kernel): a
         # bfloat16 logit cannot separate nearby experts, and the choice is discontinuous.
         logits = jnp.matmul(
@@ -296,7 +274,7 @@ class MoEBlockSpec(_Norm):
                 counts = lax.psum(counts, token_axes)
                 num_tokens = num_tokens * lax.psum(1, token_axes)
             aux_loss = aux_loss_from_totals(score_sums, counts, num_tokens, k, self.aux_loss_coeff)
-        return _Routed(tokens, selected, weights, aux_loss)
+        return Routed(tokens, selected, weights, aux_loss)
 
     def expert_ffn(
         self,
@@ -336,7 +314,7 @@ class MoEBlockSpec(_Norm):
     def experts_and_combine(
         self,
         params: Params,
-        routed: _Routed,
+        routed: Routed,
         quantizer_sets: Sequence[QuantizerSet],
         capacity: int | None,
     ) -> tuple[Array, RoutingStats]:

@@ -73,6 +73,8 @@ class TransformerLayerType(enum.Enum):
 class TransformerLayerSpec:
     """Attention block (+ cross-attention for decoders) and MLP, with residuals and dropout."""
 
+    # TransformerEngine's fields, in its order.
+
     hidden_size: int = 512
     mlp_hidden_size: int = 2048
     num_attention_heads: int = 8
@@ -107,7 +109,6 @@ class TransformerLayerSpec:
     low_rank_adaptation_dim: int = 32
     low_rank_adaptation_alpha: float | None = None
     dtype: Any = None
-    param_dtype: Any = jnp.float32
     drop_path: float = 0.0
     fuse_qkv_params: bool = True
     transpose_batch_sequence: bool = False
@@ -118,6 +119,8 @@ class TransformerLayerSpec:
     softmax_type: str = "vanilla"
     score_mod: attn.ScoreMod | None = None
     score_mod_bprop: attn.ScoreMod | None = None
+    # te_flax's.
+    param_dtype: Any = jnp.float32
     recipe: Recipe | None = None
     implementation: str | None = None
     # MoEBlock attributes (num_experts, num_experts_per_tok, capacity_factor, ...): a MoEBlock

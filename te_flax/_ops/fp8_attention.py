@@ -32,7 +32,6 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
-from te_flax._layers.fp8_state import quantizer_set as _quantizer_set
 from te_flax.quantize import (
     CurrentScaleQuantizer,
     DelayedScaleQuantizer,
@@ -45,6 +44,7 @@ from te_flax.quantize import (
     float32_state,
     get_autocast_recipe,
 )
+from te_flax.quantize.state import quantizer_set as _quantizer_set
 
 __all__ = [
     "FP8_ATTENTION_POSTFIXES",

@@ -24,6 +24,7 @@ import numpy as np
 from jax import Array, lax
 from jax.typing import DTypeLike
 
+from te_flax._base.checks import check_positive_int
 from te_flax.quantize import (
     LEADING,
     TRAILING,
@@ -120,8 +121,7 @@ def grouped_quantizer_set(quantizer_set: QuantizerSet, n_groups: int) -> Quantiz
       >>> grouped.x.scale_inv.shape, grouped.x.amax_history.shape
       ((8, 1), (8, 16))
     """
-    if not isinstance(n_groups, int | np.integer) or isinstance(n_groups, bool) or n_groups < 1:
-        raise ValueError(f"n_groups must be a positive int, got {n_groups!r}")
+    check_positive_int(n_groups, "n_groups")
 
     def grouped(quantizer: Quantizer | None) -> Quantizer | None:
         if not isinstance(quantizer, DelayedScaleQuantizer) or _is_grouped(quantizer):
@@ -220,36 +220,6 @@ def quantize_groups(
 # ----------------------------------------------------------------------------- ragged GEMMs
 
 
-def _ragged_gemm(
-    lhs: Array,
-    rhs: Array,
-    group_sizes: Array,
-    contract: tuple[int, int],
-    rhs_group_dims: tuple[int, ...],
-    out_dtype: DTypeLike,
-    precision: lax.Precision | None,
-) -> Array:
-    """``lax.ragged_dot_general`` with the lhs ragged along its rows (axis 0).
-
-    With ``rhs_group_dims=(0,)`` each group of rows multiplies its own rhs matrix (the forward
-    GEMM and dgrad, ``[M, N]``); with ``()`` the rows are contracted group by group (wgrad,
-    ``[G, K, N]``).
-    """
-    numbers = lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(((contract[0],), (contract[1],)), ((), ())),
-        lhs_ragged_dimensions=[0],
-        rhs_group_dimensions=list(rhs_group_dims),
-    )
-    return lax.ragged_dot_general(
-        lhs,
-        rhs,
-        group_sizes,
-        numbers,
-        precision=precision,
-        preferred_element_type=out_dtype,
-    )
-
-
 def _gemm_input(
     operand: GemmOperand, use: str, dtype: DTypeLike, grouped: bool
 ) -> tuple[Array, Array | None]:
@@ -283,14 +253,29 @@ def _grouped_gemm(
     out_dtype: DTypeLike,
     precision: lax.Precision | None,
 ) -> Array:
-    """A ragged GEMM of two ``_gemm_input`` operands with their group scales applied: per row
-    for a GEMM whose rhs has a group axis (forward, dgrad), per group otherwise (wgrad)."""
+    """``lax.ragged_dot_general`` of two ``_gemm_input`` operands, the lhs ragged along its rows
+    (axis 0), with their group scales applied.
+
+    With ``rhs_group_dims=(0,)`` each group of rows multiplies its own rhs matrix (the forward
+    GEMM and dgrad, ``[M, N]``; scales per row); with ``()`` the rows are contracted group by
+    group (wgrad, ``[G, K, N]``; scales per group).
+    """
     (lhs_data, lhs_scale), (rhs_data, rhs_scale) = lhs, rhs
     fp8 = lhs_scale is not None and rhs_scale is not None
     # As the dense GEMM stage: float16 cannot hold a product of float8 values before scaling.
     gemm_dtype = jnp.float32 if fp8 and jnp.dtype(out_dtype) == jnp.float16 else out_dtype
-    out = _ragged_gemm(
-        lhs_data, rhs_data, group_sizes, contract, rhs_group_dims, gemm_dtype, precision
+    numbers = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((contract[0],), (contract[1],)), ((), ())),
+        lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=list(rhs_group_dims),
+    )
+    out = lax.ragged_dot_general(
+        lhs_data,
+        rhs_data,
+        group_sizes,
+        numbers,
+        precision=precision,
+        preferred_element_type=gemm_dtype,
     )
     if lhs_scale is None or rhs_scale is None:
         return out.astype(out_dtype)
@@ -421,16 +406,10 @@ def _backward(
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def ragged_grouped_dense(
-    config: GroupedConfig,
-    x: Array,
-    kernel: Array,
-    group_sizes: Array,
-    bias: Array | None,
-    quantizer_set: QuantizerSet,
-) -> Array:
-    """The ragged lowering of ``grouped_dense`` (inputs already checked)."""
-    return _forward(config, x, kernel, group_sizes, bias, quantizer_set)[0]
+def ragged_grouped_dense(config: GroupedConfig, *operands: Any) -> Array:
+    """The ragged lowering of ``grouped_dense`` on its checked operands ``(x, kernel,
+    group_sizes, bias, quantizer_set)``, as ``_forward`` takes them."""
+    return _forward(config, *operands)[0]
 
 
 ragged_grouped_dense.defvjp(_forward, _backward)

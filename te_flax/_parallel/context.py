@@ -28,6 +28,9 @@ import numpy as np
 from jax import Array, lax
 from jax.sharding import PartitionSpec as P
 
+from te_flax._base.checks import check_positive_int
+from te_flax._ops.attention import logits, xla_attention
+
 __all__ = [
     "ReorderStrategy",
     "inverse_reorder_causal_load_balancing",
@@ -44,8 +47,7 @@ class ReorderStrategy(enum.Enum):
 
 def _order(strategy: object, cp_size: int, length: int, stripe_size: int | None) -> np.ndarray:
     """The reordered tensor's token ``i`` is the original token ``order[i]``."""
-    if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
-        raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
+    check_positive_int(cp_size, "cp_size", "the number of devices along the context axis")
     tokens = np.arange(length)
     if strategy == ReorderStrategy.DualChunkSwap:
         if stripe_size is not None:
@@ -188,8 +190,6 @@ def context_parallel_attention(
     the one-device attention's (``segment_ids``: ``(q ids, kv ids)`` ``[batch, len]``, 0 for
     padding; None: one document). ``sink`` is the softmax's sink logit ``[1, heads, 1, 1]``.
     """
-    from te_flax import attention as attn
-
     cp_size = int(jax.sharding.get_abstract_mesh().shape[axis])
     batch, q_len = query.shape[:2]
     kv_len = key.shape[1]
@@ -213,7 +213,7 @@ def context_parallel_attention(
             kv_ids = lax.all_gather(kv_ids, axis, axis=1, tiled=True)
             kv_tok = lax.all_gather(kv_tok, axis, axis=0, tiled=True)
             keep = _block_keep(q_tok, q_ids, kv_tok, kv_ids, causal, window)
-            out, _ = attn._xla_attention(q, k, v, keep, None, scale, None, sink=sink_or_none)
+            out, _ = xla_attention(q, k, v, keep, None, scale, None, sink=sink_or_none)
             return out
         block = (k, v, kv_tok, kv_ids)
         # Load balanced causal blocks are all partly attended: no block to skip.
@@ -338,11 +338,9 @@ def _ring_pass(
 
 def _scores(config: _RingConfig, grouped: Array, k: Array, keep: Array) -> Array:
     """``[batch, heads, q, kv]`` float32 scaled logits, -inf where not attended."""
-    from te_flax.attention import _logits
-
-    logits = _logits(grouped, k)  # [b, kv_heads, group, q, kv] float32
-    logits = einops.rearrange(logits, "b k g q s -> b (k g) q s") * jnp.float32(config.scale)
-    return jnp.where(keep, logits, -jnp.inf)
+    scores = logits(grouped, k)  # [b, kv_heads, group, q, kv] float32
+    scores = einops.rearrange(scores, "b k g q s -> b (k g) q s") * jnp.float32(config.scale)
+    return jnp.where(keep, scores, -jnp.inf)
 
 
 def _ring_forward(

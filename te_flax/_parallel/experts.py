@@ -20,8 +20,9 @@ that takes the max, not the sum ``shard_map`` would take).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple, Protocol
 
 import flax.linen as nn
 import jax
@@ -34,10 +35,10 @@ from te_flax.permutation import pure_jax_token_combine, pure_jax_token_dispatch,
 from te_flax.quantize import QuantizerSet, float32_state, scaling
 from te_flax.router import drop_over_capacity
 
-if TYPE_CHECKING:
-    from te_flax._layers.moe import MoEBlockSpec, RoutingStats
-
 __all__ = [
+    "ExpertLayer",
+    "Routed",
+    "RoutingStats",
     "check_expert_count",
     "expert_axis",
     "expert_parallel_forward",
@@ -45,6 +46,45 @@ __all__ = [
 ]
 
 EXPERT_PARAMS = ("wi_kernel", "wo_kernel", "wi_bias", "wo_bias")
+
+
+class RoutingStats(NamedTuple):
+    """What the router did in one call (not differentiated)."""
+
+    tokens_per_expert: Array  # int32 [E], assignments each expert computed (after drops)
+    tokens_dropped: Array  # int32 [], assignments dropped by the capacity
+
+
+class Routed(NamedTuple):
+    """The router's choice for each token."""
+
+    tokens: Array  # [T, H] the (normalised) GEMM input
+    selected: Array  # int32 [T, k]; num_experts marks a dropped assignment
+    weights: Array  # float32 [T, k]
+    aux_loss: Array  # float32 []
+
+
+class ExpertLayer(Protocol):
+    """What the expert-parallel path needs of a mixture-of-experts layer (``MoEBlockSpec``)."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    drop_policy: str
+
+    def capacity(self, num_tokens: int) -> int | None: ...
+
+    def route(self, params: dict[str, Array], tokens: Array, token_axes: Any = None) -> Routed: ...
+
+    def expert_ffn(
+        self,
+        params: dict[str, Array],
+        rows: Array,
+        group_sizes: Array,
+        quantizer_sets: Sequence[QuantizerSet],
+        capacity: int | None,
+    ) -> Array: ...
+
+    def stats(self, selected: Array, token_axes: Any = None) -> RoutingStats: ...
 
 
 def _axes(logical: str) -> tuple[str, ...]:
@@ -107,7 +147,7 @@ def check_expert_count(num_experts: int) -> None:
         )
 
 
-def _check(spec: MoEBlockSpec, x: Array, ep: str, token_axes: tuple[str, ...]) -> None:
+def _check(spec: ExpertLayer, x: Array, ep: str, token_axes: tuple[str, ...]) -> None:
     mesh = jax.sharding.get_abstract_mesh()
     check_expert_count(spec.num_experts)
     if ep not in token_axes:
@@ -126,7 +166,7 @@ def _check(spec: MoEBlockSpec, x: Array, ep: str, token_axes: tuple[str, ...]) -
 
 
 def expert_parallel_forward(
-    spec: MoEBlockSpec, params: dict[str, Array], x: Array, quantizer_sets: tuple[QuantizerSet, ...]
+    spec: ExpertLayer, params: dict[str, Array], x: Array, quantizer_sets: tuple[QuantizerSet, ...]
 ) -> tuple[tuple[Array, Array], RoutingStats]:
     """``MoEBlockSpec.forward`` with the experts split over the expert mesh axis."""
     ep = expert_axis()
@@ -174,7 +214,7 @@ def _is_expert_state(leaf: Any, experts: int, axis_count: int = 1) -> bool:
 
 
 def _local_forward(
-    spec: MoEBlockSpec,
+    spec: ExpertLayer,
     params: dict[str, Array],
     x: Array,
     sets: tuple[QuantizerSet, ...],

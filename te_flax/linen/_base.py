@@ -8,21 +8,21 @@ so a module written on this base keeps the same collection, variable names and s
 from __future__ import annotations
 
 import flax.linen as nn
-import jax.numpy as jnp
 from jax import Array
 
-from te_flax._layers.fp8_state import (
+from te_flax._base.checks import check_positive_int
+from te_flax._layers.base import named_sets
+from te_flax._layers.fp8_state import check_state_matches
+from te_flax.quantize import QuantizerSet, Recipe
+from te_flax.quantize.state import (
     OVERWRITE_WITH_GRADIENT,
     SR_RNG,
-    check_state_matches,
     fresh_state,
     needs_sr_key,
     quantizer_set,
     resolve_recipe,
     state_names,
 )
-from te_flax._layers.linear import _named_sets
-from te_flax.quantize import QuantizerSet, Recipe
 
 __all__ = ["TransformerEngineBase", "fp8_variables"]
 
@@ -43,16 +43,11 @@ def fp8_variables(
     is refused with the fix.
     """
     name = type(module).__name__
-    fresh = fresh_state(recipe, postfix)
     if n_groups is not None:
-        if not isinstance(n_groups, int) or isinstance(n_groups, bool) or n_groups < 1:
-            raise ValueError(
-                f"{name}: n_groups must be a positive int (the number of groups of a grouped "
-                f"GEMM) or None, got {n_groups!r}"
-            )
-        fresh = {
-            key: jnp.broadcast_to(value, (n_groups, *value.shape)) for key, value in fresh.items()
-        }
+        check_positive_int(
+            n_groups, f"{name}: n_groups", "the number of groups of a grouped GEMM, or None"
+        )
+    fresh = fresh_state(recipe, postfix, n_groups)
     if not module.is_initializing():
         present = {n for n in state_names(postfix) if module.has_variable(collection, n)}
         check_state_matches(name, recipe, set(fresh), present)
@@ -124,7 +119,7 @@ class TransformerEngineBase(nn.Module):
         collection = OVERWRITE_WITH_GRADIENT if variable_collection is None else variable_collection
         state = fp8_variables(self, recipe, postfix, collection, n_groups)
         sr_key = self.make_rng(SR_RNG) if needs_sr_key(recipe) else None
-        (qs,) = _named_sets(
+        (qs,) = named_sets(
             [quantizer_set(recipe, postfix, state, sr_key)], quantization_checkpoint_name
         )
         return qs

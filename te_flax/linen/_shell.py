@@ -9,17 +9,10 @@ import jax.numpy as jnp
 from jax import Array
 
 from te_flax._base.checks import check_dtype
-from te_flax._layers.fp8_state import (
-    SR_RNG,
-    merge_reuse,
-    needs_sr_key,
-    quantizer_set,
-    resolve_recipe,
-    watch_fp8_state,
-)
+from te_flax._layers.fp8_state import merge_reuse, watch_fp8_state
 from te_flax._layers.linear import ParamSpec
 from te_flax.linen._base import TransformerEngineBase, fp8_variables
-from te_flax.quantize import Recipe
+from te_flax.quantize.state import SR_RNG, needs_sr_key, quantizer_set, resolve_recipe
 
 __all__ = ["LinenShell", "LogicallyPartitioned", "create_param"]
 
@@ -57,7 +50,10 @@ class LinenShell(TransformerEngineBase):
         specs = self.param_specs(self.in_features(inputs))
         params = {spec.name: self._param(spec) for spec in specs}
         recipe = resolve_recipe(self.recipe) if self.fp8_postfixes else None
-        states = {postfix: self._fp8_state(recipe, postfix) for postfix in self.fp8_postfixes}
+        states = {
+            postfix: fp8_variables(self, recipe, postfix, n_groups=self.fp8_groups)
+            for postfix in self.fp8_postfixes
+        }
         states = merge_reuse(self, states)  # a layer applied twice merges by max
         params, states = watch_fp8_state(type(self).__name__, "linen", params, states)
         sets = tuple(
@@ -83,6 +79,3 @@ class LinenShell(TransformerEngineBase):
                 )
         check_dtype(self.param_dtype, "param_dtype")
         return create_param(self, spec, self.param_dtype)
-
-    def _fp8_state(self, recipe: Recipe | None, postfix: str) -> dict[str, Array]:
-        return fp8_variables(self, recipe, postfix)

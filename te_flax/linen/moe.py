@@ -6,9 +6,7 @@ import flax.linen as nn
 from jax import Array
 
 from te_flax._layers.moe import MoEBlockSpec
-from te_flax.linen._base import fp8_variables
 from te_flax.linen._shell import LinenShell
-from te_flax.quantize import Recipe
 
 __all__ = ["MoEBlock"]
 
@@ -73,6 +71,3 @@ class MoEBlock(LinenShell, MoEBlockSpec):
         self.sow("intermediates", "tokens_per_expert", stats.tokens_per_expert)
         self.sow("intermediates", "tokens_dropped", stats.tokens_dropped)
         return out, aux_loss
-
-    def _fp8_state(self, recipe: Recipe | None, postfix: str) -> dict[str, Array]:
-        return fp8_variables(self, recipe, postfix, n_groups=self.num_experts)

@@ -1,14 +1,18 @@
-"""The NNX variable type of FP8 state."""
+"""The NNX variable type of FP8 state, and the one way NNX modules create and read it."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
 from flax import nnx
+from jax import Array
 
-from te_flax._layers.fp8_state import OVERWRITE_WITH_GRADIENT
+from te_flax._layers.fp8_state import check_state_matches
+from te_flax.quantize import Recipe
+from te_flax.quantize.state import OVERWRITE_WITH_GRADIENT, fresh_state, needs_sr_key, state_names
 
-__all__ = ["Fp8Meta"]
+__all__ = ["Fp8Meta", "create_fp8_variables", "fp8_variables", "sr_key"]
 
 
 @nnx.register_variable_name(OVERWRITE_WITH_GRADIENT)
@@ -20,3 +24,52 @@ class Fp8Meta(nnx.Variable[Any]):
     (``nnx.Optimizer(model, tx, wrt=nnx.Param)``) and overwrite it with its gradient instead,
     as ``te_flax.nnx.train_step`` does.
     """
+
+
+def create_fp8_variables(
+    module: nnx.Module, recipe: Recipe | None, postfix: str, n_groups: int | None = None
+) -> None:
+    """Creates one GEMM's FP8 state on ``module``: ``Fp8Meta`` attributes named as in Linen
+    (none when the recipe keeps no state; with ``n_groups``, one state per group)."""
+    for name, value in fresh_state(recipe, postfix, n_groups).items():
+        setattr(module, name, Fp8Meta(value))
+
+
+def fp8_variables(
+    module: nnx.Module, recipe: Recipe | None, postfix: str, n_groups: int | None = None
+) -> dict[str, Array]:
+    """One GEMM's FP8 state, the ``Fp8Meta`` attributes of ``module`` read as arrays.
+
+    The NNX twin of ``te_flax.linen.fp8_variables``: a module built without the state the
+    recipe needs (or with another history length, or number of groups) is refused with the fix.
+    """
+    fresh = fresh_state(recipe, postfix, n_groups)
+    present = {n for n in state_names(postfix) if isinstance(getattr(module, n, None), Fp8Meta)}
+    check_state_matches(type(module).__name__, recipe, set(fresh), present)
+    state = {}
+    for name, value in fresh.items():
+        stored = getattr(module, name)[...]
+        if jnp.shape(stored) != value.shape:
+            raise ValueError(
+                f"{type(module).__name__} FP8 variable {name!r} has shape {jnp.shape(stored)} "
+                f"but the recipe {recipe} needs {value.shape}; build the module again "
+                "(amax_history_len changed, or the number of groups)"
+            )
+        state[name] = stored
+    return state
+
+
+def sr_key(module: nnx.Module, recipe: Recipe | None) -> Array | None:
+    """A stochastic-rounding key from ``module.sr_rngs`` when ``recipe`` needs one, else None."""
+    if not needs_sr_key(recipe):
+        return None
+    rngs = getattr(module, "sr_rngs", None)
+    if rngs is None:
+        raise ValueError(
+            f"{type(module).__name__} is applied with {recipe}, whose stochastic rounding "
+            "needs an RNG stream, but it was built without that recipe; build it inside "
+            "the same te_flax.autocast (or with recipe=), so that it keeps an 'sr_rng' "
+            "stream from its rngs"
+        )
+    key: Array = rngs()
+    return key

@@ -3,34 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+import inspect
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import flax.linen as nn
-import jax.numpy as jnp
 from flax import nnx
 from jax import Array
 from jax.typing import DTypeLike
 
 from te_flax._base.checks import check_dtype, check_sizes
-from te_flax._layers.fp8_state import (
-    SR_RNG,
-    check_state_matches,
-    fresh_state,
-    merge_reuse,
-    needs_sr_key,
-    quantizer_set,
-    resolve_recipe,
-    state_names,
-    watch_fp8_state,
-)
-from te_flax.nnx._fp8_meta import Fp8Meta
+from te_flax._layers.base import ParamSpec
+from te_flax._layers.fp8_state import merge_reuse, watch_fp8_state
+from te_flax.nnx._fp8_meta import create_fp8_variables, fp8_variables, sr_key
 from te_flax.quantize import QuantizerSet, Recipe
+from te_flax.quantize.state import SR_RNG, needs_sr_key, quantizer_set, resolve_recipe
 
-if TYPE_CHECKING:
-    from te_flax._layers.linear import ParamSpec
-
-__all__ = ["NnxShell", "create_param", "logical_param", "set_attributes"]
+__all__ = ["NnxShell", "create_param", "described_by", "logical_param", "set_attributes"]
 
 
 def create_param(spec: ParamSpec, rngs: nnx.Rngs, dtype: Any) -> nnx.Param[Array]:
@@ -58,6 +48,43 @@ def logical_param(value: Array, axes: Sequence[str | None]) -> nnx.Param[Array]:
         sharding_rules=None,
         linen_meta_type=nn.LogicallyPartitioned,
     )
+
+
+ModuleType = TypeVar("ModuleType", bound=type)
+
+
+def described_by(description: type) -> Callable[[ModuleType], ModuleType]:
+    """Class decorator of an NNX module built from the layer ``description``.
+
+    The module's ``__init__`` takes the description's attributes as ``**attributes``; its
+    signature (``inspect.signature``, ``help()``) lists each of them instead, a keyword-only
+    parameter with the description's type and default, after the sizes and ``rngs``.
+    """
+
+    def decorate(cls: ModuleType) -> ModuleType:
+        init = cls.__init__  # type: ignore[misc]
+        # The annotations as types, not strings, so that documentation tools can link them.
+        own = inspect.signature(init, eval_str=True)
+        types = typing.get_type_hints(description)
+        explicit = [p for p in own.parameters.values() if p.kind is not p.VAR_KEYWORD]
+        named = {p.name for p in explicit}
+        options = [
+            inspect.Parameter(
+                field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default,
+                annotation=types[field.name],
+            )
+            # In the description's order: TransformerEngine's, then te_flax's own.
+            for field in dataclasses.fields(description)
+            if field.name not in named
+        ]  # fmt: skip
+        signature = own.replace(parameters=explicit + options)
+        without_self = signature.replace(parameters=[*signature.parameters.values()][1:])
+        for owner, value in ((init, signature), (cls, without_self)):
+            setattr(owner, "__signature__", value)  # noqa: B010
+        setattr(cls, "_description", description)  # noqa: B010
+        return cls
+
+    return decorate
 
 
 def set_attributes(
@@ -91,6 +118,9 @@ class NnxShell(nnx.Module):
         recipe: Recipe | None
         fp8_postfixes: tuple[str, ...]
 
+        @property
+        def fp8_groups(self) -> int | None: ...
+
         def in_features(self, x: Array) -> tuple[int, ...]: ...
 
         def param_specs(self, in_features: tuple[int, ...]) -> list[ParamSpec]: ...
@@ -113,8 +143,7 @@ class NnxShell(nnx.Module):
             setattr(self, spec.name, create_param(spec, rngs, self.param_dtype))
         recipe = resolve_recipe(self.recipe) if hasattr(self, "recipe") else None
         for postfix in self.fp8_postfixes:
-            for name, value in fresh_state(recipe, postfix).items():
-                setattr(self, name, Fp8Meta(value))
+            create_fp8_variables(self, recipe, postfix, self.fp8_groups)
         # Stochastic rounding draws a key per call from its own stream ("sr_rng", else default).
         self.sr_rngs = rngs[SR_RNG].fork() if needs_sr_key(recipe) else None
 
@@ -129,41 +158,14 @@ class NnxShell(nnx.Module):
             spec.name: getattr(self, spec.name)[...] for spec in self.param_specs(self.in_features_)
         }
         recipe = resolve_recipe(self.recipe) if self.fp8_postfixes else None
-        states = {postfix: self._fp8_state(recipe, postfix) for postfix in self.fp8_postfixes}
+        states = {
+            postfix: fp8_variables(self, recipe, postfix, self.fp8_groups)
+            for postfix in self.fp8_postfixes
+        }
         states = merge_reuse(self, states)  # a layer applied twice merges by max
         params, states = watch_fp8_state(type(self).__name__, "nnx", params, states)
         sets = tuple(
-            quantizer_set(recipe, postfix, states.get(postfix, {}), self._sr_key(recipe))
+            quantizer_set(recipe, postfix, states.get(postfix, {}), sr_key(self, recipe))
             for postfix in self.fp8_postfixes
         )
         return self.forward(params, inputs, sets, dropout_rng)
-
-    def _fp8_state(self, recipe: Recipe | None, postfix: str) -> dict[str, Array]:
-        fresh = fresh_state(recipe, postfix)
-        names = state_names(postfix)
-        present = {n for n in names if isinstance(getattr(self, n, None), Fp8Meta)}
-        check_state_matches(type(self).__name__, recipe, set(fresh), present)
-        state = {}
-        for name, value in fresh.items():
-            stored = getattr(self, name)[...]
-            if jnp.shape(stored) != value.shape:
-                raise ValueError(
-                    f"{type(self).__name__} FP8 variable {name!r} has shape {jnp.shape(stored)} "
-                    f"but the recipe {recipe} needs {value.shape}; build the module again "
-                    "(amax_history_len changed)"
-                )
-            state[name] = stored
-        return state
-
-    def _sr_key(self, recipe: Recipe | None) -> Array | None:
-        if not needs_sr_key(recipe):
-            return None
-        if self.sr_rngs is None:
-            raise ValueError(
-                f"{type(self).__name__} is applied with {recipe}, whose stochastic rounding "
-                "needs an RNG stream, but it was built without that recipe; build it inside "
-                "the same te_flax.autocast (or with recipe=), so that it keeps an 'sr_rng' "
-                "stream from its rngs"
-            )
-        key: Array = self.sr_rngs()
-        return key

@@ -25,8 +25,8 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
-from te_flax._layers.fp8_state import OVERWRITE_WITH_GRADIENT
 from te_flax.nnx._fp8_meta import Fp8Meta
+from te_flax.quantize.state import OVERWRITE_WITH_GRADIENT
 
 __all__ = ["linen_variables", "load_linen_variables"]
 

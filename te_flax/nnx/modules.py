@@ -25,7 +25,7 @@ from te_flax._layers.linear import (
     LayerNormMLPSpec,
     LayerNormSpec,
 )
-from te_flax.nnx._shell import NnxShell
+from te_flax.nnx._shell import NnxShell, described_by
 
 __all__ = ["DenseGeneral", "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP"]
 
@@ -34,6 +34,7 @@ def _as_tuple(features: int | Sequence[int], name: str = "in_features") -> tuple
     return check_sizes(features, name)
 
 
+@described_by(LayerNormSpec)
 class LayerNorm(NnxShell, LayerNormSpec):
     """Layernorm or rmsnorm over the last axis (``te_flax.linen.LayerNorm``, NNX style).
 
@@ -49,8 +50,6 @@ class LayerNorm(NnxShell, LayerNormSpec):
       (2, 8)
     """
 
-    _description = LayerNormSpec
-
     def __init__(self, num_features: int, *, rngs: nnx.Rngs, **attributes: Any) -> None:
         self._setup(_as_tuple(num_features, "num_features"), rngs, attributes)
 
@@ -59,6 +58,7 @@ class LayerNorm(NnxShell, LayerNormSpec):
         return self._run(inputs)
 
 
+@described_by(DenseGeneralSpec)
 class DenseGeneral(NnxShell, DenseGeneralSpec):
     """``x . kernel + bias`` over x's trailing axes (``te_flax.linen.DenseGeneral``, NNX style).
 
@@ -81,8 +81,6 @@ class DenseGeneral(NnxShell, DenseGeneralSpec):
       (3, 2, 4)
     """
 
-    _description = DenseGeneralSpec
-
     def __init__(
         self,
         in_features: int | tuple[int, ...],
@@ -98,6 +96,7 @@ class DenseGeneral(NnxShell, DenseGeneralSpec):
         return self._run(inputs)
 
 
+@described_by(LayerNormDenseGeneralSpec)
 class LayerNormDenseGeneral(NnxShell, LayerNormDenseGeneralSpec):
     """A norm fused with the GEMM after it (``te_flax.linen.LayerNormDenseGeneral``, NNX style).
 
@@ -117,8 +116,6 @@ class LayerNormDenseGeneral(NnxShell, LayerNormDenseGeneralSpec):
       ((2, 3, 4), (2, 8))
     """
 
-    _description = LayerNormDenseGeneralSpec
-
     def __init__(
         self,
         in_features: int,
@@ -134,6 +131,7 @@ class LayerNormDenseGeneral(NnxShell, LayerNormDenseGeneralSpec):
         return self._run(inputs)
 
 
+@described_by(LayerNormMLPSpec)
 class LayerNormMLP(NnxShell, LayerNormMLPSpec):
     """Norm, two GEMMs, (gated) activation and dropout (``te_flax.linen.LayerNormMLP``, NNX).
 
@@ -152,8 +150,6 @@ class LayerNormMLP(NnxShell, LayerNormMLPSpec):
       >>> mlp(jnp.ones((2, 4, 8)), deterministic=True)[0].shape
       (2, 4, 8)
     """
-
-    _description = LayerNormMLPSpec
 
     def __init__(self, in_features: int, *, rngs: nnx.Rngs, **attributes: Any) -> None:
         self._setup(_as_tuple(in_features), rngs, attributes)

@@ -8,15 +8,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import Array
 
-from te_flax._layers.fp8_state import check_state_matches, resolve_recipe, state_names
 from te_flax._layers.moe import MoEBlockSpec
-from te_flax.nnx._fp8_meta import Fp8Meta
-from te_flax.nnx._shell import NnxShell
-from te_flax.quantize import Recipe
+from te_flax.nnx._shell import NnxShell, described_by
 
 __all__ = ["MoEBlock"]
 
 
+@described_by(MoEBlockSpec)
 class MoEBlock(NnxShell, MoEBlockSpec):
     """A mixture of gated MLP experts (``te_flax.linen.MoEBlock``, NNX style).
 
@@ -38,15 +36,8 @@ class MoEBlock(NnxShell, MoEBlockSpec):
       (2, 3, 8)
     """
 
-    _description = MoEBlockSpec
-
     def __init__(self, in_features: int, *, rngs: nnx.Rngs, **attributes: Any) -> None:
         self._setup((in_features,), rngs, attributes)
-        # One state per expert, in place of the shell's per-tensor one.
-        recipe = resolve_recipe(self.recipe)
-        for postfix in self.fp8_postfixes:
-            for name, value in self.fresh_fp8_state(recipe, postfix).items():
-                setattr(self, name, Fp8Meta(value))
         self.aux_loss = nnx.Intermediate(jnp.zeros((), jnp.float32))
         self.tokens_per_expert = nnx.Intermediate(jnp.zeros((self.num_experts,), jnp.int32))
         self.tokens_dropped = nnx.Intermediate(jnp.zeros((), jnp.int32))
@@ -58,9 +49,3 @@ class MoEBlock(NnxShell, MoEBlockSpec):
         self.tokens_per_expert[...] = stats.tokens_per_expert
         self.tokens_dropped[...] = stats.tokens_dropped
         return out, aux_loss
-
-    def _fp8_state(self, recipe: Recipe | None, postfix: str) -> dict[str, Array]:
-        fresh = self.fresh_fp8_state(recipe, postfix)
-        present = {n for n in state_names(postfix) if isinstance(getattr(self, n, None), Fp8Meta)}
-        check_state_matches(type(self).__name__, recipe, set(fresh), present)
-        return {name: getattr(self, name)[...] for name in fresh}

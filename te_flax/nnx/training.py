@@ -44,7 +44,7 @@ from flax import nnx
 
 from te_flax.nnx._fp8_meta import Fp8Meta
 from te_flax.quantize import check_calibrated, check_merged, merge_by_max
-from te_flax.training import _keep_unused, _select, all_finite
+from te_flax.training import all_finite, keep_unused, select_tree
 
 __all__ = ["train_step", "update_fp8_state", "value_and_grad"]
 
@@ -118,7 +118,7 @@ def update_fp8_state(model: nnx.Module, grads: nnx.State[Any, Any]) -> None:
 
 def _overwrite_fp8_state(model: nnx.Module, new: nnx.State[Any, Any]) -> None:
     old = nnx.state(model, Fp8Meta)
-    kept = _keep_unused(new, old)
+    kept = keep_unused(new, old)
     check_merged(old, kept)  # on the kept state, as te_flax.training.apply_gradients
     check_calibrated(kept)
     nnx.update(model, kept)
@@ -175,5 +175,5 @@ def train_step(
         return loss
     finite = all_finite(nnx.state(grads, nnx.Param)) & all_finite(nnx.state(grads, Fp8Meta))
     after = nnx.state((model, optimizer), (nnx.Param, Fp8Meta, nnx.OptState))
-    nnx.update((model, optimizer), _select(finite, after, before))
+    nnx.update((model, optimizer), select_tree(finite, after, before))
     return loss, jnp.logical_not(finite)

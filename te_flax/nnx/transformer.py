@@ -27,7 +27,6 @@ from te_flax._layers.attention import (
     RelativePositionBiasesSpec,
 )
 from te_flax._layers.composite import Child, DropoutSpec
-from te_flax._layers.fp8_state import fresh_state
 from te_flax._layers.kv_cache import CacheSlots
 from te_flax._layers.linear import (
     DenseGeneralSpec,
@@ -45,8 +44,8 @@ from te_flax._ops.fp8_attention import (
 )
 from te_flax._ops.packing import SequenceDescriptor
 from te_flax.nnx import modules
-from te_flax.nnx._fp8_meta import Fp8Meta
-from te_flax.nnx._shell import NnxShell, create_param, logical_param, set_attributes
+from te_flax.nnx._fp8_meta import create_fp8_variables, fp8_variables
+from te_flax.nnx._shell import create_param, described_by, logical_param, set_attributes
 from te_flax.nnx.moe import MoEBlock
 
 __all__ = [
@@ -128,8 +127,7 @@ def _own_params(module: nnx.Module, specs: list[ParamSpec], rngs: nnx.Rngs) -> N
 def _own_fp8_attention_state(module: nnx.Module, spec: DotProductAttentionSpec) -> None:
     """FP8 attention's delayed-scaling state (``Fp8Meta``), as the Linen host's variables."""
     for postfix in FP8_ATTENTION_POSTFIXES:
-        for name, value in fresh_state(spec.fp8_recipe(), postfix).items():
-            setattr(module, name, Fp8Meta(value))
+        create_fp8_variables(module, spec.fp8_recipe(), postfix)
 
 
 def _fp8_attention(module: nnx.Module, spec: DotProductAttentionSpec) -> AttentionQuantizers | None:
@@ -138,9 +136,7 @@ def _fp8_attention(module: nnx.Module, spec: DotProductAttentionSpec) -> Attenti
     if recipe is None:
         return None
     # The layers' own reading of their FP8 variables (names, shapes and recipe checked).
-    return attention_quantizers(
-        recipe, lambda postfix: NnxShell._fp8_state(cast(Any, module), recipe, postfix)
-    )
+    return attention_quantizers(recipe, lambda postfix: fp8_variables(module, recipe, postfix))
 
 
 def _dropout_rngs(rate: float, stream: str, rngs: nnx.Rngs) -> nnx.RngStream | None:
@@ -148,6 +144,7 @@ def _dropout_rngs(rate: float, stream: str, rngs: nnx.Rngs) -> nnx.RngStream | N
     return rngs[stream].fork() if rate > 0 else None
 
 
+@described_by(DotProductAttentionSpec)
 class DotProductAttention(nnx.Module, DotProductAttentionSpec):
     """Scaled dot-product attention (``te_flax.linen.DotProductAttention``, NNX style).
 
@@ -207,6 +204,7 @@ class DotProductAttention(nnx.Module, DotProductAttentionSpec):
         )
 
 
+@described_by(MultiHeadAttentionSpec)
 class MultiHeadAttention(nnx.Module, MultiHeadAttentionSpec):
     """Norm, projections, attention, output (``te_flax.linen.MultiHeadAttention``, NNX style).
 
@@ -295,6 +293,7 @@ class MultiHeadAttention(nnx.Module, MultiHeadAttentionSpec):
         )
 
 
+@described_by(RelativePositionBiasesSpec)
 class RelativePositionBiases(nnx.Module, RelativePositionBiasesSpec):
     """T5 relative position biases (``te_flax.linen.RelativePositionBiases``, NNX style).
 
@@ -331,6 +330,7 @@ class RelativePositionBiases(nnx.Module, RelativePositionBiasesSpec):
         return self.forward(self.rel_embedding[...], q_seqlen, k_seqlen, bidirectional)
 
 
+@described_by(TransformerLayerSpec)
 class TransformerLayer(nnx.Module, TransformerLayerSpec):
     """TE's transformer layer (``te_flax.linen.TransformerLayer``, NNX style).
 

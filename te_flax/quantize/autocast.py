@@ -7,17 +7,16 @@ import contextlib
 import warnings
 from collections.abc import Iterator
 
-import jax
-
+from te_flax._base.settings import ScopedSetting
 from te_flax.quantize.recipes import DelayedScaling, Recipe, check_recipe
 from te_flax.sharding import MeshResource, global_shard_guard
 
 __all__ = ["autocast", "fp8_autocast", "get_autocast_recipe"]
 
-# A jit-cache-sensitive context (recipes are frozen, hashable dataclasses): a function jitted
+# Part of jax.jit's cache key (recipes are frozen, hashable dataclasses): a function jitted
 # outside ``autocast`` and called inside it is traced again, so it cannot silently reuse the
 # unquantized program (or one of another recipe).
-_ACTIVE_RECIPE = jax.make_user_context(default_value=None)
+_ACTIVE_RECIPE: ScopedSetting[Recipe | None] = ScopedSetting("autocast recipe", None)
 
 
 @contextlib.contextmanager
@@ -57,14 +56,13 @@ def autocast(
         recipe = DelayedScaling() if recipe is None else recipe
         check_recipe(recipe, "autocast(recipe=...)")
     guard = contextlib.nullcontext() if mesh_resource is None else global_shard_guard(mesh_resource)
-    with guard, _ACTIVE_RECIPE(recipe if enabled else None):
+    with guard, _ACTIVE_RECIPE.scope(recipe if enabled else None):
         yield
 
 
 def get_autocast_recipe() -> Recipe | None:
     """The recipe of the innermost enabled ``autocast`` context, or None outside of one."""
-    recipe: Recipe | None = _ACTIVE_RECIPE.value
-    return recipe
+    return _ACTIVE_RECIPE.value
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ from jax import Array, lax
 from jax.typing import DTypeLike
 
 from te_flax.quantize import scaling
+from te_flax.quantize._block_recipes import FP8_BLOCK_SIZE
 
 __all__ = [
     "E2M1_MAX",
@@ -45,7 +46,7 @@ __all__ = [
     "stochastic_round_e2m1",
 ]
 
-FP8_BLOCK = 128
+FP8_BLOCK = FP8_BLOCK_SIZE  # Float8BlockScaling's 1x128 tiles and 128x128 blocks
 MXFP8_BLOCK = 32
 NVFP4_BLOCK = 16
 E2M1_MAX = 6.0

@@ -13,16 +13,9 @@ import jax.numpy as jnp
 from jax import Array
 from jax.typing import DTypeLike
 
+from te_flax._base.checks import check_positive_int
 from te_flax.quantize.autocast import get_autocast_recipe
 from te_flax.quantize.quantizer_set import GemmPrecision, QuantizerSet, noop_quantizer_set
-from te_flax.quantize.quantizers import (
-    BlockScaleQuantizer,
-    CurrentScaleQuantizer,
-    DelayedScaleQuantizer,
-    Float8BlockQuantizer,
-    NVFP4Quantizer,
-    Quantizer,
-)
 from te_flax.quantize.recipes import (
     DelayedScaling,
     Float8BlockScaling,
@@ -37,6 +30,14 @@ from te_flax.quantize.scaling_modes import (
     QuantizeMeta,
     QuantizeMetaSet,
     ScalingMode,
+)
+from te_flax.quantize.tensor_quantizers import (
+    BlockScaleQuantizer,
+    CurrentScaleQuantizer,
+    DelayedScaleQuantizer,
+    Float8BlockQuantizer,
+    NVFP4Quantizer,
+    Quantizer,
 )
 
 __all__ = ["QuantizerFactory"]
@@ -251,8 +252,7 @@ class QuantizerFactory:
 
 
 def _check_count(value: object, name: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    check_positive_int(value, name, f"e.g. {name}=1")
 
 
 def _check_scaling_mode(scaling_mode: object) -> None:

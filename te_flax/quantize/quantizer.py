@@ -1,8 +1,11 @@
-"""Quantizers and the sets the ops take (re-exports; kept as the public import path).
+"""TransformerEngine's ``quantize.quantizer`` module: the quantizers, the sets the ops take and
+the factory that builds them, at TE's import path.
 
-The code lives by concern in ``te_flax.quantize.tensors`` (the quantized GEMM operands),
-``te_flax.quantize.quantizers`` (how one tensor is scaled), ``te_flax.quantize.quantizer_set``
-(the quantizers of one GEMM) and ``te_flax.quantize.factory`` (which builds them).
+The code lives by concern in modules below this one, which each import the quantizer classes
+(so the classes cannot live here, where the set and the factory are re-exported):
+``te_flax.quantize.tensor_quantizers`` (how one tensor is scaled), ``te_flax.quantize.tensors``
+(the quantized GEMM operands), ``te_flax.quantize.quantizer_set`` (the quantizers of one GEMM)
+and ``te_flax.quantize.factory`` (which builds them).
 """
 
 from te_flax.quantize.factory import QuantizerFactory
@@ -12,7 +15,7 @@ from te_flax.quantize.quantizer_set import (
     as_cotangent,
     noop_quantizer_set,
 )
-from te_flax.quantize.quantizers import (
+from te_flax.quantize.tensor_quantizers import (
     BlockScaleQuantizer,
     CurrentScaleQuantizer,
     DelayedScaleQuantizer,

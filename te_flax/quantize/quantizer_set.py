@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
-from te_flax.quantize.quantizers import Quantizer, check_quantizer
+from te_flax.quantize.tensor_quantizers import Quantizer, check_quantizer
 from te_flax.quantize.tensors import static_field as _static
 
 __all__ = [

@@ -7,7 +7,6 @@ Scales are stored as *dequantization* scales, ``scale_inv``: ``x ~= q * scale_in
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -15,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 from jax.typing import ArrayLike, DTypeLike
+
+from te_flax._base.settings import ScopedSetting
 
 __all__ = [
     "amax",
@@ -82,25 +83,20 @@ def fp8_max(dtype: DTypeLike) -> float:
 
 # Manual mesh axes over which the tensors being quantized are different tensors, not blocks of
 # one: under expert parallelism each device holds other experts, whose amaxes must not mix.
-_DISTINCT_AXES: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
-    "distinct_axes", default=frozenset()
-)
+_DISTINCT_AXES: ScopedSetting[frozenset[str]] = ScopedSetting("distinct_over", frozenset())
 
 
 @contextlib.contextmanager
 def distinct_over(axes: Iterable[str]) -> Iterator[None]:
     """Inside ``shard_map``: amaxes are not combined over ``axes`` while this is active."""
-    token = _DISTINCT_AXES.set(frozenset(axes))
-    try:
+    with _DISTINCT_AXES.scope(frozenset(axes)):
         yield
-    finally:
-        _DISTINCT_AXES.reset(token)
 
 
 def distinct_axes() -> frozenset[str]:
     """The axes of the active ``distinct_over`` (ops that quantize again in their backward keep
     this value from the forward)."""
-    return _DISTINCT_AXES.get()
+    return _DISTINCT_AXES.value
 
 
 def amax_axes(distinct: frozenset[str] | None = None) -> tuple[str, ...]:

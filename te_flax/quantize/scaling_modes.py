@@ -69,9 +69,6 @@ class QuantizeLayout(enum.Enum):
         return self is QuantizeLayout.COLWISE
 
 
-_FP8 = frozenset({jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)})
-
-
 class ScalingMode(enum.Enum):
     """How a tensor is scaled (TransformerEngine's ``ScalingMode``, with its members and
     predicates), plus blockwise FP8's two modes, which TransformerEngine's JAX code lacks:

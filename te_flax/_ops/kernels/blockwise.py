@@ -2,7 +2,7 @@
 
 ``Float8BlockScaling``'s GEMM multiplies two float8 matrices whose scales change every 128
 elements of K, so no GEMM library call can take them as one scale per operand. XLA's exact form
-(``te_flax._ops.stages.blockwise_gemm_exact``) runs one batched FP8 GEMM over K's chunks and writes
+(``te_flax._ops.gemm.blockwise_gemm_exact``) runs one batched FP8 GEMM over K's chunks and writes
 every chunk's float32 partial product ``[K / 128, M, N]`` to memory before it scales and sums
 them. This kernel keeps the float32 accumulator of a ``[64, 64]`` output tile in registers: for
 each 128-wide chunk of K it multiplies the two float8 tiles (tensor cores on Hopper), multiplies
@@ -23,10 +23,11 @@ from jax.experimental.pallas import triton as plgpu
 from jax.typing import DTypeLike
 
 from te_flax._ops.kernels.common import lowered_once
+from te_flax.quantize.block_scaling import FP8_BLOCK
 
 __all__ = ["BLOCK", "blockwise_gemm_kernel", "whole_operands"]
 
-BLOCK = 128  # K chunk: one scale per operand row and chunk
+BLOCK = FP8_BLOCK  # K chunk: one scale per operand row and chunk
 _TILE = 64  # output rows and columns of one program
 
 

@@ -65,8 +65,9 @@ class RowBlocks:
 def lowered_once(*static: str) -> Callable[[F], F]:
     """A kernel's entry point under ``jax.jit``, its ``static`` arguments the kernel's settings.
 
-    Each call of ``pallas_call`` is traced and lowered to Triton on its own (about 40 ms for
-    these kernels), so a model of N identical layers paid for N copies of each kernel. A
+    Each call of ``pallas_call`` is traced and lowered to Triton on its own
+    (``bench/RESULTS_te_peer.md``, "Trace + compile time on a quiet host"), so a model of N
+    identical layers paid for N copies of each kernel. A
     jitted entry point is traced once per operand shapes and settings, and JAX lowers identical
     jitted calls of one program once (XLA inlines them; the compiled program is the same).
     """

@@ -190,6 +190,80 @@ def _with_transposed(split: int, wanted: bool) -> Callable[[_Quantized], _Quanti
     return with_transposed
 
 
+# The tiles of a kernel that writes a tensor's float8 layouts: (the tensor's block, its
+# scale_inv, the float8 dtype or None for the amax alone, the layouts asked for, interpret) ->
+# (data in the tensor's layout or None, the transposed layout or None, the amax partials).
+_Tiles = Callable[
+    [Array, Array, DTypeLike | None, tuple[bool, bool], bool],
+    tuple[Array | None, Array | None, Array],
+]
+
+
+def _layouts_by_kernel(
+    name: str,
+    tensor: Array,
+    quantizer: Quantizer | None,
+    supported: bool,
+    uses: tuple[str, ...],
+    split: int,
+    dims: tuple[tuple[str, ...], tuple[tuple[str, ...], tuple[str, ...]]],
+    tiles: _Tiles,
+    fallback: Callable[[], _Quantized],
+    replicated: tuple[str, ...] = (),
+) -> _Quantized:
+    """A per-tensor float8 operand with ``split`` leading (token) axes, written in the layouts
+    of ``uses`` by the kernel ``name`` running ``tiles`` on each device's block, or
+    ``fallback`` (the XLA stage, called without arguments).
+
+    ``dims``: the tensor's axis names, and those of the two layouts (``TRAILING``: the
+    operand's ``data``; ``LEADING``: its ``transposed``), for ``per_shard``.
+    """
+    tensor_dims, layout_dims = dims
+    layouts = (TRAILING in uses, LEADING in uses)
+    # In a partitioned program the kernel writes the data alone and the GEMMs read it as the
+    # XLA stage's, in the layout they need: a sharded tensor (an FSDP kernel) is then gathered
+    # once in float8, not once per layout.
+    one_layout = mesh_partitioned()
+
+    def kernel(tensor: Array, quantizer: Quantizer | None, *, interpret: bool) -> _Quantized:
+        assert quantizer is not None
+        written = (True, False) if one_layout else layouts
+
+        def run(
+            scale_inv: Array, q_dtype: DTypeLike | None
+        ) -> tuple[tuple[Array | None, Array | None], Array]:
+            asked = written if q_dtype is not None else (False, False)
+
+            def local(block: Array, scale_inv: Array) -> list[Array]:
+                data, transposed, partials = tiles(block, scale_inv, q_dtype, asked, interpret)
+                outputs = [layout for layout in (data, transposed) if layout is not None]
+                return [*outputs, jnp.max(partials)]  # the block's amax last
+
+            outputs = list(
+                per_shard(
+                    local,
+                    (tensor, scale_inv),
+                    (tensor_dims, None),
+                    [d for d, on in zip(layout_dims, asked, strict=True) if on] + [()],
+                    [None] * sum(asked) + ["max"],
+                    replicated=replicated,
+                )
+            )
+            results = [outputs.pop(0) if on else None for on in asked]
+            return (results[0], results[1]), outputs[0]
+
+        layouts_written, scale_inv, new_quantizer = _scaled_passes(quantizer, run)
+        return _operand(*layouts_written, scale_inv, split), new_quantizer
+
+    def xla(*_: object) -> _Quantized:
+        return fallback()
+
+    with_transposed = _with_transposed(split, layouts[1] and not one_layout)
+    return dispatch(
+        name, kernel, xla, tensor, quantizer, supported=supported, as_kernel_result=with_transposed
+    )
+
+
 def tiled_quantize_operand(
     x: Array,
     quantizer: Quantizer | None,
@@ -211,58 +285,28 @@ def tiled_quantize_operand(
       uses: the contractions to prepare (``TRAILING``, ``LEADING``).
       fallback: the XLA stage, called without arguments.
     """
-    leading, trailing = x.shape[:split], x.shape[split:]
-    rows, columns = math.prod(leading), math.prod(trailing)
-    layouts = (TRAILING in uses, LEADING in uses)
+    rows, columns = math.prod(x.shape[:split]), math.prod(x.shape[split:])
     supported = _per_tensor(quantizer) and 0 < split < x.ndim and rows * columns > 0
-    # In a partitioned program the kernel writes the data alone and the GEMMs read it as the
-    # XLA stage's, in the layout they need: a sharded kernel (FSDP) is then gathered once in
-    # float8, not once per layout.
-    one_layout = mesh_partitioned()
+    dims = tuple(f"d{d}" for d in range(x.ndim))
+    layout_dims = (dims, dims[split:] + dims[:split])  # [leading, trailing], transposed
 
-    def kernel(x: Array, quantizer: Quantizer | None, *, interpret: bool) -> _Quantized:
-        assert quantizer is not None
-        written = (True, False) if one_layout else layouts
-        dims = tuple(f"d{d}" for d in range(x.ndim))
-        layout_dims = (dims, dims[split:] + dims[:split])  # [leading, trailing], transposed
+    def tiles(
+        x: Array, scale_inv: Array, q_dtype: DTypeLike | None, asked: tuple[bool, bool],
+        interpret: bool,
+    ) -> tuple[Array | None, Array | None, Array]:  # fmt: skip
+        leading, trailing = x.shape[:split], x.shape[split:]
+        matrix = x.reshape(math.prod(leading), math.prod(trailing))
+        data, transposed, partials = quantize_tiles(
+            matrix, scale_inv, q_dtype, asked, interpret=interpret
+        )
+        return (
+            None if data is None else data.reshape(x.shape),
+            None if transposed is None else transposed.reshape(trailing + leading),
+            partials,
+        )
 
-        def run(
-            scale_inv: Array, q_dtype: DTypeLike | None
-        ) -> tuple[tuple[Array | None, Array | None], Array]:
-            asked = written if q_dtype is not None else (False, False)
-
-            def local(x: Array, scale_inv: Array) -> list[Array]:
-                leading, trailing = x.shape[:split], x.shape[split:]
-                matrix = x.reshape(math.prod(leading), math.prod(trailing))
-                data, transposed, partials = quantize_tiles(
-                    matrix, scale_inv, q_dtype, asked, interpret=interpret
-                )
-                outputs = [] if data is None else [data.reshape(x.shape)]
-                if transposed is not None:
-                    outputs.append(transposed.reshape(trailing + leading))
-                return [*outputs, jnp.max(partials)]  # the block's amax last
-
-            outputs = list(
-                per_shard(
-                    local,
-                    (x, scale_inv),
-                    (dims, None),
-                    [d for d, on in zip(layout_dims, asked, strict=True) if on] + [()],
-                    [None] * sum(asked) + ["max"],
-                )
-            )
-            results = [outputs.pop(0) if on else None for on in asked]
-            return (results[0], results[1]), outputs[0]
-
-        layouts_written, scale_inv, new_quantizer = _scaled_passes(quantizer, run)
-        return _operand(*layouts_written, scale_inv, split), new_quantizer
-
-    def xla(*_: object) -> _Quantized:
-        return fallback()
-
-    with_transposed = _with_transposed(split, layouts[1] and not one_layout)
-    return dispatch(
-        "quantize", kernel, xla, x, quantizer, supported=supported, as_kernel_result=with_transposed
+    return _layouts_by_kernel(
+        "quantize", x, quantizer, supported, uses, split, (dims, layout_dims), tiles, fallback
     )
 
 
@@ -297,65 +341,29 @@ def activation_quantize_operand(
         and shape[-2] == n_act
         and math.prod(shape) > 0
     )
-    layouts = (TRAILING in uses, LEADING in uses)
-    # As for the quantize kernel: in a partitioned program the data alone, which XLA lays out
-    # for the weight gradient's GEMM after any gather.
-    one_layout = mesh_partitioned()
     n_batch = pre_activation.ndim - 2
+    batch = tuple(f"b{d}" for d in range(n_batch))
+    dims = ((*batch, "act", "i"), ((*batch, "i"), ("i", *batch)))
 
-    def kernel(
-        pre_activation: Array, quantizer: Quantizer | None, *, interpret: bool
-    ) -> _Quantized:
-        assert quantizer is not None
-        written = (True, False) if one_layout else layouts
-        batch = tuple(f"b{d}" for d in range(n_batch))
-        layout_dims = ((*batch, "i"), ("i", *batch))
+    def tiles(
+        pre_activation: Array, scale_inv: Array, q_dtype: DTypeLike | None,
+        asked: tuple[bool, bool], interpret: bool,
+    ) -> tuple[Array | None, Array | None, Array]:  # fmt: skip
+        tokens, intermediate = pre_activation.shape[:-2], pre_activation.shape[-1]
+        data, transposed, partials = activation_quantize_tiles(
+            pre_activation.reshape(math.prod(tokens), -1), scale_inv, activation_type,
+            q_dtype, asked, interpret=interpret,
+        )  # fmt: skip
+        return (
+            None if data is None else data.reshape(*tokens, intermediate),
+            None if transposed is None else transposed.reshape(intermediate, *tokens),
+            partials,
+        )
 
-        def run(
-            scale_inv: Array, q_dtype: DTypeLike | None
-        ) -> tuple[tuple[Array | None, Array | None], Array]:
-            asked = written if q_dtype is not None else (False, False)
-
-            def local(pre_activation: Array, scale_inv: Array) -> list[Array]:
-                tokens, intermediate = pre_activation.shape[:-2], pre_activation.shape[-1]
-                data, transposed, partials = activation_quantize_tiles(
-                    pre_activation.reshape(math.prod(tokens), -1), scale_inv, activation_type,
-                    q_dtype, asked, interpret=interpret,
-                )  # fmt: skip
-                outputs = [] if data is None else [data.reshape(*tokens, intermediate)]
-                if transposed is not None:
-                    outputs.append(transposed.reshape(intermediate, *tokens))
-                return [*outputs, jnp.max(partials)]  # the block's amax last
-
-            outputs = list(
-                per_shard(
-                    local,
-                    (pre_activation, scale_inv),
-                    ((*batch, "act", "i"), None),
-                    [d for d, on in zip(layout_dims, asked, strict=True) if on] + [()],
-                    [None] * sum(asked) + ["max"],
-                    replicated=("act",),
-                )
-            )
-            results = [outputs.pop(0) if on else None for on in asked]
-            return (results[0], results[1]), outputs[0]
-
-        layouts_written, scale_inv, new_quantizer = _scaled_passes(quantizer, run)
-        return _operand(*layouts_written, scale_inv, n_batch), new_quantizer
-
-    def xla(*_: object) -> _Quantized:
-        return fallback()
-
-    with_transposed = _with_transposed(n_batch, layouts[1] and not one_layout)
-    return dispatch(
-        "activation_quantize",
-        kernel,
-        xla,
-        pre_activation,
-        quantizer,
-        supported=supported,
-        as_kernel_result=with_transposed,
-    )
+    return _layouts_by_kernel(
+        "activation_quantize", pre_activation, quantizer, supported, uses, n_batch, dims,
+        tiles, fallback, replicated=("act",),
+    )  # fmt: skip
 
 
 # The activation-gradient kernel's float8 data, its transposed layout and the column sums.

@@ -1,7 +1,8 @@
 """The one switch of te_flax's Pallas kernels, and the dispatch between a kernel and XLA.
 
 ``TE_FLAX_PALLAS`` (environment variable, read when a function is traced) or
-``pallas_kernels(mode)`` (a context manager, which wins over the variable):
+``pallas_kernels(mode)`` (a context manager, which wins over the variable, and whose mode is
+part of ``jax.jit``'s cache key: a function jitted outside it is traced again inside it):
 
 - ``"auto"`` (default): on CUDA GPUs the kernels that save memory traffic (``AUTO``), the XLA
   stages everywhere else. The kernels are Pallas Triton programs; from jax 0.12 on, which
@@ -36,6 +37,7 @@ import jax
 from jax import lax
 
 from te_flax._base.jax_compat import is_batch_tracer, pallas_triton_kept, traced_for_scan
+from te_flax._base.settings import ScopedSetting
 from te_flax._ops.kernels.partition import mesh_partitioned
 
 __all__ = ["AUTO", "ENV_VAR", "MODES", "dispatch", "mode", "pallas_kernels", "traced_in_scan"]
@@ -44,11 +46,10 @@ ENV_VAR = "TE_FLAX_PALLAS"
 MODES = ("auto", "0", "1")
 _ALIASES = {"on": "1", "true": "1", "off": "0", "false": "0"}
 T = TypeVar("T")
-_assume_gpu: list[bool] = []
 # The kernels "auto" uses (see ``dispatch``); "1" uses every kernel. The norm-quantize kernel
-# is left out: in a deviceless H100 compile of the benchmark steps it moves as many bytes as
-# the XLA fusion it replaces (XLA already fuses normalize, quantize and amax), give or take a
-# few kilobytes, so it buys nothing measurable. The others each save a pass over a tensor:
+# is left out: it moves as many bytes as the XLA fusion it replaces (XLA already fuses
+# normalize, quantize and amax), so it buys nothing (bench/RESULTS.md, "Deviceless H100
+# compile of the same steps"). The others each save a pass over a tensor:
 # the quantize kernel (a GEMM kernel's float8 layouts and its amax), the activation and its
 # backward each with its quantization, and the norm backward.
 # The blockwise FP8 GEMM kernel keeps its float32 partial products in registers, where XLA's
@@ -56,7 +57,8 @@ _assume_gpu: list[bool] = []
 AUTO = frozenset(
     {"activation_grad", "activation_quantize", "blockwise_gemm", "norm_backward", "quantize"}
 )
-_override: list[str] = []
+# The innermost ``pallas_kernels(mode, assume_gpu)``; None: ``TE_FLAX_PALLAS``, no GPU assumed.
+_SELECTED: ScopedSetting[tuple[str, bool] | None] = ScopedSetting("pallas_kernels", None)
 
 
 def _checked(value: str, source: str) -> str:
@@ -71,8 +73,9 @@ def _checked(value: str, source: str) -> str:
 
 def mode() -> str:
     """The active mode: the innermost ``pallas_kernels`` context, else ``TE_FLAX_PALLAS``."""
-    if _override:
-        return _override[-1]
+    selected = _SELECTED.value
+    if selected is not None:
+        return selected[0]
     return _checked(os.environ.get(ENV_VAR, "auto"), ENV_VAR)
 
 
@@ -80,19 +83,22 @@ def mode() -> str:
 def pallas_kernels(value: str, assume_gpu: bool = False) -> Iterator[None]:
     """Within the context, functions traced use the Pallas kernels per ``value``.
 
+    The mode is part of ``jax.jit``'s cache key: a function jitted outside the context (or
+    inside another mode) is traced again when called inside it.
+
     Args:
       value: ``"auto"`` (CUDA GPUs only), ``"1"`` (everywhere, interpret mode off GPUs) or
         ``"0"`` (never).
       assume_gpu: under ``"auto"``, trace as a process with one CUDA GPU does (for deviceless
         compiles for a GPU from a CPU host; default False).
     """
-    _override.append(_checked(value, "pallas_kernels(value)"))
-    _assume_gpu.append(assume_gpu)
-    try:
+    if not isinstance(assume_gpu, bool):
+        raise TypeError(
+            f"pallas_kernels(assume_gpu=...) must be a bool, got {assume_gpu!r}; pass True only "
+            "for a deviceless compile for a GPU from a CPU host"
+        )
+    with _SELECTED.scope((_checked(value, "pallas_kernels(value)"), assume_gpu)):
         yield
-    finally:
-        _override.pop()
-        _assume_gpu.pop()
 
 
 def _cuda_devices() -> int:
@@ -131,8 +137,8 @@ def traced_in_scan(x: Any) -> bool:
     A layer stacked over a scan gets its kernel as a ``dynamic-slice`` of the stacked
     parameter in each iteration. XLA reads such a slice inside the fusions that consume it,
     but a kernel's custom call takes a buffer, so the slice is first copied out: for a float32
-    kernel 8 bytes per element before the quantize kernel reads its 4 (in the example GPT's
-    scanned training step with remat at hidden 4096, 6 of 40 GiB; ``bench/RESULTS_model.md``).
+    kernel 8 bytes per element before the quantize kernel reads its 4 (``bench/RESULTS_model.md``,
+    "Reading the figures").
     The XLA stage reads the slice in its cast instead, so the ops quantize such kernels there.
     A kernel closed over by a scan from outside it (a decoding loop's weights) is traced
     outside the body and keeps the kernel. (JAX has no public query for this:
@@ -163,7 +169,8 @@ def dispatch(
     if selected == "0" or not supported or _batched_on_mesh(args):
         return fallback(*args)
     if selected == "auto":
-        on_gpu_host = bool(_assume_gpu and _assume_gpu[-1]) or _cuda_devices() > 0
+        assume_gpu = _SELECTED.value is not None and _SELECTED.value[1]
+        on_gpu_host = assume_gpu or _cuda_devices() > 0
         if not on_gpu_host or name not in AUTO or _partitioned_without_rule():
             return fallback(*args)
         if not pallas_triton_kept():

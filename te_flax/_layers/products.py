@@ -7,8 +7,13 @@ last, the kernel's first), run through ``dense``'s custom_vjp with a quantizer s
 FP8 state that the caller keeps, and transposed back to the product's own output layout. The
 quantizers, the FP8 state and its max-merge rule are those of te_flax's layers.
 
-``intercepting`` replaces the four public product functions while a model runs, and hands each
-call to a handler that decides (by the calling module) whether and how it is quantized.
+For ``quantize_model``, a ``Session`` is one trace of a model: the front ends' hooks (Flax's
+method interceptor for Linen, the layers' product attributes for NNX) hand it each layer's
+product with the running module (a ``Frame``), and it decides whether and how the product is
+quantized. ``intercepting`` is the fallback for products written as bare ``jnp`` / ``lax``
+calls in a module's ``__call__``, which no Flax hook sees: it replaces the four public product
+functions for the whole process while a model runs, and hands each call to the innermost
+running module's session.
 """
 
 from __future__ import annotations
@@ -16,10 +21,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -36,13 +41,25 @@ from te_flax.quantize import (
 from te_flax.quantize.block_scaling import MXFP8_BLOCK, NVFP4_BLOCK
 
 __all__ = [
+    "LAYER",
     "OPS",
+    "Frame",
     "Plan",
+    "QuantizeModelNote",
+    "Record",
+    "Selection",
+    "Session",
+    "bare_fallback",
     "fp8_reason",
+    "innermost",
     "intercepting",
+    "layer_product",
+    "note_once",
+    "original",
     "plan_product",
     "postfix",
     "run_plan",
+    "running",
 ]
 
 # The product functions a model's code may call, by the name rules use.
@@ -230,6 +247,7 @@ def run_plan(
 
 
 # ----------------------------------------------------------------------------- interception
+# (the fallback for bare products)
 
 # (op, lhs, rhs, spec, original_call) -> the result, or None to run the original product.
 Handler = Callable[[str, Any, Any, Any, Callable[[], Any]], Any]
@@ -317,7 +335,11 @@ _PATCH_DEPTH = [0]
 @contextlib.contextmanager
 def intercepting(handler: Handler) -> Iterator[None]:
     """Runs the block with ``jax.lax.dot_general``, ``jnp.einsum``, ``jnp.dot`` and
-    ``jnp.matmul`` handed to ``handler`` (the innermost one when nested)."""
+    ``jnp.matmul`` handed to ``handler`` (the innermost one when nested).
+
+    ``quantize_model``'s fallback for bare products (``bare_products=True``): the four
+    functions are replaced for the whole process while any block runs; calls from threads
+    with no block running go to JAX's own functions."""
     handlers = _handlers()
     with _PATCH_LOCK:
         if _PATCH_DEPTH[0] == 0:
@@ -342,9 +364,168 @@ def original(op: str) -> Callable[..., Any]:
     return function
 
 
-def calling_frames(start: int = 2) -> Iterator[Any]:
-    """The Python frames of the caller and above: where a product was called from."""
-    frame: Any = sys._getframe(start)
-    while frame is not None:
-        yield frame
-        frame = frame.f_back
+# ----------------------------------------------------------------------------- model calls
+
+
+class QuantizeModelNote(UserWarning):
+    """Products ``quantize_model`` leaves in high precision although a rule selects them."""
+
+
+_NOTED: set[Any] = set()
+
+
+def note_once(key: Any, message: str) -> None:
+    """Warns ``message`` (a ``QuantizeModelNote``) the first time ``key`` is seen."""
+    if key not in _NOTED:
+        _NOTED.add(key)
+        warnings.warn(message, QuantizeModelNote, stacklevel=3)
+
+
+class Selection(Protocol):
+    """Which products run in FP8: ``quantize_model``'s recipe and rules."""
+
+    @property
+    def bare_products(self) -> bool:
+        """Whether bare ``jnp`` / ``lax`` products are seen too (the fallback)."""
+
+    def recipe_for(self, path: str, op: str) -> Recipe | None: ...
+
+
+# The site of a Flax layer's own product (its dot_general or einsum): the module's first product.
+LAYER = "layer"
+
+# (recipe, index) -> the quantizer set of the module's index-th product (None: not available).
+QuantizerSetOf = Callable[[Recipe, int], QuantizerSet | None]
+
+
+@dataclasses.dataclass
+class Frame:
+    """A module while its method runs: whose products are whose, and in which order."""
+
+    module: Any
+    path: str
+    session: Session | None  # None: te_flax's own module, whose products are its own
+    quantizer_set: QuantizerSetOf
+    bare_offset: int = 0  # 1 for a Flax layer: its own product comes first
+    bare_calls: int = 0
+    bare_fp8: int = 0
+
+    def index(self, site: Any, fp8: bool) -> int | None:
+        """The FP8 state index of the product at ``site`` (None: high precision)."""
+        if not fp8:
+            return None
+        if site == LAYER:
+            return 0
+        self.bare_fp8 += 1
+        return self.bare_offset + self.bare_fp8 - 1
+
+
+_FRAMES = threading.local()
+
+
+def _frames() -> list[Frame]:
+    if not hasattr(_FRAMES, "stack"):
+        _FRAMES.stack = []
+    stack: list[Frame] = _FRAMES.stack
+    return stack
+
+
+def innermost() -> Frame | None:
+    """The innermost running module's frame (None: no quantized model is running)."""
+    stack = _frames()
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def running(frame: Frame) -> Iterator[None]:
+    """Runs the block as ``frame``'s module (the owner of the bare products it calls)."""
+    stack = _frames()
+    stack.append(frame)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+@dataclasses.dataclass
+class Record:
+    """A product of the model, as one trace saw it."""
+
+    op: str
+    recipe: Recipe | None
+    reason: str | None  # why FP8 cannot take it (None: it can, or no rule selects it)
+    index: int | None  # its FP8 state postfix index in its module (FP8 only)
+
+
+class Session:
+    """One trace of a quantized model: plans each product, records it, runs it in FP8."""
+
+    def __init__(self, selection: Selection, discovering: bool = False) -> None:
+        self.selection = selection
+        self.discovering = discovering  # only record: the FP8 state does not exist yet
+        self.records: dict[tuple[str, Any], Record] = {}
+        self.owners: dict[str, Any] = {}  # path -> the module as seen in the call
+        self.own_modules: set[str] = set()  # paths of te_flax's modules: their products are theirs
+
+    def product(
+        self,
+        frame: Frame,
+        site: Any,
+        op: str,
+        operands: tuple[Any, Any, Any],
+        call: Callable[[], Any],
+    ) -> Any:
+        """The product in FP8, or None to run ``call`` (the product as written) instead."""
+        lhs, rhs, spec = operands
+        recipe = self.selection.recipe_for(frame.path, op)
+        plan = plan_product(op, lhs, rhs, spec)
+        reason = None if recipe is None else fp8_reason(plan, lhs, rhs, recipe)
+        index = frame.index(site, recipe is not None and reason is None)
+        self.records.setdefault((frame.path, site), Record(op, recipe, reason, index))
+        self.owners.setdefault(frame.path, frame.module)
+        if index is None or self.discovering or isinstance(plan, str):
+            return None
+        assert recipe is not None
+        quantizers = frame.quantizer_set(recipe, index)
+        if quantizers is None:
+            return None
+        out = jax.eval_shape(call)  # the product's own output dtype
+        return run_plan(plan, lhs, rhs, quantizers, out.dtype)
+
+
+def _operands(op: str, args: tuple[Any, ...]) -> tuple[Any, Any, Any]:
+    """(lhs, rhs, spec) of ``dot_general(lhs, rhs, dimension_numbers, ...)`` or
+    ``einsum(subscripts, lhs, rhs, ...)``."""
+    return (args[1], args[2], args[0]) if op == "einsum" else (args[0], args[1], args[2])
+
+
+def layer_product(
+    frame: Frame, op: str, function: Callable[..., Any] | None, *args: Any, **kwargs: Any
+) -> Any:
+    """A Flax layer's product (``function(*args, **kwargs)``, its ``dot_general`` or
+    ``einsum``; None: JAX's own ``op``), in FP8 where ``frame``'s session selects it."""
+    product = original(op) if function is None else function
+
+    def call() -> Any:
+        return product(*args, **kwargs)
+
+    session = frame.session
+    result = (
+        None if session is None else session.product(frame, LAYER, op, _operands(op, args), call)
+    )
+    return call() if result is None else result
+
+
+def bare_fallback() -> contextlib.AbstractContextManager[None]:
+    """Runs the block with the bare products of running modules handed to their sessions."""
+    return intercepting(_bare_product)
+
+
+def _bare_product(op: str, lhs: Any, rhs: Any, spec: Any, call: Callable[[], Any]) -> Any:
+    """The fallback's handler: a bare product belongs to the innermost running module, and
+    takes the next index after those its module has called so far in this call."""
+    frame = innermost()
+    if frame is None or frame.session is None:
+        return None
+    frame.bare_calls += 1
+    return frame.session.product(frame, ("bare", frame.bare_calls), op, (lhs, rhs, spec), call)

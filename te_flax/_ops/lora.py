@@ -14,6 +14,8 @@ import string
 import jax.numpy as jnp
 from jax import Array, lax
 
+from te_flax._base.checks import check_positive_int
+
 __all__ = ["lora_delta", "lora_shapes"]
 
 
@@ -21,8 +23,7 @@ def lora_shapes(
     in_features: tuple[int, ...], features: tuple[int, ...], rank: int
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The shapes of ``A`` and ``B`` for a GEMM ``[..., in_features] -> [..., features]``."""
-    if not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"low_rank_adaptation_dim must be an int >= 1, got {rank!r}")
+    check_positive_int(rank, "low_rank_adaptation_dim", "e.g. low_rank_adaptation_dim=8")
     *groups, last = features
     return (*in_features, *groups, rank), (*groups, rank, last)
 
