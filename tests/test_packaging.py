@@ -84,6 +84,8 @@ def test_artifacts_hold_the_package_license_and_type_marker(built):
         names = set(wheel.namelist())
         metadata = wheel.read(f"te_flax-{VERSION}.dist-info/METADATA").decode()
     assert {"te_flax/__init__.py", "te_flax/py.typed", "te_flax/linen/__init__.py"} <= names
+    # The NNX constructors as type checkers see them (scripts/nnx_stub).
+    assert "te_flax/nnx/__init__.pyi" in names
     assert f"te_flax-{VERSION}.dist-info/licenses/LICENSE" in names
     # Only the library: no tests, examples or benchmarks.
     assert all(name.startswith(("te_flax/", f"te_flax-{VERSION}.dist-info/")) for name in names)
@@ -91,7 +93,8 @@ def test_artifacts_hold_the_package_license_and_type_marker(built):
     assert "Classifier: Typing :: Typed" in metadata
     with tarfile.open(dist / f"te_flax-{VERSION}.tar.gz") as sdist:
         members = {Path(*Path(name).parts[1:]).as_posix() for name in sdist.getnames()}
-    assert {"te_flax/py.typed", "LICENSE", "CHANGELOG.md", "README.md"} <= members
+    assert {"te_flax/py.typed", "te_flax/nnx/__init__.pyi", "LICENSE", "CHANGELOG.md"} <= members
+    assert "README.md" in members
 
 
 INSTALLED_CHECK = textwrap.dedent(
