@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +19,16 @@ import pytest
 
 pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the gpu-compile extra (jax[cuda12])")
 
+from te_flax._base.jax_compat import mixed_fp8_wgmma
+from te_flax._ops.grouped import RaggedOnGpuWarning
+from te_flax._ops.kernels import pallas_kernels
 from te_flax.dense import grouped_dense, grouped_quantizer_set
-from te_flax.quantize import DelayedScaling, Float8CurrentScaling, QuantizerFactory
+from te_flax.quantize import (
+    DelayedScaling,
+    Float8CurrentScaling,
+    QuantizerFactory,
+    noop_quantizer_set,
+)
 from tests.gpu_target import h100_sharding
 from tests.test_gpu_compile import FP8_GEMM, NON_FP8_GEMMS, parse_gemms
 
@@ -30,13 +39,18 @@ RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling}
 
 
 @functools.cache
-def _compiled(recipe: str, lowering: str) -> str:
+def _compiled(recipe: str, lowering: str, kernels: str = "0") -> str:
+    """The optimized H100 program of one training step; ``kernels``: the switch's mode, with a
+    GPU assumed (``"auto"`` takes te_flax's grouped GEMM kernels on the ragged lowering)."""
     sharding = h100_sharding()
 
     def spec(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
-    state = grouped_quantizer_set(QuantizerFactory.create_set(fp8_recipe=RECIPES[recipe]()), GROUPS)
+    state = noop_quantizer_set
+    if recipe != "bf16":
+        recipe_set = QuantizerFactory.create_set(fp8_recipe=RECIPES[recipe]())
+        state = grouped_quantizer_set(recipe_set, GROUPS)
     state = jax.tree.map(lambda leaf: spec(leaf.shape, leaf.dtype), state)
     capacity = CAPACITY if lowering == "capacity" else None
 
@@ -47,17 +61,17 @@ def _compiled(recipe: str, lowering: str) -> str:
         return jnp.mean(jnp.square(out.astype(jnp.float32)))
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
-    return (
-        step.lower(
+    with pallas_kernels(kernels, assume_gpu=True), warnings.catch_warnings():
+        # Without the kernels the ragged lowering says that XLA expands it (checked below).
+        warnings.simplefilter("ignore", RaggedOnGpuWarning)
+        lowered = step.lower(
             spec((GROUPS, HIDDEN, FEATURES), jnp.float32),
             spec((GROUPS, FEATURES), jnp.float32),
             state,
             spec((ROWS, HIDDEN), jnp.bfloat16),
             spec((GROUPS,), jnp.int32),
         )
-        .compile()
-        .as_text()
-    )
+    return lowered.compile().as_text()
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
@@ -87,6 +101,7 @@ def test_capacity_lowering_is_three_batched_fp8_gemms(recipe):
 
 
 def test_ragged_lowering_multiplies_every_row_with_every_group():
+    """The XLA lowering, as it runs where the kernels cannot (``TE_FLAX_PALLAS=0``)."""
     hlo = _compiled("delayed", "ragged")
     gemms = parse_gemms(hlo)
     assert [gemm.target for gemm in gemms] == [FP8_GEMM] * 3, gemms
@@ -96,3 +111,52 @@ def test_ragged_lowering_multiplies_every_row_with_every_group():
     assert re.search(rf"f8e4m3fn\[{ROWS},{GROUPS * HIDDEN}\]", hlo)
     assert (ROWS, FEATURES) in [gemm.dims for gemm in gemms]
     assert (GROUPS, HIDDEN, FEATURES) in [gemm.dims for gemm in gemms]
+
+
+def _kernel_calls(hlo: str) -> list[tuple[str, str]]:
+    """(result type, operand types) of each Mosaic GPU custom call of the entry computation."""
+    entry = hlo[hlo.index("ENTRY") :]
+    calls = re.findall(
+        r"= (\S+) custom-call\(.*?custom_call_target=\"mosaic_gpu_v2\", "
+        r"operand_layout_constraints=\{([^}]*)\}",
+        entry,
+    )
+    return [(result, constraints) for result, constraints in calls]
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current", "bf16"])
+def test_ragged_lowering_runs_the_grouped_kernels(recipe):
+    if recipe != "bf16" and not mixed_fp8_wgmma():
+        pytest.skip("the float8 gradient GEMMs (e5m2 x e4m3) need jax 0.11's Mosaic GPU")
+    hlo = _compiled(recipe, "ragged", kernels="auto")
+    assert parse_gemms(hlo) == [], "a grouped GEMM was left to cuBLAS"
+    calls = _kernel_calls(hlo)
+    results = sorted(result.split("{")[0] for result, _ in calls)
+    out = "bf16"
+    assert results == sorted(
+        [
+            f"{out}[{ROWS},{FEATURES}]",
+            f"{out}[{ROWS},{HIDDEN}]",
+            f"f32[{GROUPS},{HIDDEN},{FEATURES}]",
+        ]
+    ), calls
+    float8 = {"f8e4m3fn", "f8e5m2"}
+    for _, operands in calls:
+        types = {t.split("[")[0] for t in operands.split(", ")[2:]}
+        assert types <= (float8 if recipe != "bf16" else {"bf16"}), operands
+    # The per-group scales are applied in the kernels: no pass writes the float32 weight
+    # gradient after its GEMM (the entry's output is the kernel's result).
+    wgrad = f"f32[{GROUPS},{HIDDEN},{FEATURES}]"
+    entry = hlo[hlo.index("ENTRY") :]
+    producers = re.findall(rf"= {re.escape(wgrad)}\S* (\S+)\(", entry)
+    assert sorted(producers) == ["custom-call", "parameter"], producers  # the kernel, its input
+
+
+def test_ragged_lowering_without_the_kernels_says_so():
+    expanded = pytest.warns(RaggedOnGpuWarning, match="expands over every group")
+    with expanded, pallas_kernels("0", assume_gpu=True):
+        jax.eval_shape(
+            lambda x, k: grouped_dense(x, k, jnp.array([ROWS, 0, 0, 0], jnp.int32)),
+            jax.ShapeDtypeStruct((ROWS, HIDDEN), jnp.bfloat16),
+            jax.ShapeDtypeStruct((GROUPS, HIDDEN, FEATURES), jnp.float32),
+        )

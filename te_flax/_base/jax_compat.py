@@ -19,7 +19,9 @@ imports ``jax._src``.
 ``pallas_triton_kept()``: the Pallas Triton backend, which every te_flax kernel is written in
 today, is deprecated from jax 0.12 on (every lowering warns, and a later release removes it).
 Under ``TE_FLAX_PALLAS=auto`` the kernels are used only where it is kept without a warning
-(``docs/versions.md``, "Kernel backends").
+(``docs/versions.md``, "Kernel backends"). ``mixed_fp8_wgmma()``: whether the Mosaic GPU
+grouped GEMM kernels can multiply e4m3 by e5m2 (the float8 gradient GEMMs); where not, those
+GEMMs take the XLA lowering.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ __all__ = [
     "JAX_VERSION",
     "TESTED_RANGE",
     "is_batch_tracer",
+    "mixed_fp8_wgmma",
+    "mosaic_gpu_interpreted",
     "outside_tested_range",
     "pallas_triton_kept",
     "partial_eval_jaxpr_nounits",
@@ -158,3 +162,15 @@ def partial_eval_jaxpr_nounits() -> Callable[..., Any] | None:
 def pallas_triton_kept() -> bool:
     """Whether this JAX keeps the Pallas Triton backend without a deprecation (before 0.12)."""
     return JAX_VERSION < (0, 12)
+
+
+def mixed_fp8_wgmma() -> bool:
+    """Whether Pallas Mosaic GPU's ``wgmma`` takes an e4m3 operand with an e5m2 one (from jax
+    0.11 on; jax 0.10 wants both operands of one type)."""
+    return JAX_VERSION >= (0, 11)
+
+
+
+def mosaic_gpu_interpreted() -> bool:
+    """Whether this JAX has Pallas Mosaic GPU's interpret mode (from jax 0.11 on)."""
+    return JAX_VERSION >= (0, 11)

@@ -15,6 +15,8 @@ Two layouts carry the rows through the GEMMs:
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -25,6 +27,15 @@ from jax import Array, lax
 from jax.typing import DTypeLike
 
 from te_flax._base.checks import check_positive_int
+from te_flax._ops.kernels.grouped_gemm import (
+    Tiles,
+    aligned_columns,
+    group_gemm,
+    rows_gemm,
+    supported_dtypes,
+    tiles_for,
+)
+from te_flax._ops.kernels.switch import dispatch, gpu_host, takes_kernel
 from te_flax.quantize import (
     LEADING,
     TRAILING,
@@ -42,6 +53,7 @@ from te_flax.quantize import (
 
 __all__ = [
     "GroupedConfig",
+    "RaggedOnGpuWarning",
     "check_grouped_set",
     "group_ids",
     "grouped_quantizer_set",
@@ -253,16 +265,118 @@ def _grouped_gemm(
     out_dtype: DTypeLike,
     precision: lax.Precision | None,
 ) -> Array:
-    """``lax.ragged_dot_general`` of two ``_gemm_input`` operands, the lhs ragged along its rows
-    (axis 0), with their group scales applied.
+    """The grouped GEMM of two ``_gemm_input`` operands, the lhs ragged along its rows (axis 0),
+    with their group scales applied: te_flax's kernel where the switch takes it (a CUDA GPU),
+    else ``lax.ragged_dot_general`` (``_xla_grouped_gemm``).
 
     With ``rhs_group_dims=(0,)`` each group of rows multiplies its own rhs matrix (the forward
     GEMM and dgrad, ``[M, N]``; scales per row); with ``()`` the rows are contracted group by
     group (wgrad, ``[G, K, N]``; scales per group).
     """
     (lhs_data, lhs_scale), (rhs_data, rhs_scale) = lhs, rhs
-    fp8 = lhs_scale is not None and rhs_scale is not None
+    scale = None if lhs_scale is None or rhs_scale is None else lhs_scale * rhs_scale
+    xla = partial(
+        _xla_grouped_gemm,
+        contract=contract,
+        rhs_group_dims=rhs_group_dims,
+        out_dtype=out_dtype,
+        precision=precision,
+    )
+    kernel: Callable[..., Array]
+    if rhs_group_dims:
+        kernel = partial(_rows_kernel, forward=contract == (1, 1), out_dtype=out_dtype)
+    else:
+        kernel = partial(_wgrad_kernel, out_dtype=out_dtype)
+    # 16-bit and float8 operands: every precision is the tensor cores' (float32 accumulation).
+    fits = _kernel_tiles(lhs_data, rhs_data, contract) is not None and supported_dtypes(
+        lhs_data.dtype, rhs_data.dtype
+    )
+    operands = (lhs_data, rhs_data, group_sizes, ids, scale)
+    if gpu_host() and not takes_kernel("grouped_gemm", *operands, supported=fits):
+        warnings.warn(
+            "grouped_dense's ragged lowering runs XLA's ragged_dot on this GPU, which XLA "
+            "expands over every group (about G times the routed FLOPs): te_flax's grouped GEMM "
+            "kernel takes float8 or 16-bit operands whose feature axes are multiples of 64 (the "
+            "contraction of 128 bytes), one device or shard_map, and TE_FLAX_PALLAS auto or 1. "
+            "Otherwise pass lowering='capacity' (docs/moe.md)",
+            RaggedOnGpuWarning,
+            stacklevel=2,
+        )
+    return dispatch("grouped_gemm", kernel, xla, *operands, supported=fits)
+
+
+def _kernel_tiles(lhs: Array, rhs: Array, contract: tuple[int, int]) -> Tiles | None:
+    """The kernel's tiles for the forward GEMM (``contract`` (1, 1): ``[M, K] x [G, K, N]``),
+    dgrad ((1, 2): ``[M, N] x [G, K, N]``) or wgrad ((0, 0): ``[M, K] x [M, N]``)."""
+    if contract == (0, 0):
+        return tiles_for(lhs.dtype, lhs.shape[1], rhs.shape[1], 0)
+    cols = rhs.shape[1 if contract == (1, 2) else 2]
+    return tiles_for(lhs.dtype, lhs.shape[0], cols, lhs.shape[1])
+
+
+class RaggedOnGpuWarning(UserWarning):
+    """A ragged grouped GEMM on a GPU that takes XLA's ``ragged_dot`` (expanded over groups)."""
+
+
+def _rows_kernel(
+    lhs: Array,
+    rhs: Array,
+    group_sizes: Array,
+    ids: Array,
+    scale: Array | None,
+    *,
+    forward: bool,
+    out_dtype: DTypeLike,
+    interpret: bool,
+) -> Array:
+    """The forward GEMM (``forward``) or dgrad on the kernel; rows_gemm's rhs is ``[G, N, C]``,
+    so the forward's kernel ``[G, K, N]`` is transposed (float8 tensor cores take the
+    contraction last)."""
+    del ids
+    tiles = _kernel_tiles(lhs, rhs, (1, 1) if forward else (1, 2))
+    assert tiles is not None
+    rhs = jnp.swapaxes(rhs, 1, 2) if forward else rhs
+    return rows_gemm(lhs, rhs, group_sizes, scale, out_dtype, tiles, interpret)
+
+
+def _wgrad_kernel(
+    lhs: Array,
+    rhs: Array,
+    group_sizes: Array,
+    ids: Array,
+    scale: Array | None,
+    *,
+    out_dtype: DTypeLike,
+    interpret: bool,
+) -> Array:
+    """wgrad on the kernel: both operands gathered into the group-aligned layout, transposed
+    (the contraction last, as float8 tensor cores take it); padding columns are zeros."""
+    del ids
+    tiles = _kernel_tiles(lhs, rhs, (0, 0))
+    assert tiles is not None
+    source, first_tile, _ = aligned_columns(group_sizes, lhs.shape[0], tiles.depth)
+
+    def aligned(x: Array) -> Array:
+        return jnp.take(x, source, axis=0, mode="fill", fill_value=0).T
+
+    return group_gemm(aligned(lhs), aligned(rhs), first_tile, scale, out_dtype, tiles, interpret)
+
+
+def _xla_grouped_gemm(
+    lhs_data: Array,
+    rhs_data: Array,
+    group_sizes: Array,
+    ids: Array,
+    scale: Array | None,
+    *,
+    contract: tuple[int, int],
+    rhs_group_dims: tuple[int, ...],
+    out_dtype: DTypeLike,
+    precision: lax.Precision | None,
+) -> Array:
+    """``lax.ragged_dot_general`` of the two operands' data, then their group scales."""
     # As the dense GEMM stage: float16 cannot hold a product of float8 values before scaling.
+    fp8 = scale is not None
     gemm_dtype = jnp.float32 if fp8 and jnp.dtype(out_dtype) == jnp.float16 else out_dtype
     numbers = lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((contract[0],), (contract[1],)), ((), ())),
@@ -277,9 +391,8 @@ def _grouped_gemm(
         precision=precision,
         preferred_element_type=gemm_dtype,
     )
-    if lhs_scale is None or rhs_scale is None:
+    if scale is None:
         return out.astype(out_dtype)
-    scale = lhs_scale * rhs_scale  # [G]
     if rhs_group_dims:
         # Rows past sum(group_sizes) are zero whatever their scale.
         scale = jnp.take(scale, ids, mode="fill", fill_value=0.0)[:, None]  # [M, 1]

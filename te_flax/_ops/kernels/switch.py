@@ -7,13 +7,15 @@ part of ``jax.jit``'s cache key: a function jitted outside it is traced again in
 - ``"auto"`` (default): on CUDA GPUs the kernels that save memory traffic (``AUTO``), the XLA
   stages everywhere else. The kernels are Pallas Triton programs; from jax 0.12 on, which
   deprecates that backend, ``"auto"`` takes the XLA stages on GPUs too (same results, the
-  memory traffic of ``TE_FLAX_PALLAS=0``), and ``"1"`` still runs the kernels. In a process
+  memory traffic of ``TE_FLAX_PALLAS=0``), and ``"1"`` still runs the kernels. The grouped
+  GEMM kernels (``MOSAIC``) are Pallas Mosaic GPU programs, used on GPUs at every JAX of the
+  range. In a process
   without a CUDA GPU the XLA stages are traced directly, so CPU programs are exactly those
   without kernels; with one, the choice is made per platform when the program is lowered
   (``lax.platform_dependent``). A program compiled for a GPU from a CPU host (a deviceless
   compile) gets the kernels under ``pallas_kernels("auto", assume_gpu=True)``.
 - ``"1"``: every kernel, everywhere; on platforms other than CUDA they run in Pallas interpret
-  mode (slow, for tests).
+  mode (slow, for tests; the Mosaic GPU kernels from jax 0.11 on, which has their interpreter).
 - ``"0"``: the XLA stages everywhere.
 
 Programs partitioned over the mesh set with ``jax.set_mesh`` run each kernel on every device's
@@ -36,11 +38,27 @@ from typing import Any, TypeVar
 import jax
 from jax import lax
 
-from te_flax._base.jax_compat import is_batch_tracer, pallas_triton_kept, traced_for_scan
+from te_flax._base.jax_compat import (
+    is_batch_tracer,
+    mosaic_gpu_interpreted,
+    pallas_triton_kept,
+    traced_for_scan,
+)
 from te_flax._base.settings import ScopedSetting
 from te_flax._ops.kernels.partition import mesh_partitioned
 
-__all__ = ["AUTO", "ENV_VAR", "MODES", "dispatch", "mode", "pallas_kernels", "traced_in_scan"]
+__all__ = [
+    "AUTO",
+    "ENV_VAR",
+    "MODES",
+    "MOSAIC",
+    "dispatch",
+    "gpu_host",
+    "mode",
+    "pallas_kernels",
+    "takes_kernel",
+    "traced_in_scan",
+]
 
 ENV_VAR = "TE_FLAX_PALLAS"
 MODES = ("auto", "0", "1")
@@ -54,9 +72,20 @@ T = TypeVar("T")
 # backward each with its quantization, and the norm backward.
 # The blockwise FP8 GEMM kernel keeps its float32 partial products in registers, where XLA's
 # exact form writes K / 128 of them per output element.
+# The grouped GEMM kernels (Pallas Mosaic GPU) replace XLA's ragged_dot, which XLA:GPU expands
+# over every group (docs/moe.md).
 AUTO = frozenset(
-    {"activation_grad", "activation_quantize", "blockwise_gemm", "norm_backward", "quantize"}
+    {
+        "activation_grad",
+        "activation_quantize",
+        "blockwise_gemm",
+        "grouped_gemm",
+        "norm_backward",
+        "quantize",
+    }
 )
+# The kernels written in Pallas Mosaic GPU, the backend JAX keeps; the others are Pallas Triton.
+MOSAIC = frozenset({"grouped_gemm"})
 # The innermost ``pallas_kernels(mode, assume_gpu)``; None: ``TE_FLAX_PALLAS``, no GPU assumed.
 _SELECTED: ScopedSetting[tuple[str, bool] | None] = ScopedSetting("pallas_kernels", None)
 
@@ -147,6 +176,27 @@ def traced_in_scan(x: Any) -> bool:
     return traced_for_scan(x)
 
 
+def gpu_host() -> bool:
+    """Whether the program being traced is for a CUDA GPU: this process sees one, or a
+    deviceless compile asks for the kernels with ``pallas_kernels(..., assume_gpu=True)``."""
+    selected = _SELECTED.value
+    return (selected is not None and selected[1]) or _cuda_devices() > 0
+
+
+def takes_kernel(name: str, *args: Any, supported: bool = True) -> bool:
+    """Whether ``dispatch(name, ...)`` on these operands runs the kernel on a CUDA GPU."""
+    selected = mode()
+    if selected == "0" or not supported or _batched_on_mesh(args):
+        return False
+    if selected == "1":
+        return True
+    if not gpu_host() or name not in AUTO or _partitioned_without_rule():
+        return False
+    # The Triton kernels only where JAX keeps that backend without a deprecation warning
+    # (docs/versions.md, "Kernel backends"); the Mosaic GPU ones everywhere.
+    return name in MOSAIC or pallas_triton_kept()
+
+
 def dispatch(
     name: str,
     kernel: Callable[..., T],
@@ -165,21 +215,11 @@ def dispatch(
     says. Under ``"auto"`` only the kernels named in ``AUTO`` are used: those that move fewer bytes
     than the XLA fusions they replace in a whole training step.
     """
-    selected = mode()
-    if selected == "0" or not supported or _batched_on_mesh(args):
+    if not takes_kernel(name, *args, supported=supported):
         return fallback(*args)
-    if selected == "auto":
-        assume_gpu = _SELECTED.value is not None and _SELECTED.value[1]
-        on_gpu_host = assume_gpu or _cuda_devices() > 0
-        if not on_gpu_host or name not in AUTO or _partitioned_without_rule():
-            return fallback(*args)
-        if not pallas_triton_kept():
-            # The kernels are Pallas Triton programs, a backend this JAX deprecates: "auto"
-            # keeps users' runs free of its warning (docs/versions.md, "Kernel backends").
-            return fallback(*args)
     on_gpu = partial(kernel, interpret=False)
     elsewhere: Callable[..., T] = fallback
-    if selected == "1":
+    if mode() == "1" and (name not in MOSAIC or mosaic_gpu_interpreted()):
         elsewhere = partial(kernel, interpret=True)
     elif as_kernel_result is not None:
         elsewhere = _composed(as_kernel_result, fallback)

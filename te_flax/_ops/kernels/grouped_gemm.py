@@ -1,0 +1,375 @@
+"""Grouped GEMM kernels in Pallas Mosaic GPU (Hopper): the three GEMMs of ``grouped_dense``.
+
+``rows_gemm`` multiplies rows sorted by group with their group's matrix, ``[M, C] x [G, N, C] ->
+[M, N]`` (the forward GEMM and dgrad); ``group_gemm`` contracts each group's rows on their own,
+``[C, Mp] x [N, Mp] -> [G, C, N]`` (wgrad). Both take float8 (e4m3 x e4m3, e5m2 x e4m3) or
+16-bit operands, both in the layout Hopper's float8 tensor-core instruction (``wgmma``) takes:
+the contracted axis last. Each group's scale (the product of its two operands' ``scale_inv``)
+multiplies the float32 accumulator before it is written, so a per-group scale costs no pass over
+an output or a gradient. Group sizes stay on the device: the tables that map a kernel block to
+its group are a few small XLA ops over ``group_sizes`` (``row_tiles``, ``aligned_columns``).
+
+Each block of the kernel grid owns one output tile. Its loop over the contraction copies
+operand tiles into shared memory ``stages - 1`` steps ahead (TMA copies, one barrier per stage)
+while the tensor cores work on the current one. The copies are written out rather than with
+``plgpu.emit_pipeline`` so that the kernels also run in Mosaic GPU's interpret mode, which is how
+they are tested on a CPU against ``lax.ragged_dot_general``.
+
+A block of rows straddling two groups is computed once per group; each pass writes only its
+group's rows, with TMA stores of power-of-two heights (``_store_rows``). Rows past
+``sum(group_sizes)`` are written as zeros, as ``lax.ragged_dot_general`` gives them. For wgrad
+the rows come in a group-aligned layout: each group's rows start at a multiple of the tile depth
+and are padded with zeros (``aligned_columns``), so no tile mixes two groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import Array, lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.typing import DTypeLike
+
+from te_flax._base.jax_compat import mixed_fp8_wgmma
+
+__all__ = [
+    "Tiles",
+    "aligned_columns",
+    "group_gemm",
+    "row_tiles",
+    "rows_gemm",
+    "supported_dtypes",
+    "tiles_for",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """One output tile ``rows x cols``, contracted ``depth`` at a time, ``stages`` copies deep.
+
+    The largest (128 x 128, 128 bytes deep, 4 stages) takes 160 KiB of an H100 block's 227 KiB
+    of shared memory with a bfloat16 output tile.
+    """
+
+    rows: int = 128
+    cols: int = 128
+    depth: int = 128
+    stages: int = 4
+
+    def __post_init__(self) -> None:
+        if self.rows % 64 or self.cols % 8 or self.cols > 256 or self.stages < 2:
+            raise ValueError(
+                f"Tiles(rows={self.rows}, cols={self.cols}, stages={self.stages}): rows must be "
+                "a multiple of 64 (one warpgroup instruction), cols a multiple of 8 up to 256, "
+                "stages at least 2"
+            )
+
+
+def tiles_for(dtype: DTypeLike, rows: int, cols: int, depth: int) -> Tiles | None:
+    """The tiles for an output of ``rows x cols`` (per group) contracted over ``depth``, with
+    operands of ``dtype``; None where the kernels cannot tile it.
+
+    128 x 128 output tiles where the axes allow, else 64; 128 bytes of contraction per step
+    (``depth`` a multiple of it, the ragged contraction of wgrad excepted: pass 0).
+    """
+    step = 128 // jnp.dtype(dtype).itemsize
+    if rows % 64 or cols % 64 or depth % step:
+        return None
+    rows, cols = (128 if size % 128 == 0 else 64 for size in (rows, cols))
+    return Tiles(rows=rows, cols=cols, depth=step)
+
+
+def supported_dtypes(lhs: DTypeLike, rhs: DTypeLike) -> bool:
+    """Whether the kernels multiply ``lhs`` by ``rhs``: two float8 types (e4m3 and e5m2 mixed
+    where ``mixed_fp8_wgmma()``), or one 16-bit float type."""
+    floats8 = {jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)}
+    lhs, rhs = jnp.dtype(lhs), jnp.dtype(rhs)
+    if lhs in floats8 and rhs in floats8:
+        return lhs == rhs or mixed_fp8_wgmma()
+    return lhs == rhs and lhs in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+# (typed loosely: their stubs declare an abstract method the classes implement at run time)
+_TILING: Any = plgpu.TilingTransform
+_SWIZZLE: Any = plgpu.SwizzleTransform
+
+
+def _interpret_params() -> Any:
+    """Mosaic GPU's interpret mode (the kernels on any platform), from jax 0.11 on."""
+    params = getattr(plgpu, "InterpretGPUParams", None)
+    if params is None:
+        raise NotImplementedError(
+            f"Mosaic GPU's interpret mode needs jax 0.11 or newer (this is jax {jax.__version__})"
+        )
+    return params()
+
+
+def _smem_transforms(dtype: DTypeLike, depth: int) -> tuple[Any, ...]:
+    """The swizzled tiling ``wgmma`` reads its shared-memory operands in."""
+    swizzle = plgpu.find_swizzle(depth * jnp.dtype(dtype).itemsize * 8)
+    elements = swizzle // jnp.dtype(dtype).itemsize
+    return (_TILING((8, elements)), _SWIZZLE(swizzle))
+
+
+def _launch(
+    body: Any, out: jax.ShapeDtypeStruct, grid: dict[str, int], tiles: Tiles, interpret: bool
+) -> Any:
+    """The kernel of ``body(*inputs, out_ref, lhs_smem, rhs_smem, barriers, out_smem)`` over
+    ``grid`` (axis name -> size), called on ``(*tables, lhs, rhs)``: shared-memory stages for
+    both operands (their dtypes read from the call), one barrier per stage, and the output tile."""
+
+    def call(*inputs: Array) -> Array:
+        *_, lhs, rhs = inputs
+        buffers = [
+            plgpu.SMEM(
+                (tiles.stages, height, tiles.depth),
+                operand.dtype,
+                transforms=_smem_transforms(operand.dtype, tiles.depth),
+            )
+            for operand, height in ((lhs, tiles.rows), (rhs, tiles.cols))
+        ]
+        kernel = plgpu.kernel(
+            body,
+            out_type=out,
+            grid=tuple(grid.values()),
+            grid_names=tuple(grid),
+            scratch_types=(
+                *buffers,
+                plgpu.Barrier(num_arrivals=2, num_barriers=tiles.stages),
+                plgpu.SMEM((tiles.rows, tiles.cols), out.dtype),
+            ),
+            compiler_params=plgpu.CompilerParams(
+                lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+            ),
+            interpret=_interpret_params() if interpret else None,
+        )
+        return kernel(*inputs)
+
+    return call
+
+
+def _contract(acc: Any, lhs_tile: Any, rhs_tile: Any, steps: Any, buffers: tuple[Any, ...]) -> None:
+    """``acc += sum_i lhs_tile(i) @ rhs_tile(i).T`` over ``steps`` contraction steps.
+
+    ``lhs_tile(i)`` / ``rhs_tile(i)``: the global-memory tiles of step ``i``. Step ``i + stages -
+    1`` is copied while step ``i`` multiplies; its stage was last read by step ``i - 1``, whose
+    ``wgmma`` the wait for all but the newest one has finished.
+    """
+    lhs_smem, rhs_smem, barriers = buffers
+    stages = lhs_smem.shape[0]
+
+    def fetch(step: Any) -> None:
+        slot = lax.rem(step, stages)
+        plgpu.copy_gmem_to_smem(lhs_tile(step), lhs_smem.at[slot], barriers.at[slot])
+        plgpu.copy_gmem_to_smem(rhs_tile(step), rhs_smem.at[slot], barriers.at[slot])
+
+    for first in range(stages - 1):
+        pl.when(first < steps)(partial(fetch, jnp.int32(first)))
+
+    def body(step: Any, carry: Any) -> Any:
+        slot = lax.rem(step, stages)
+        plgpu.barrier_wait(barriers.at[slot])
+        plgpu.wgmma(acc, lhs_smem.at[slot], rhs_smem.at[slot].T)
+        plgpu.wgmma_wait(1)
+        ahead = step + stages - 1
+        pl.when(ahead < steps)(partial(fetch, ahead))
+        return carry
+
+    lax.fori_loop(jnp.int32(0), jnp.asarray(steps, jnp.int32), body, ())
+    plgpu.wgmma_wait(0)
+
+
+def _store_rows(out_smem: Any, out_rows: Any, first: Any, count: Any, height: int) -> None:
+    """Copy rows ``[first, first + count)`` of ``out_smem`` (``count <= height``) to the same
+    rows of ``out_rows``: one TMA store per set bit of ``count``, each of a static height."""
+    offset = first
+    size = 1 << (height.bit_length() - 1)
+    while size:
+        piece = size
+
+        @pl.when(lax.bitwise_and(count, piece) != 0)
+        def _(piece: int = piece, offset: Any = offset) -> None:
+            plgpu.copy_smem_to_gmem(
+                out_smem.at[pl.ds(offset, piece)], out_rows.at[pl.ds(offset, piece)]
+            )
+
+        offset = offset + lax.bitwise_and(count, piece)
+        size //= 2
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def row_tiles(group_sizes: Array, rows: int, height: int) -> Array:
+    """The blocks of ``rows_gemm``: each (row tile, group) pair that holds rows of the group.
+
+    Returns int32 ``[T, 4]`` (group, row tile, first row in the tile, row count) for ``T =
+    cdiv(rows, height) + G`` work items (a tile straddles at most ``G`` boundaries). The
+    pseudo-group ``G`` is the rows past ``sum(group_sizes)``, written as zeros; unused items
+    have a count of 0.
+    """
+    sizes = group_sizes.astype(jnp.int32)
+    tail = jnp.maximum(rows - jnp.sum(sizes), 0)
+    sizes = jnp.concatenate([sizes, tail[None]])  # [G + 1]
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    first_tile = starts // height
+    tiles = jnp.where(sizes > 0, (ends - 1) // height - first_tile + 1, 0)
+    item_end = jnp.cumsum(tiles)  # [G + 1]
+    n_items = pl.cdiv(rows, height) + sizes.shape[0] - 1
+    item = jnp.arange(n_items, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(item_end, item, side="right"), sizes.shape[0] - 1)
+    tile = first_tile[group] + item - (item_end[group] - tiles[group])
+    lo = jnp.maximum(starts[group], tile * height)
+    hi = jnp.minimum(ends[group], (tile + 1) * height)
+    count = jnp.where(item < item_end[-1], jnp.maximum(hi - lo, 0), 0)
+    return jnp.stack([group, tile, lo - tile * height, count], axis=1).astype(jnp.int32)
+
+
+def rows_gemm(
+    lhs: Array,
+    rhs: Array,
+    group_sizes: Array,
+    scale: Array | None,
+    out_dtype: DTypeLike,
+    tiles: Tiles,
+    interpret: bool = False,
+) -> Array:
+    """``out[r] = scale[g] * lhs[r] @ rhs[g].T`` for the rows ``r`` of group ``g``.
+
+    Args:
+        lhs: ``[M, C]``, rows sorted by group; ``M`` a multiple of ``tiles.rows``.
+        rhs: ``[G, N, C]``; ``N`` a multiple of ``tiles.cols``, ``C`` of ``tiles.depth``.
+        group_sizes: int32 ``[G]``; rows past their sum give zeros.
+        scale: float32 ``[G]``, or None for none.
+        out_dtype: float32, bfloat16 or float16.
+        tiles: the tile shape.
+        interpret: run in Mosaic GPU's interpret mode (any platform; for tests).
+    """
+    (m, c), (g, n, _) = lhs.shape, rhs.shape
+    scale = jnp.ones((g,), jnp.float32) if scale is None else scale.astype(jnp.float32)
+    table = row_tiles(group_sizes, m, tiles.rows)
+    steps = c // tiles.depth
+
+    def body(
+        table_ref: Any, scale_ref: Any, lhs_ref: Any, rhs_ref: Any, out_ref: Any, *scratch: Any
+    ) -> None:
+        *buffers, out_smem = scratch
+        item, col = lax.axis_index("item"), lax.axis_index("col")
+        group, tile = table_ref[item, 0], table_ref[item, 1]
+        first, count = table_ref[item, 2], table_ref[item, 3]
+        real = group < g
+
+        def accumulate(acc: Any) -> Any:
+            rows = pl.ds(tile * tiles.rows, tiles.rows)
+            cols = pl.ds(col * tiles.cols, tiles.cols)
+            kernel = rhs_ref.at[jnp.minimum(group, g - 1)]
+            _contract(
+                acc,
+                lambda s: lhs_ref.at[rows, pl.ds(s * tiles.depth, tiles.depth)],
+                lambda s: kernel.at[cols, pl.ds(s * tiles.depth, tiles.depth)],
+                jnp.where(real & (count > 0), steps, 0),
+                tuple(buffers),
+            )
+            return acc[...]
+
+        @pl.when(count > 0)
+        def _() -> None:
+            acc = pl.run_scoped(accumulate, plgpu.WGMMAAccumulatorRef((tiles.rows, tiles.cols)))
+            factor = jnp.where(real, scale_ref[jnp.minimum(group, g - 1)], 0.0)
+            out_smem[...] = (acc * factor).astype(out_smem.dtype)
+            plgpu.commit_smem()
+            out_rows = out_ref.at[
+                pl.ds(tile * tiles.rows, tiles.rows), pl.ds(col * tiles.cols, tiles.cols)
+            ]
+            _store_rows(out_smem, out_rows, first, count, tiles.rows)
+
+    grid = {"item": table.shape[0], "col": n // tiles.cols}
+    out = jax.ShapeDtypeStruct((m, n), out_dtype)
+    return _launch(body, out, grid, tiles, interpret)(table, scale, lhs, rhs)
+
+
+def aligned_columns(group_sizes: Array, rows: int, depth: int) -> tuple[Array, Array, int]:
+    """The group-aligned layout of ``rows`` rows sorted by group, as ``group_gemm`` reads them.
+
+    Returns ``(source, first_tile, width)``: int32 ``[width]``, the row each column of the layout
+    holds (``rows`` for a padding column, to be filled with zeros), and int32 ``[G + 1]``, the
+    first tile of each group (the last entry one past the last tile). Each group starts at a
+    multiple of ``depth``; ``width`` bounds the layout statically.
+    """
+    sizes = group_sizes.astype(jnp.int32)
+    n_groups = sizes.shape[0]
+    width = pl.cdiv(rows, depth) * depth + n_groups * depth
+    tiles = pl.cdiv(sizes, depth)
+    first_tile = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(tiles)])
+    starts = jnp.cumsum(sizes) - sizes
+    column = jnp.arange(width, dtype=jnp.int32)
+    group = jnp.minimum(
+        jnp.searchsorted(first_tile[1:] * depth, column, side="right"), n_groups - 1
+    )
+    within = column - first_tile[group] * depth
+    real = (within < sizes[group]) & (column < first_tile[-1] * depth)
+    source = jnp.where(real, starts[group] + within, rows)
+    return source, first_tile, width
+
+
+def group_gemm(
+    lhs_t: Array,
+    rhs_t: Array,
+    first_tile: Array,
+    scale: Array | None,
+    out_dtype: DTypeLike,
+    tiles: Tiles,
+    interpret: bool = False,
+) -> Array:
+    """``out[g] = scale[g] * lhs_t[:, group g] @ rhs_t[:, group g].T``: ``[G, C, N]``.
+
+    Args:
+        lhs_t: ``[C, W]``, the rows in the group-aligned layout of ``aligned_columns`` (``depth =
+            tiles.depth``); ``C`` a multiple of ``tiles.rows``.
+        rhs_t: ``[N, W]`` in the same layout; ``N`` a multiple of ``tiles.cols``.
+        first_tile: int32 ``[G + 1]`` from ``aligned_columns``.
+        scale: float32 ``[G]``, or None for none.
+        out_dtype: float32, bfloat16 or float16.
+        tiles: the tile shape.
+        interpret: run in Mosaic GPU's interpret mode (any platform; for tests).
+    """
+    (c, _), (n, _) = lhs_t.shape, rhs_t.shape
+    g = first_tile.shape[0] - 1
+    scale = jnp.ones((g,), jnp.float32) if scale is None else scale.astype(jnp.float32)
+
+    def body(
+        first_ref: Any, scale_ref: Any, lhs_ref: Any, rhs_ref: Any, out_ref: Any, *scratch: Any
+    ) -> None:
+        *buffers, out_smem = scratch
+        group, row, col = lax.axis_index("group"), lax.axis_index("row"), lax.axis_index("col")
+        start = first_ref[group]
+        rows = pl.ds(row * tiles.rows, tiles.rows)
+        cols = pl.ds(col * tiles.cols, tiles.cols)
+
+        def depth(s: Any) -> Any:
+            return pl.ds((start + s) * tiles.depth, tiles.depth)
+
+        def accumulate(acc: Any) -> Any:
+            steps = first_ref[group + 1] - start
+            _contract(
+                acc,
+                lambda s: lhs_ref.at[rows, depth(s)],
+                lambda s: rhs_ref.at[cols, depth(s)],
+                steps,
+                tuple(buffers),
+            )
+            return acc[...]
+
+        acc = pl.run_scoped(accumulate, plgpu.WGMMAAccumulatorRef((tiles.rows, tiles.cols)))
+        out_smem[...] = (acc * scale_ref[group]).astype(out_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_ref.at[group, rows, cols])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    grid = {"group": g, "row": c // tiles.rows, "col": n // tiles.cols}
+    out = jax.ShapeDtypeStruct((g, c, n), out_dtype)
+    return _launch(body, out, grid, tiles, interpret)(first_tile, scale, lhs_t, rhs_t)

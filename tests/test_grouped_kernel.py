@@ -1,0 +1,268 @@
+"""te_flax's grouped GEMM kernels (Pallas Mosaic GPU) against XLA's ragged_dot_general.
+
+The kernels run here in Mosaic GPU's interpret mode (jax 0.11 and newer) on the CPU: the same
+program a Hopper GPU runs, its copies, barriers and ``wgmma`` simulated. Each GEMM is checked on
+its own against ``lax.ragged_dot_general`` (float8 and bfloat16 operands, empty groups, every row
+in one group, group sizes that are not multiples of the tile, rows past the groups), and
+``grouped_dense`` through the kernel switch against its XLA lowering for every recipe it takes:
+values, gradients and the new FP8 state.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from te_flax._base.jax_compat import mixed_fp8_wgmma, mosaic_gpu_interpreted
+from te_flax._ops.grouped import RaggedOnGpuWarning
+from te_flax._ops.kernels import pallas_kernels
+from te_flax._ops.kernels.grouped_gemm import (
+    Tiles,
+    aligned_columns,
+    group_gemm,
+    row_tiles,
+    rows_gemm,
+    tiles_for,
+)
+from te_flax.dense import grouped_dense, grouped_quantizer_set
+from te_flax.quantize import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+    QuantizerFactory,
+    noop_quantizer_set,
+)
+
+interpreted = pytest.mark.skipif(
+    not mosaic_gpu_interpreted(), reason="Mosaic GPU's interpret mode needs jax 0.11 or newer"
+)
+E4M3, E5M2, BF16 = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16
+ROWS, DEPTH, COLS, GROUPS = 256, 128, 128, 3
+SIZES = {
+    "rows past the groups": (70, 0, 130),
+    "all in one group": (0, ROWS, 0),
+    "no rows": (0, 0, 0),
+    "one row each": (1, 1, 1),
+}
+# Small tiles: several row tiles and a two-stage pipeline over the contraction.
+TILES = Tiles(rows=64, cols=64, depth=64, stages=2)
+
+
+def _operand(key, shape, dtype):
+    return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+
+
+def _ragged(lhs, rhs, sizes, contract, rhs_group_dims):
+    numbers = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((contract[0],), (contract[1],)), ((), ())),
+        lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=list(rhs_group_dims),
+    )
+    as32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+    return lax.ragged_dot_general(as32(lhs), as32(rhs), sizes, numbers)
+
+
+def _pair_id(lhs, rhs):
+    return f"{jnp.dtype(lhs).name}x{jnp.dtype(rhs).name}"
+
+
+def _dtype_pairs(pairs):
+    mixed = pytest.mark.skipif(not mixed_fp8_wgmma(), reason="mixed float8 wgmma: jax 0.11")
+    return [
+        pytest.param(
+            lhs, rhs, marks=[mixed] if lhs != rhs else [], id=f"{lhs.__name__}-{rhs.__name__}"
+        )
+        for lhs, rhs in pairs
+    ]
+
+
+@interpreted
+@pytest.mark.parametrize("sizes", list(SIZES.values()), ids=list(SIZES))
+@pytest.mark.parametrize(
+    ("lhs_dtype", "rhs_dtype"), _dtype_pairs([(BF16, BF16), (E4M3, E4M3), (E5M2, E4M3)])
+)
+def test_rows_gemm_matches_ragged_dot(sizes, lhs_dtype, rhs_dtype):
+    keys = jax.random.split(jax.random.key(0), 2)
+    lhs = _operand(keys[0], (ROWS, DEPTH), lhs_dtype)
+    rhs = _operand(keys[1], (GROUPS, COLS, DEPTH), rhs_dtype)  # [G, N, C]
+    sizes = jnp.array(sizes, jnp.int32)
+    scale = jnp.array([0.5, 2.0, 3.0], jnp.float32)
+    tiles = Tiles(rows=64, cols=64, depth=128 // jnp.dtype(lhs_dtype).itemsize, stages=2)
+    out = rows_gemm(lhs, rhs, sizes, scale, jnp.float32, tiles, interpret=True)
+    expected = _ragged(lhs, rhs, sizes, (1, 2), (0,))
+    group = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(ROWS), side="right")
+    row_scale = jnp.take(scale, group, mode="fill", fill_value=0.0)[:, None]
+    np.testing.assert_allclose(out, expected * row_scale, rtol=1e-5, atol=1e-4)
+
+
+@interpreted
+@pytest.mark.parametrize("sizes", list(SIZES.values()), ids=list(SIZES))
+@pytest.mark.parametrize(("lhs_dtype", "rhs_dtype"), _dtype_pairs([(BF16, BF16), (E4M3, E5M2)]))
+def test_group_gemm_matches_ragged_dot(sizes, lhs_dtype, rhs_dtype):
+    keys = jax.random.split(jax.random.key(1), 2)
+    lhs = _operand(keys[0], (ROWS, DEPTH), lhs_dtype)  # x [M, K]
+    rhs = _operand(keys[1], (ROWS, COLS), rhs_dtype)  # the gradient [M, N]
+    sizes = jnp.array(sizes, jnp.int32)
+    scale = jnp.array([0.5, 2.0, 3.0], jnp.float32)
+    tiles = Tiles(rows=64, cols=64, depth=128 // jnp.dtype(lhs_dtype).itemsize, stages=3)
+    source, first_tile, _ = aligned_columns(sizes, ROWS, tiles.depth)
+
+    def aligned(x):
+        return jnp.take(x, source, axis=0, mode="fill", fill_value=0).T
+
+    out = group_gemm(aligned(lhs), aligned(rhs), first_tile, scale, jnp.float32, tiles, True)
+    expected = _ragged(lhs, rhs, sizes, (0, 0), ()) * scale[:, None, None]
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_row_tiles_write_every_row_once(seed):
+    rng = np.random.default_rng(seed)
+    rows, height, groups = 320, 64, 5
+    sizes = rng.multinomial(int(rng.integers(0, rows + 1)), np.ones(groups) / groups)
+    table = np.asarray(row_tiles(jnp.array(sizes, jnp.int32), rows, height))
+    assert table.shape == (rows // height + groups, 4)
+    written = np.zeros(rows, int)
+    every = np.append(sizes, rows - sizes.sum())  # the groups, then the rows past them
+    ends = np.cumsum(every)
+    starts = ends - every
+    for group, tile, first, count in table:
+        start = tile * height + first
+        written[start : start + count] += 1
+        if count:  # the rows are the group's (group G: past the groups' total)
+            assert starts[group] <= start and start + count <= ends[group]
+    np.testing.assert_array_equal(written, 1)
+
+
+def test_aligned_columns_start_each_group_on_a_tile():
+    sizes = jnp.array([70, 0, 130, 1], jnp.int32)
+    source, first_tile, width = aligned_columns(sizes, 256, 64)
+    np.testing.assert_array_equal(first_tile, [0, 2, 2, 5, 6])
+    source = np.asarray(source)
+    assert width >= 6 * 64 and source.shape == (width,)
+    np.testing.assert_array_equal(source[:70], np.arange(70))
+    np.testing.assert_array_equal(source[70:128], 256)  # padding
+    np.testing.assert_array_equal(source[128:258], np.arange(70, 200))
+    np.testing.assert_array_equal(source[320:321], [200])
+    np.testing.assert_array_equal(source[321:], 256)
+
+
+def test_tiles_for_the_shapes_the_kernels_take():
+    assert tiles_for(E4M3, 256, 384, 256) == Tiles(rows=128, cols=128, depth=128)
+    assert tiles_for(BF16, 192, 64, 64) == Tiles(rows=64, cols=64, depth=64)
+    assert tiles_for(E4M3, 256, 96, 256) is None  # columns not a multiple of 64
+    assert tiles_for(E4M3, 256, 128, 64) is None  # contraction not a multiple of 128 bytes
+    with pytest.raises(ValueError, match="multiple of 64"):
+        Tiles(rows=32)
+
+
+# ----------------------------------------------------------------------------- grouped_dense
+
+M, K, N = 128, 128, 256
+RECIPES = {
+    "none": None,
+    "delayed": DelayedScaling(amax_history_len=4),
+    "current": Float8CurrentScaling(),
+    "mxfp8": MXFP8BlockScaling(),
+    "blockwise": Float8BlockScaling(),
+    "nvfp4": NVFP4BlockScaling(disable_stochastic_rounding=True),
+}
+
+
+@functools.partial(jax.jit, static_argnames="sizes")
+def _step(x, kernel, bias, cotangent, state, sizes):
+    def loss(x, kernel, bias, state):
+        out = grouped_dense(x, kernel, jnp.array(sizes, jnp.int32), bias=bias, quantizer_set=state)
+        return jnp.sum(out.astype(jnp.float32) * cotangent), out
+
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(x, kernel, bias, state)
+
+
+def _inputs():
+    keys = jax.random.split(jax.random.key(2), 4)
+    x = _operand(keys[0], (M, K), BF16)
+    kernel = jax.random.normal(keys[1], (GROUPS, K, N)) * K**-0.5
+    bias = jax.random.normal(keys[2], (GROUPS, N))
+    return x, kernel, bias, jax.random.normal(keys[3], (M, N))
+
+
+def _two_steps(recipe, sizes):
+    state = noop_quantizer_set
+    if recipe is not None:
+        state = grouped_quantizer_set(QuantizerFactory.create_set(fp8_recipe=recipe), GROUPS)
+    x, kernel, bias, cotangent = _inputs()
+    _, grads = _step(x, kernel, bias, cotangent, state, sizes)
+    if not state.is_noop:
+        state = grads[3]  # the second step's scales are not 1
+    return _step(x, kernel, bias, cotangent, state, sizes)
+
+
+@interpreted
+@pytest.mark.parametrize("sizes", [(50, 0, 70), (M, 0, 0)], ids=["rows past, empty", "one group"])
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_grouped_dense_on_the_kernels_matches_xla(recipe, sizes):
+    with pallas_kernels("1"):
+        (_, out), grads = _two_steps(RECIPES[recipe], sizes)
+    with pallas_kernels("0"):
+        (_, expected_out), expected = _two_steps(RECIPES[recipe], sizes)
+    # bfloat16 outputs and input gradients: the kernel scales its float32 accumulator before
+    # rounding once, XLA rounds the GEMM's output, then the scaled one (two ulps apart at most).
+    for name, actual, want in [("out", out, expected_out), ("d_x", grads[0], expected[0])]:
+        scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
+        np.testing.assert_allclose(
+            np.asarray(actual, np.float32),
+            np.asarray(want, np.float32),
+            atol=2**-7 * scale,
+            err_msg=name,
+        )
+    for name, actual, want in zip(("d_kernel", "d_bias"), grads[1:3], expected[1:3], strict=True):
+        np.testing.assert_allclose(actual, want, rtol=1e-5, atol=1e-5, err_msg=name)
+    for (path, actual), want in zip(
+        jax.tree_util.tree_flatten_with_path(grads[3])[0],
+        jax.tree.leaves(expected[3]),
+        strict=True,
+    ):
+        np.testing.assert_allclose(actual, want, rtol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def _traced_on_a_gpu(x):
+    """Trace a grouped_dense training step as for a GPU (the switch's ``auto``), with warnings
+    recorded."""
+    kernel = jnp.zeros((GROUPS, K, N), jnp.float32)
+    sizes = jnp.array([50, 0, 70], jnp.int32)
+
+    def loss(x, kernel):
+        return jnp.sum(grouped_dense(x, kernel, sizes).astype(jnp.float32))
+
+    with warnings.catch_warnings(record=True) as caught, pallas_kernels("auto", assume_gpu=True):
+        warnings.simplefilter("always")
+        jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, kernel)
+    return [w for w in caught if issubclass(w.category, RaggedOnGpuWarning)]
+
+
+def test_ragged_on_a_gpu_without_the_kernel_says_so():
+    assert _traced_on_a_gpu(jnp.zeros((M, K), jnp.bfloat16)) == []
+    # float32 operands: the kernels take float8 and 16-bit ones.
+    (first, *_) = _traced_on_a_gpu(jnp.zeros((M, K), jnp.float32))
+    assert "lowering='capacity'" in str(first.message)
+
+
+def test_switch_mode_1_without_the_interpreter_takes_xla():
+    """Where JAX has no Mosaic GPU interpreter, ``pallas_kernels("1")`` runs the XLA lowering
+    on a CPU instead of failing (the other kernels run in Triton's interpret mode)."""
+    x, kernel, bias, cotangent = _inputs()
+    with pallas_kernels("1"):
+        (_, out), _ = _step(x, kernel, bias, cotangent, noop_quantizer_set, (50, 0, 70))
+    with pallas_kernels("0"):
+        (_, expected), _ = _step(x, kernel, bias, cotangent, noop_quantizer_set, (50, 0, 70))
+    if not mosaic_gpu_interpreted():
+        np.testing.assert_array_equal(out, expected)
+    assert out.shape == (M, N)
