@@ -40,9 +40,10 @@ def _packed() -> SequenceDescriptor:
     return SequenceDescriptor.from_segment_ids_and_pos(jnp.asarray(ids), jnp.asarray(pos))
 
 
-def _loss_and_grads(module, cp_size, balanced, packed):
+def _loss_and_grads(module, cp_size, balanced, packed, qkv=None):
     """``(output, grads of (params, q, k, v))`` of a fixed weighted sum of the output, with the
-    inputs reordered for load balancing (and the output put back) when ``balanced``."""
+    inputs reordered for load balancing (and the output put back) when ``balanced``; ``qkv``:
+    the inputs (default ``_qkv()``)."""
     weights = jnp.sin(jnp.arange(BATCH * SEQ * HEADS * HEAD_DIM, dtype=jnp.float32))
     weights = weights.reshape(BATCH, SEQ, HEADS, HEAD_DIM)
 
@@ -63,7 +64,7 @@ def _loss_and_grads(module, cp_size, balanced, packed):
     params = {}
     if module.softmax_type == "learnable":  # a nonzero sink, so that its gradient is tested
         params = jax.tree.map(lambda p: p + 0.3, jax.jit(module.init)(jax.random.key(1), *_qkv()))
-    (_, out), grads = step(params, *_qkv())
+    (_, out), grads = step(params, *(_qkv() if qkv is None else qkv))
     return out, grads
 
 
@@ -223,3 +224,24 @@ def test_example_lm_flag_runs_its_attention_across_the_context_axis():
         logits = compiled(variables, tokens)
     assert "collective-permute" in compiled.as_text()
     assert _relative(logits, expected) < 1e-2  # bf16 activations
+
+
+@pytest.mark.parametrize(
+    "strategy, balanced, packed",
+    [("all_gather", True, False), ("ring", True, True), ("ring", False, False)],
+    ids=["all-gather-balanced", "ring-balanced-packed", "ring"],
+)
+def test_context_parallel_on_explicit_axes_equals_one_device(strategy, balanced, packed):
+    """JAX's default mesh (``jax.make_mesh``: ``Explicit`` axes), the batch placed on ``data``:
+    the inputs are resharded for the context axis at the ``shard_map`` and the reorder keeps
+    their sharding."""
+    module = _module(strategy, balanced)
+    expected = _loss_and_grads(module, 1, False, packed)
+    mesh = jax.make_mesh((2, 4), ("data", "context"))
+    assert set(mesh.axis_types) == {jax.sharding.AxisType.Explicit}
+    with jax.set_mesh(mesh):
+        placed = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+        qkv = jax.device_put(_qkv(), placed)
+        got = _loss_and_grads(module, 4, balanced, packed, qkv)
+    for ours, theirs in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        assert _relative(ours, theirs) <= 1e-5

@@ -10,7 +10,7 @@ import pytest
 
 import te_flax.linen as te_nn
 from te_flax.quantize import DelayedScaling
-from te_flax.sharding import use_sharding
+from te_flax.sharding import load_axis_rules, use_sharding
 from te_flax.training import OVERWRITE_WITH_GRADIENT, merge_fp8_state
 from te_flax.training import value_and_grad as linen_value_and_grad
 from tests.helpers import normal, relative_error
@@ -90,3 +90,24 @@ def test_experts_not_dividing_the_expert_axis_are_refused():
     expected = "num_experts \\(6\\) must be divisible by the expert"
     with use_sharding("ep", {"data": 4, "fsdp": 2}), pytest.raises(ValueError, match=expected):
         layer.init(jax.random.key(0), X)
+
+
+@pytest.mark.parametrize("recipe", [None, DelayedScaling(amax_history_len=4)], ids=["bf16", "fp8"])
+def test_expert_parallel_on_explicit_axes_equals_one_device(recipe):
+    """JAX's default mesh (``jax.make_mesh``: ``Explicit`` axes) with the ``ep`` rules and the
+    batch placed on ``data``: the parameters and tokens are resharded for the experts'
+    ``shard_map``, and the gradients come back with the parameters' shardings."""
+    layer = _layer() if recipe is None else _layer(recipe=recipe, capacity_factor=1.0)
+    variables = jax.jit(layer.init)(jax.random.key(0), X)
+    values = nn.meta.unbox(variables)
+    single = _step(layer)(values, X)
+    mesh = jax.make_mesh((4, 2), ("data", "fsdp"))
+    assert set(mesh.axis_types) == {jax.sharding.AxisType.Explicit}
+    with jax.set_mesh(mesh), nn.logical_axis_rules(load_axis_rules("ep")):
+        placed = _sharded(variables, values, mesh)
+        x = jax.device_put(X, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+        sharded = _step(layer)(placed, x)
+    _compare(single, sharded, 1e-5)
+    for path, grad in jax.tree_util.tree_flatten_with_path(sharded[2]["params"])[0]:
+        param = dict(jax.tree_util.tree_flatten_with_path(placed["params"])[0])[path]
+        assert grad.sharding.spec == param.sharding.spec, jax.tree_util.keystr(path)

@@ -28,6 +28,7 @@ __all__ = [
     "explicit_specs",
     "gemm_out_sharding",
     "on_auto_axes",
+    "placed_for_shard_map",
     "sharded_along",
     "spec_of",
     "vary_like",
@@ -167,6 +168,37 @@ def with_explicit_specs(tree: T, specs: Specs) -> T:
         else jax.sharding.reshard(leaf, spec)
         for leaf, spec in zip(leaves, specs, strict=True)
     ]
+    return jax.tree.unflatten(treedef, placed)
+
+
+def placed_for_shard_map(
+    args: T, in_specs: Any, axis_names: frozenset[str] | set[str] | None = None
+) -> T:
+    """``args`` resharded for ``shard_map(..., in_specs, axis_names=axis_names)`` where the mesh
+    has ``Explicit`` axes: there ``shard_map`` refuses an input whose type says another sharding
+    along its manual axes (on an ``Auto`` mesh it reshards at its boundary itself).
+
+    Each array gets its ``in_specs`` entry (a tree of ``PartitionSpec`` matching ``args``'
+    arrays) along the manual axes (``axis_names``, default every mesh axis) and keeps its own
+    sharding along the others. A resharded parameter's gradient comes back with the parameter's
+    sharding (``reshard``'s transpose). Elsewhere ``args`` as they are."""
+    if not explicit_axes():
+        return args
+    manual = set(jax.sharding.get_abstract_mesh().axis_names if axis_names is None else axis_names)
+    leaves, treedef = jax.tree.flatten(args)
+    specs = jax.tree.leaves(in_specs, is_leaf=lambda spec: isinstance(spec, PartitionSpec))
+    assert len(leaves) == len(specs), "one PartitionSpec per array"
+    placed = []
+    for leaf, spec in zip(leaves, specs, strict=True):
+        entries = tuple(spec) + (None,) * (leaf.ndim - len(spec))
+        own = _spec_of(leaf)
+        wanted = tuple(
+            entry if entry is not None else drop_axes(kept, manual)
+            for entry, kept in zip(entries, own, strict=True)
+        )
+        if own != wanted:
+            leaf = jax.sharding.reshard(leaf, PartitionSpec(*wanted))
+        placed.append(leaf)
     return jax.tree.unflatten(treedef, placed)
 
 

@@ -29,6 +29,12 @@ from jax import Array, lax
 from jax.sharding import PartitionSpec as P
 
 from te_flax._base.checks import check_positive_int
+from te_flax._base.explicit_sharding import (
+    explicit_axes,
+    on_auto_axes,
+    placed_for_shard_map,
+    spec_of,
+)
 from te_flax._ops.attention import logits, xla_attention
 
 __all__ = [
@@ -89,7 +95,7 @@ def reorder_causal_load_balancing(
 ) -> Array:  # fmt: skip
     """``tensor`` with its ``seq_dim`` reordered for causal load balancing over ``cp_size``."""
     order = _order(strategy, cp_size, tensor.shape[seq_dim], stripe_size)
-    return jnp.take(tensor, jnp.asarray(order), axis=seq_dim)
+    return _permuted(tensor, order, seq_dim)
 
 
 def inverse_reorder_causal_load_balancing(
@@ -98,7 +104,18 @@ def inverse_reorder_causal_load_balancing(
 ) -> Array:  # fmt: skip
     """Undoes ``reorder_causal_load_balancing`` (the same arguments)."""
     order = _order(strategy, cp_size, tensor.shape[seq_dim], stripe_size)
-    return jnp.take(tensor, jnp.asarray(np.argsort(order)), axis=seq_dim)
+    return _permuted(tensor, np.argsort(order), seq_dim)
+
+
+def _permuted(tensor: Array, order: np.ndarray, axis: int) -> Array:
+    """``tensor`` with ``axis`` permuted by ``order``, keeping its sharding: on ``Explicit`` mesh
+    axes the gather runs with the axes as ``Auto`` (JAX cannot type a gather along a sharded
+    axis), its result resharded as the input."""
+
+    def take(t: Array) -> Array:
+        return jnp.take(t, jnp.asarray(order), axis=axis)
+
+    return on_auto_axes(take, spec_of(tensor), tensor)
 
 
 # ------------------------------------------------------------------- attention across devices
@@ -224,12 +241,11 @@ def context_parallel_attention(
 
     seq = P(None, axis)
     tok = P(axis)
-    return jax.shard_map(
-        local,
-        in_specs=(seq, seq, seq, tok, tok, seq, seq, P()),
-        out_specs=seq,
-        axis_names={axis},
-    )(query, key, value, q_tok, kv_tok, q_ids, kv_ids, sink_arg)
+    in_specs = (seq, seq, seq, tok, tok, seq, seq, P())
+    args = (query, key, value, q_tok, kv_tok, q_ids, kv_ids, sink_arg)
+    return jax.shard_map(local, in_specs=in_specs, out_specs=seq, axis_names={axis})(
+        *placed_for_shard_map(args, in_specs, {axis})
+    )
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -244,7 +260,16 @@ def _gather_keys_forward(x: Array, axis: str) -> tuple[Array, None]:
 
 
 def _gather_keys_backward(axis: str, _: None, grad: Array) -> tuple[Array]:
-    summed = lax.psum_scatter(grad.astype(jnp.float32), axis, scatter_dimension=1, tiled=True)
+    grad32 = grad.astype(jnp.float32)
+    if explicit_axes():
+        # JAX (0.12) fails to lower a reduce-scatter in a shard_map that leaves Explicit mesh
+        # axes automatic ("Length of sharding.spec ... must be equal to aval's ndim"): there
+        # the sum is an all-reduce, and each device keeps its block (twice the bytes).
+        block = grad.shape[1] // lax.axis_size(axis)
+        total = lax.psum(grad32, axis)
+        summed = lax.dynamic_slice_in_dim(total, lax.axis_index(axis) * block, block, axis=1)
+    else:
+        summed = lax.psum_scatter(grad32, axis, scatter_dimension=1, tiled=True)
     return (summed.astype(grad.dtype),)
 
 
@@ -350,15 +375,14 @@ def _ring_forward(
     """The output ``[b, q, h, d]`` and the rows' log-sum-exp ``[b, h, q]`` (float32)."""
     kv_heads = k.shape[2]
     grouped = einops.rearrange(q, "b q (k g) d -> b q k g d", k=kv_heads)
-    batch, q_len, heads = q.shape[:3]
     # Running max, sum and weighted values; the sink is one more logit every row starts with.
+    # Zeros like q's (its batch's sharding on Explicit mesh axes, as the steps' results have).
+    rows = jnp.zeros_like(q[..., 0], jnp.float32).swapaxes(1, 2)  # [b, h, q]
     if config.has_sink:
-        row_max = jnp.broadcast_to(sink[..., 0], (batch, heads, q_len))
-        row_sum = jnp.ones((batch, heads, q_len), jnp.float32)
+        row_max, row_sum = rows + sink[..., 0], rows + 1.0
     else:
-        row_max = jnp.full((batch, heads, q_len), -jnp.inf, jnp.float32)
-        row_sum = jnp.zeros((batch, heads, q_len), jnp.float32)
-    acc = jnp.zeros((batch, heads, q_len, q.shape[3]), jnp.float32)
+        row_max, row_sum = rows - jnp.inf, rows
+    acc = jnp.zeros_like(q, jnp.float32).swapaxes(1, 2)  # [b, h, q, d]
 
     def attend(
         state: tuple[Array, ...], moving: tuple[Array, ...], keep: Array
@@ -449,9 +473,7 @@ def _ring_attention_backward(
         )
         return (dq,), (k, v, kv_tok, kv_ids, dk, dv)
 
-    dq = jnp.zeros(grouped.shape, jnp.float32)
-    dk = jnp.zeros(k.shape, jnp.float32)
-    dv = jnp.zeros(v.shape, jnp.float32)
+    dq, dk, dv = (jnp.zeros_like(t, jnp.float32) for t in (grouped, k, v))
     state = (_vary(dq, config.axis),)
     zeros = tuple(_vary(t, config.axis) for t in (dk, dv))
     (dq,), moving = _ring_pass(

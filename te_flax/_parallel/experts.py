@@ -31,6 +31,7 @@ from flax.linen.spmd import logical_to_mesh_axes
 from jax import Array, lax
 from jax.sharding import PartitionSpec as P
 
+from te_flax._base.explicit_sharding import placed_for_shard_map
 from te_flax.permutation import pure_jax_token_combine, pure_jax_token_dispatch, sort_rows
 from te_flax.quantize import QuantizerSet, float32_state, scaling
 from te_flax.router import drop_over_capacity
@@ -198,12 +199,10 @@ def expert_parallel_forward(
         return out, stats
 
     out_specs = ((P(token_axes), P()), P())
-    body = jax.shard_map(
-        local,
-        in_specs=(param_specs, P(token_axes), jax.tree.map(state_spec, quantizer_sets)),
-        out_specs=out_specs,
-    )
-    result: tuple[tuple[Array, Array], RoutingStats] = body(params, x, sets)
+    in_specs = (param_specs, P(token_axes), jax.tree.map(state_spec, quantizer_sets))
+    body = jax.shard_map(local, in_specs=in_specs, out_specs=out_specs)
+    args = placed_for_shard_map((params, x, sets), in_specs)
+    result: tuple[tuple[Array, Array], RoutingStats] = body(*args)
     return result
 
 
