@@ -3,16 +3,17 @@
 With the ``jax[cuda12]`` plugin installed and ``JAX_PLATFORMS=cpu``, XLA compiles for the GPU
 described by the test suite's target config (no GPU needed). From the optimized HLO this reads
 the cuBLAS GEMM custom calls (FP8 ``__cublas$lt$matmul$f8`` or not), GEMMs left to fusions,
-the number of fusions, and XLA's own cost analysis (flops and bytes accessed) and memory
-analysis. ``XLA_FLAGS`` must contain ``--xla_gpu_enable_triton_gemm=false`` before JAX starts
-(``bench/__main__.py`` sets it): without autotuning the deviceless compile hands FP8 dots to
-Triton.
+the number of fusions, te_flax's Pallas kernels (Triton, and the Mosaic GPU grouped GEMMs),
+and XLA's own cost analysis (flops and bytes accessed) and memory analysis. ``XLA_FLAGS``
+must contain ``--xla_gpu_enable_triton_gemm=false`` before JAX starts (``bench/__main__.py``
+sets it): without autotuning the deviceless compile hands FP8 dots to Triton.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import re
 from pathlib import Path
 
 import jax
@@ -20,11 +21,13 @@ import jax
 from bench.memory import compiled_memory
 from bench.models import Candidate, make_grad_step
 from te_flax._tools.hlo import (
+    MOSAIC_CALL,
     computation_rows,
     count_gemms,
     custom_call_targets,
     entry_rows,
     parse_gemms,
+    value_types,
 )
 
 __all__ = [
@@ -35,6 +38,7 @@ __all__ = [
     "computation_rows",
     "cost",
     "count_gemms",
+    "grouped_kernel_gemms",
     "instruction_bytes",
     "kernel_calls",
 ]
@@ -44,6 +48,14 @@ TRITON_OFF = "--xla_gpu_enable_triton_gemm=false"
 # te_flax's Pallas kernels: off (the XLA stages) and the default switch, which chooses them
 # for a CUDA program such as this deviceless one.
 KERNEL_SETTINGS = {"xla": "0", "kernels": "auto"}
+# A Pallas Mosaic GPU kernel as a custom call; ``entry_rows`` describes it as ``Pallas kernel
+# te_flax_<name>``, te_flax's grouped GEMMs as ``te_flax_rows_gemm`` and ``te_flax_group_gemm``.
+_MOSAIC_LINE = re.compile(
+    r'^\s*(?:ROOT\s+)?%([^\s=]+)\s*=.*?custom-call\(([^)]*)\).*custom_call_target="'
+    + MOSAIC_CALL
+    + '"'
+)
+GROUPED_KERNELS = {f"Pallas kernel te_flax_{kind}": kind for kind in ("rows_gemm", "group_gemm")}
 
 
 def instruction_bytes(hlo_text: str, top: int | None = 12) -> list[dict]:
@@ -53,8 +65,49 @@ def instruction_bytes(hlo_text: str, top: int | None = 12) -> list[dict]:
 
 
 def kernel_calls(hlo_text: str) -> list[dict]:
-    """The Pallas (Triton) kernel calls of the entry computation, with their bytes."""
+    """The Pallas kernel calls (Triton and Mosaic GPU) of the entry computation, with their
+    bytes."""
     return [row for row in entry_rows(hlo_text) if row["instruction"].startswith("Pallas kernel")]
+
+
+def grouped_kernel_gemms(hlo_text: str) -> list[dict]:
+    """te_flax's grouped GEMM kernels (Mosaic GPU calls) of the entry computation: each call's
+    name, kind, GEMM flops, bytes (operands read once, result written once) and the element
+    types of its two matrix operands.
+
+    The operands say which kernel it is: ``rows_gemm`` takes ``(table, scale, lhs [M, C],
+    rhs [G, N, C])``, ``2 * M * N * C`` flops (the forward GEMM and dgrad); ``group_gemm``
+    takes ``(first_tile, scale, lhs [C, W], rhs [N, W])``, ``2 * C * N * W`` flops over the
+    group-aligned columns ``W`` (wgrad). The kernels are told apart by their names.
+    """
+    types = value_types(hlo_text)
+    operands = {
+        match.group(1): re.findall(r"%([^\s,()]+)", match.group(2))
+        for line in hlo_text.splitlines()
+        if (match := _MOSAIC_LINE.match(line))
+    }
+    calls = []
+    for row in entry_rows(hlo_text):
+        kind = GROUPED_KERNELS.get(row["instruction"])
+        if kind is None:
+            continue
+        shapes = [types[name] for name in operands[row["name"]]]
+        (m, c), rhs = shapes[2][1], shapes[3][1]
+        # rows_gemm: M rows times N = rhs[1] columns over C; group_gemm: C x rhs[0] over W = m.
+        flops = 2 * m * c * (rhs[1] if kind == "rows_gemm" else rhs[0])
+        matrices = tuple(element_type for element_type, _ in shapes[2:4])
+        calls.append(
+            {
+                "name": row["name"],
+                "kind": kind,
+                "flops": flops,
+                "bytes": row["bytes"],
+                "operand_types": matrices,
+                "fp8": all(element_type.startswith("f8") for element_type in matrices),
+                "result": row["result"],
+            }
+        )
+    return calls
 
 
 def cost(compiled) -> dict[str, float]:
@@ -65,8 +118,10 @@ def cost(compiled) -> dict[str, float]:
     of custom calls: it counts each as -1 flops and -1 bytes ("unknown"). So those -1 are taken
     back out, and from the HLO each cuBLAS GEMM's ``2 * M * N * K`` flops and the bytes of its
     operands and result (not its workspace) are added, and each Pallas kernel's bytes as a
-    fusion's are counted: every operand read once, every result written once. (A kernel's
-    flops are not counted; they are element-wise work, a rounding error next to the GEMMs.)
+    fusion's are counted: every operand read once, every result written once. The grouped
+    GEMM kernels' flops (``grouped_kernel_gemms``) are added too, and given on their own
+    (``grouped_kernel_flops``, not in ``gemm_flops``, the cuBLAS calls'); other kernels' flops
+    are not counted: they are element-wise work, a rounding error next to the GEMMs.
     """
     from jax._src.lib import xla_client
 
@@ -78,8 +133,10 @@ def cost(compiled) -> dict[str, float]:
     kernels = kernel_calls(hlo_text)
     unknown = len(custom_call_targets(hlo_text))  # each counted as -1
     kernel_bytes = float(sum(k["bytes"] for k in kernels))
+    grouped = grouped_kernel_gemms(hlo_text)
+    grouped_flops = float(sum(g["flops"] for g in grouped))
     return {
-        "flops": float(xla_cost["flops"]) + unknown + sum(g.flops for g in gemms),
+        "flops": float(xla_cost["flops"]) + unknown + sum(g.flops for g in gemms) + grouped_flops,
         "bytes": float(xla_cost["bytes accessed"])
         + unknown
         + sum(g.bytes for g in gemms)
@@ -88,6 +145,9 @@ def cost(compiled) -> dict[str, float]:
         "gemm_flops": float(sum(g.flops for g in gemms)),
         "kernel_bytes": kernel_bytes,
         "kernels": len(kernels),
+        "grouped_kernel_flops": grouped_flops,
+        "grouped_kernel_bytes": float(sum(g["bytes"] for g in grouped)),
+        "grouped_kernels": len(grouped),
     }
 
 

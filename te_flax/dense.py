@@ -45,9 +45,10 @@ from te_flax.sharding import (
     with_logical_constraint,
 )
 
-__all__ = ["dense", "grouped_dense", "grouped_quantizer_set"]
+__all__ = ["RaggedOnGpuWarning", "dense", "grouped_dense", "grouped_quantizer_set"]
 
 grouped_quantizer_set = _grouped.grouped_quantizer_set
+RaggedOnGpuWarning = _grouped.RaggedOnGpuWarning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -433,10 +434,13 @@ def grouped_dense(
       quantizer_set: the GEMMs' quantizers (default ``noop_quantizer_set``: no FP8).
       kernel_fsdp_info: ``(None, -1)`` (default, TE's) or None: no gather inside the op; shard
         the kernel with sharding constraints instead.
-      lowering: ``"ragged"``: ``lax.ragged_dot_general`` on x as it is (exact, no padding);
-        ``"capacity"``: each group's rows padded to ``capacity`` and one batched GEMM over
-        groups; ``"auto"`` (default): ``"capacity"`` when a capacity is given, else
-        ``"ragged"``. See docs/moe.md for which is faster where.
+      lowering: ``"ragged"``: x as it is (exact, no padding), on te_flax's grouped GEMM
+        kernels on a GPU (per-expert scales in their epilogue) and ``lax.ragged_dot_general``
+        elsewhere (on a GPU where a kernel cannot take the operands, with a
+        ``RaggedOnGpuWarning``: XLA expands it over every group); ``"capacity"``: each group's
+        rows padded to ``capacity`` and one batched GEMM over groups; ``"auto"`` (default):
+        ``"capacity"`` when a capacity is given, else ``"ragged"``. See docs/moe.md for which
+        is faster where.
       capacity: rows per group of the capacity lowering (default None: ``M``, which never drops
         a row). A group with more rows keeps its first ``capacity``; the others get zero output
         and no gradient (token dropping).
@@ -475,21 +479,28 @@ def grouped_dense(
     path = _lowering(lowering, capacity)
     kernel, bias = vary_like(x, (kernel, bias))
     quantizer_set = float32_state(quantizer_set)
+    config = _grouped.GroupedConfig(
+        n_groups=n_groups,
+        x_dtype=x.dtype,
+        out_dtype=out_dtype,
+        kernel_dtype=kernel.dtype,
+        bias_dtype=None if bias is None else bias.dtype,
+        precision=precision,
+        distinct_axes=scaling.distinct_axes(),
+    )
     if path == "ragged":
-        config = _grouped.GroupedConfig(
-            n_groups=n_groups,
-            x_dtype=x.dtype,
-            out_dtype=out_dtype,
-            kernel_dtype=kernel.dtype,
-            bias_dtype=None if bias is None else bias.dtype,
-            precision=precision,
-            distinct_axes=scaling.distinct_axes(),
-        )
         return _grouped.ragged_grouped_dense(config, x, kernel, group_sizes, bias, quantizer_set)
+    rows = x.shape[0]
+    capacity = rows if capacity is None else int(capacity)
+    packed = _grouped.pack_rows(x, group_sizes, capacity)  # [G, C, K]
+    if _grouped.capacity_on_kernels(x, kernel, capacity, quantizer_set):
+        # The packed rows as groups of C rows on the grouped GEMM kernels (a GPU).
+        full = jnp.full((n_groups,), capacity, jnp.int32)
+        flat = packed.reshape(n_groups * capacity, x.shape[1])
+        out = _grouped.ragged_grouped_dense(config, flat, kernel, full, bias, quantizer_set)
+        return _grouped.unpack_rows(out.reshape(n_groups, capacity, -1), group_sizes, rows)
     # Capacity: dense's own op under vmap over groups, so each GEMM becomes one batched GEMM
     # and each per-tensor quantizer one scale per group.
-    rows = x.shape[0]
-    packed = _grouped.pack_rows(x, group_sizes, rows if capacity is None else int(capacity))
     dense_config = _Config(
         n_contract=1,
         input_axes=None,

@@ -124,22 +124,20 @@ def _kernel_calls(hlo: str) -> list[tuple[str, str]]:
     return [(result, constraints) for result, constraints in calls]
 
 
+@pytest.mark.parametrize("lowering", ["ragged", "capacity"])
 @pytest.mark.parametrize("recipe", ["delayed", "current", "bf16"])
-def test_ragged_lowering_runs_the_grouped_kernels(recipe):
+def test_both_lowerings_run_the_grouped_kernels(recipe, lowering):
+    """On a GPU both lowerings take te_flax's grouped GEMM kernels (the capacity lowering its
+    packed rows, CAPACITY per expert): three kernel calls and no cuBLAS GEMM."""
     if recipe != "bf16" and not mixed_fp8_wgmma():
         pytest.skip("the float8 gradient GEMMs (e5m2 x e4m3) need jax 0.11's Mosaic GPU")
-    hlo = _compiled(recipe, "ragged", kernels="auto")
+    hlo = _compiled(recipe, lowering, kernels="auto")
     assert parse_gemms(hlo) == [], "a grouped GEMM was left to cuBLAS"
     calls = _kernel_calls(hlo)
     results = sorted(result.split("{")[0] for result, _ in calls)
-    out = "bf16"
-    assert results == sorted(
-        [
-            f"{out}[{ROWS},{FEATURES}]",
-            f"{out}[{ROWS},{HIDDEN}]",
-            f"f32[{GROUPS},{HIDDEN},{FEATURES}]",
-        ]
-    ), calls
+    rows = ROWS if lowering == "ragged" else GROUPS * CAPACITY
+    expected = [f"bf16[{rows},{FEATURES}]", f"bf16[{rows},{HIDDEN}]"]
+    assert results == sorted([*expected, f"f32[{GROUPS},{HIDDEN},{FEATURES}]"]), calls
     float8 = {"f8e4m3fn", "f8e5m2"}
     for _, operands in calls:
         types = {t.split("[")[0] for t in operands.split(", ")[2:]}

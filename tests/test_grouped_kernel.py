@@ -20,7 +20,7 @@ import pytest
 from jax import lax
 
 from te_flax._base.jax_compat import mixed_fp8_wgmma, mosaic_gpu_interpreted
-from te_flax._ops.grouped import RaggedOnGpuWarning
+from te_flax._ops.grouped import RaggedOnGpuWarning, capacity_on_kernels
 from te_flax._ops.kernels import pallas_kernels
 from te_flax._ops.kernels.grouped_gemm import (
     Tiles,
@@ -266,3 +266,42 @@ def test_switch_mode_1_without_the_interpreter_takes_xla():
     if not mosaic_gpu_interpreted():
         np.testing.assert_array_equal(out, expected)
     assert out.shape == (M, N)
+
+
+@interpreted
+@pytest.mark.parametrize("recipe", ["none", "delayed", "current"])
+def test_capacity_lowering_on_the_kernels_matches_batched_dense(recipe):
+    """Where the kernels take the operands (a GPU; here the switch's "1"), the capacity lowering
+    runs its packed rows through them, each expert ``capacity`` rows: the results of the
+    batched ``dense`` it runs elsewhere, the dropped rows (expert 2 has 70 for 64 slots) too."""
+    x, kernel, bias, cotangent = _inputs()
+    state = noop_quantizer_set
+    if RECIPES[recipe] is not None:
+        state = grouped_quantizer_set(QuantizerFactory.create_set(fp8_recipe=RECIPES[recipe]), 3)
+
+    def step(x, kernel, bias, state):
+        def loss(x, kernel, bias, state):
+            sizes = jnp.array([50, 0, 70], jnp.int32)
+            out = grouped_dense(
+                x, kernel, sizes, bias=bias, quantizer_set=state, lowering="capacity", capacity=64
+            )
+            return jnp.sum(out.astype(jnp.float32) * cotangent)
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(x, kernel, bias, state)
+
+    results = {}
+    for mode in ("1", "0"):
+        with pallas_kernels(mode):
+            assert capacity_on_kernels(x, kernel, 64, state) == (mode == "1")
+            results[mode] = jax.jit(step)(x, kernel, bias, state)
+    names = ("d_x", "d_kernel", "d_bias")
+    for name, actual, want in zip(names, results["1"][:3], results["0"][:3], strict=True):
+        scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
+        np.testing.assert_allclose(
+            np.asarray(actual, np.float32),
+            np.asarray(want, np.float32),
+            atol=2**-7 * scale,
+            err_msg=name,
+        )
+    for actual, want in zip(*map(jax.tree.leaves, (results["1"][3], results["0"][3])), strict=True):
+        np.testing.assert_allclose(actual, want, rtol=1e-6)

@@ -170,7 +170,6 @@ def mixed_fp8_wgmma() -> bool:
     return JAX_VERSION >= (0, 11)
 
 
-
 def mosaic_gpu_interpreted() -> bool:
     """Whether this JAX has Pallas Mosaic GPU's interpret mode (from jax 0.11 on)."""
     return JAX_VERSION >= (0, 11)

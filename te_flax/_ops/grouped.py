@@ -6,7 +6,9 @@ grouped set holds one scale per group: delayed-scaling state is ``scale_inv [G, 
 ``amax_history [G, L]`` (``grouped_quantizer_set``), current scaling takes each group's own amax.
 
 Two layouts carry the rows through the GEMMs:
-- ragged: ``x`` stays ``[M, K]`` and the GEMMs are ``lax.ragged_dot_general`` (exact, no padding);
+- ragged: ``x`` stays ``[M, K]`` (exact, no padding) and the GEMMs are te_flax's grouped GEMM
+  kernels (``kernels/grouped_gemm.py``) where the kernel switch takes them (a CUDA GPU), else
+  ``lax.ragged_dot_general``;
 - capacity: each group's rows are gathered into a ``[G, capacity, K]`` buffer padded with zeros
   (``pack_rows``), and the ops run ``dense``'s stages under ``jax.vmap`` over groups, which makes
   every GEMM one batched ``dot_general`` (``unpack_rows`` scatters the output back).
@@ -54,6 +56,7 @@ from te_flax.quantize import (
 __all__ = [
     "GroupedConfig",
     "RaggedOnGpuWarning",
+    "capacity_on_kernels",
     "check_grouped_set",
     "group_ids",
     "grouped_quantizer_set",
@@ -312,6 +315,36 @@ def _kernel_tiles(lhs: Array, rhs: Array, contract: tuple[int, int]) -> Tiles | 
         return tiles_for(lhs.dtype, lhs.shape[1], rhs.shape[1], 0)
     cols = rhs.shape[1 if contract == (1, 2) else 2]
     return tiles_for(lhs.dtype, lhs.shape[0], cols, lhs.shape[1])
+
+
+def capacity_on_kernels(
+    x: Array, kernel: Array, capacity: int, quantizer_set: QuantizerSet
+) -> bool:
+    """Whether the capacity lowering runs its GEMMs on the grouped GEMM kernels (each group
+    ``capacity`` rows, ``ragged_grouped_dense`` on the packed rows): where the switch takes the
+    kernels and they take all three GEMMs' operands. There, as in the ragged lowering, each
+    group's scales are applied to the kernels' accumulators: no pass over the weight gradient,
+    which a batched cuBLASLt GEMM, taking one scalar scale, would add."""
+    groups, hidden, features = kernel.shape
+    rows = groups * capacity
+    x_dtype = jnp.dtype(x.dtype)
+
+    def operand_dtype(quantizer: Quantizer | None) -> Any:
+        # Block-scaled operands enter the kernels as their values in x's dtype.
+        if quantizer is None or quantizer.block_scaled:
+            return x_dtype
+        return quantizer.q_dtype
+
+    fp8_x, fp8_kernel, fp8_grad = map(
+        operand_dtype, (quantizer_set.x, quantizer_set.kernel, quantizer_set.dgrad)
+    )
+    gemms = [
+        (fp8_x, fp8_kernel, tiles_for(fp8_x, rows, features, hidden)),  # forward
+        (fp8_grad, fp8_kernel, tiles_for(fp8_grad, rows, hidden, features)),  # dgrad
+        (fp8_x, fp8_grad, tiles_for(fp8_x, hidden, features, 0)),  # wgrad
+    ]
+    fits = all(t is not None and supported_dtypes(a, b) for a, b, t in gemms)
+    return takes_kernel("grouped_gemm", x, kernel, supported=fits)
 
 
 class RaggedOnGpuWarning(UserWarning):

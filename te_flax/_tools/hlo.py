@@ -10,8 +10,8 @@ each instruction is one line, ``%name = type opcode(operands), attributes``:
   ``__cublas$lt$matmul$f8``), with its dot dimensions and operand precisions in the
   ``gemm_backend_config`` of its ``backend_config`` JSON;
 * a GEMM left to a fusion is a ``dot`` or a Triton / cuDNN GEMM fusion;
-* a Pallas (Triton) kernel is a ``__gpu$xla.gpu.triton`` custom call; te_flax's kernels carry
-  their ``pallas_call`` name (``te_flax_...``) in the op name.
+* a Pallas kernel is a ``__gpu$xla.gpu.triton`` (Triton) or ``mosaic_gpu_v2`` (Mosaic GPU)
+  custom call; te_flax's kernels carry their name (``te_flax_...``) in the op name.
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ __all__ = [
 FP8_GEMM = "__cublas$lt$matmul$f8"
 NON_FP8_GEMMS = ("__cublas$gemm", "__cublas$lt$matmul")
 TRITON_CALL = "__gpu$xla.gpu.triton"  # a Pallas kernel (or any Triton kernel) as a custom call
+MOSAIC_CALL = "mosaic_gpu_v2"  # a Pallas Mosaic GPU kernel as a custom call
+_KERNEL_CALLS = (TRITON_CALL, MOSAIC_CALL)
 
 # `%name = f8e4m3fn[512,1024]{1,0} ...` or, for a tuple result, `%name = (bf16[512,2048]{1,0}, ...`
 _DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%([^\s=]+)\s*=\s*\(?([a-z][a-z0-9]*)\[([0-9,]*)\]")
@@ -190,10 +192,11 @@ def fused_attention_calls(hlo_text: str) -> list[str]:
 
 
 def kernel_names(hlo_text: str) -> list[str]:
-    """te_flax's Pallas kernels (Triton custom calls) by their ``pallas_call`` name, sorted."""
+    """te_flax's Pallas kernels (Triton and Mosaic GPU custom calls) by their name, sorted."""
     names = []
     for line in hlo_text.splitlines():
-        if f'"{TRITON_CALL}"' in line and (match := _KERNEL_NAME.search(line)):
+        called = any(f'"{target}"' in line for target in _KERNEL_CALLS)
+        if called and (match := _KERNEL_NAME.search(line)):
             names.append(match.group(1))
     return sorted(names)
 
@@ -266,7 +269,7 @@ def _describe(opcode: str, line: str) -> str:
     if opcode == "custom-call":
         target = _TARGET.search(line)
         assert target is not None, line
-        if target.group(1) == TRITON_CALL:
+        if target.group(1) in _KERNEL_CALLS:
             kernel = _KERNEL_NAME.search(line)
             return f"Pallas kernel {kernel.group(1) if kernel else ''}".strip()
         return "FP8 GEMM" if target.group(1) == FP8_GEMM else f"GEMM {target.group(1)}"

@@ -36,6 +36,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.typing import DTypeLike
 
 from te_flax._base.jax_compat import mixed_fp8_wgmma
+from te_flax._ops.kernels.mosaic import interpret_params
 
 __all__ = [
     "Tiles",
@@ -99,16 +100,6 @@ _TILING: Any = plgpu.TilingTransform
 _SWIZZLE: Any = plgpu.SwizzleTransform
 
 
-def _interpret_params() -> Any:
-    """Mosaic GPU's interpret mode (the kernels on any platform), from jax 0.11 on."""
-    params = getattr(plgpu, "InterpretGPUParams", None)
-    if params is None:
-        raise NotImplementedError(
-            f"Mosaic GPU's interpret mode needs jax 0.11 or newer (this is jax {jax.__version__})"
-        )
-    return params()
-
-
 def _smem_transforms(dtype: DTypeLike, depth: int) -> tuple[Any, ...]:
     """The swizzled tiling ``wgmma`` reads its shared-memory operands in."""
     swizzle = plgpu.find_swizzle(depth * jnp.dtype(dtype).itemsize * 8)
@@ -117,11 +108,17 @@ def _smem_transforms(dtype: DTypeLike, depth: int) -> tuple[Any, ...]:
 
 
 def _launch(
-    body: Any, out: jax.ShapeDtypeStruct, grid: dict[str, int], tiles: Tiles, interpret: bool
+    name: str,
+    body: Any,
+    out: jax.ShapeDtypeStruct,
+    grid: dict[str, int],
+    tiles: Tiles,
+    interpret: bool,
 ) -> Any:
-    """The kernel of ``body(*inputs, out_ref, lhs_smem, rhs_smem, barriers, out_smem)`` over
-    ``grid`` (axis name -> size), called on ``(*tables, lhs, rhs)``: shared-memory stages for
-    both operands (their dtypes read from the call), one barrier per stage, and the output tile."""
+    """The kernel ``te_flax_{name}`` of ``body(*inputs, out_ref, lhs_smem, rhs_smem, barriers,
+    out_smem)`` over ``grid`` (axis name -> size), called on ``(*tables, lhs, rhs)``: shared-
+    memory stages for both operands (their dtypes read from the call), one barrier per stage,
+    and the output tile."""
 
     def call(*inputs: Array) -> Array:
         *_, lhs, rhs = inputs
@@ -146,7 +143,8 @@ def _launch(
             compiler_params=plgpu.CompilerParams(
                 lowering_semantics=plgpu.LoweringSemantics.Warpgroup
             ),
-            interpret=_interpret_params() if interpret else None,
+            interpret=interpret_params() if interpret else None,
+            kernel_name=f"te_flax_{name}",
         )
         return kernel(*inputs)
 
@@ -289,7 +287,7 @@ def rows_gemm(
 
     grid = {"item": table.shape[0], "col": n // tiles.cols}
     out = jax.ShapeDtypeStruct((m, n), out_dtype)
-    return _launch(body, out, grid, tiles, interpret)(table, scale, lhs, rhs)
+    return _launch("rows_gemm", body, out, grid, tiles, interpret)(table, scale, lhs, rhs)
 
 
 def aligned_columns(group_sizes: Array, rows: int, depth: int) -> tuple[Array, Array, int]:
@@ -372,4 +370,4 @@ def group_gemm(
 
     grid = {"group": g, "row": c // tiles.rows, "col": n // tiles.cols}
     out = jax.ShapeDtypeStruct((g, c, n), out_dtype)
-    return _launch(body, out, grid, tiles, interpret)(first_tile, scale, lhs_t, rhs_t)
+    return _launch("group_gemm", body, out, grid, tiles, interpret)(first_tile, scale, lhs_t, rhs_t)

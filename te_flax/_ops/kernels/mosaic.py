@@ -1,0 +1,127 @@
+"""What te_flax's Pallas Mosaic GPU kernels share: their interpret mode, and the tile work of the
+element-wise kernels (a ``64 x 64`` tile quantized to float8 in one or both layouts, its amax).
+
+The element-wise kernels keep the XLA stage's arithmetic bit for bit: ``quantized_tile`` is
+``common.saturating_cast`` in the operations Mosaic GPU lowers, and ``tile_amax`` flags a NaN
+as ``common.block_amax`` does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import Array, lax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.typing import DTypeLike
+
+from te_flax._ops.kernels.common import saturating_cast
+
+__all__ = [
+    "TILE",
+    "interpret_params",
+    "layouts_by_xla",
+    "quantized_tile",
+    "tile_amax",
+    "tileable",
+    "transposed_tile",
+    "write_layouts",
+]
+
+# ``load`` and ``store`` with a register layout (typed loosely: jax 0.10, which runs the Triton
+# versions, has neither).
+_REFS: Any = plgpu
+TILE = 64  # rows and columns of a block's tile: one warpgroup's register layout of 64 rows
+_F32_MAX = float(jnp.finfo(jnp.float32).max)
+
+
+def interpret_params() -> Any:
+    """Mosaic GPU's interpret mode (a kernel on any platform, its copies, barriers and tensor-core
+    instructions simulated), from jax 0.11 on."""
+    params = getattr(plgpu, "InterpretGPUParams", None)
+    if params is None:
+        raise NotImplementedError(
+            f"Mosaic GPU's interpret mode needs jax 0.11 or newer (this is jax {jax.__version__})"
+        )
+    return params()
+
+
+def tileable(rows: int, columns: int) -> bool:
+    """Whether a ``[rows, columns]`` matrix is whole tiles: both sizes multiples of ``TILE``."""
+    return rows > 0 and columns > 0 and rows % TILE == 0 and columns % TILE == 0
+
+
+def quantized_tile(x: Array, scale_inv: Array, q_dtype: DTypeLike) -> Array:
+    """``common.saturating_cast`` in the operations Mosaic GPU lowers: a value is finite where
+    its magnitude is at most float32's largest (false for a NaN and for an infinity)."""
+    limit = float(jnp.finfo(q_dtype).max)
+    clipped = jnp.minimum(jnp.maximum(x / scale_inv, -limit), limit)
+    return jnp.where(jnp.abs(x) <= _F32_MAX, clipped, jnp.nan).astype(q_dtype)
+
+
+def tile_amax(x: Array) -> Array:
+    """``max(|x|)``, NaN if any value is NaN: a NaN flag of its own, since a reduction in
+    interpret mode ignores NaN (as ``common.block_amax``)."""
+    magnitude = jnp.abs(x)
+    nan = jnp.max(jnp.where(magnitude != magnitude, 1.0, 0.0))
+    return jnp.where(nan > 0.0, jnp.nan, jnp.max(magnitude))
+
+
+def transposed_tile(x: Array, x_smem: Any, halves: Any) -> Array:
+    """The float32 tile ``x`` transposed, read from the transposed view of shared memory in the
+    tiled register layout ``wgmma`` uses (the strided layout cannot read a view whose minor axis
+    is strided). That read takes 16-bit values: ``x_smem`` holds ``x`` in its 16-bit dtype, or
+    (``halves`` given: two uint16 buffers) a float32 tile goes through its upper and lower
+    halves, joined again bit for bit."""
+    if halves is None:
+        x_t = _REFS.load(x_smem.T, layout=plgpu.Layout.WGMMA, optimized=False)
+        return x_t.astype(jnp.float32)
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    halves[0] = lax.shift_right_logical(bits, jnp.uint32(16)).astype(jnp.uint16)
+    halves[1] = (bits & jnp.uint32(0xFFFF)).astype(jnp.uint16)
+    high, low = (
+        _REFS.load(halves.at[k].T, layout=plgpu.Layout.WGMMA, optimized=False).astype(jnp.uint32)
+        for k in (0, 1)
+    )
+    return lax.bitcast_convert_type(lax.shift_left(high, jnp.uint32(16)) | low, jnp.float32)
+
+
+def write_layouts(
+    x: Array,
+    x_t: Array | None,
+    scale_inv: Array,
+    q_dtype: DTypeLike,
+    data_smem: list[Any],
+    targets: list[Any],
+) -> None:
+    """Quantizes the float32 tile ``x`` (unless ``targets`` has the transposed layout's place
+    alone) and ``x_t``, its transpose (None: not asked for; see ``transposed_tile``), into the
+    float8 buffers ``data_smem``, one per layout, and copies each to its place in global memory
+    (``targets``, in the same order)."""
+    if len(targets) > (x_t is not None):
+        _REFS.store(data_smem[0], quantized_tile(x, scale_inv, q_dtype), optimized=False)
+    if x_t is not None:
+        _REFS.store(data_smem[-1], quantized_tile(x_t, scale_inv, q_dtype), optimized=False)
+    plgpu.commit_smem()
+    for smem, target in zip(data_smem, targets, strict=True):
+        plgpu.copy_smem_to_gmem(smem, target)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def layouts_by_xla(
+    x: Array, scale_inv: Array, q_dtype: DTypeLike | None, layouts: tuple[bool, bool]
+) -> tuple[Array | None, Array | None, Array]:
+    """An element-wise kernel's results by XLA, for a block it does not tile: ``x`` quantized
+    as is and transposed (None where not asked for or without ``q_dtype``), and its amax as the
+    one partial."""
+    values = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(values)).reshape(1)
+    if q_dtype is None:
+        return None, None, amax
+    quantized = saturating_cast(values, scale_inv[0], q_dtype)
+    return (
+        quantized if layouts[0] else None,
+        quantized.T if layouts[1] else None,
+        amax,
+    )
