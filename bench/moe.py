@@ -1,10 +1,12 @@
-"""An FP8 mixture-of-experts layer: grouped_dense's two lowerings against BF16 and Flax's FP8 ops.
+"""An FP8 mixture-of-experts layer: grouped_dense's lowerings against BF16 and Flax's FP8 ops.
 
-``python -m bench.moe`` (``--quick``: fewer timing rounds) measures one training step (forward
-and backward; the optimizer update is left out) of a Mixtral-style MoE layer: a float32 softmax
-router with top-k, the tokens permuted to rows sorted by expert (argsort + gather), a gated
-SiLU expert MLP as two grouped GEMMs (``wi [E, hidden, 2 * ffn]``, ``wo [E, ffn, hidden]``), and
-the weighted un-permutation. Six variants of the same layer and parameters:
+``python -m bench.moe`` (``--quick``: smaller cases, fewer timing rounds, nothing written)
+measures one training step (forward and backward, the gradients of the parameters, the FP8
+state and the layer's input as inside a network; the optimizer update is left out) of a
+Mixtral-style MoE layer: a float32 softmax router with top-k, the tokens permuted to rows sorted
+by expert (argsort + gather), a gated SiLU expert MLP as two grouped GEMMs (``wi [E, hidden,
+2 * ffn]``, ``wo [E, ffn, hidden]``), and the weighted un-permutation. Six variants of the same
+layer and parameters:
 
 - ``te_flax fp8 ragged`` / ``te_flax fp8 capacity``: ``te_flax.dense.grouped_dense`` with
   DelayedScaling (one scale per expert) on its ragged and its capacity lowering (capacity
@@ -14,9 +16,18 @@ the weighted un-permutation. Six variants of the same layer and parameters:
   (``flax.linen.fp8_ops.Fp8Einsum``: one scale per tensor for all experts; Flax has no ragged
   FP8 GEMM), and ``flax bf16 capacity`` the same with ``jnp.einsum``.
 
-For each: the GEMMs of the H100 program (FP8 cuBLASLt calls and others), its FLOPs and the bytes
-it accesses (compiled deviceless, XLA's cost analysis plus the cuBLAS calls' operands, as
-``bench.h100.cost``), at H100 size; and the CPU step time (median of interleaved rounds, FP8
+On a GPU the ragged lowering, and the capacity lowering with per-tensor FP8, run te_flax's
+grouped GEMM kernels (Pallas Mosaic GPU) by default, and with the kernels switched off XLA's
+``ragged_dot`` (ragged) or batched cuBLASLt GEMMs (capacity; BF16 capacity keeps them by
+default): the H100 figures show both, as ``... kernel`` (``pallas_kernels("auto")``) and
+``... xla`` (``pallas_kernels("0")``, every te_flax kernel off). They add ``te_flax MoEBlock fp8``:
+``te_flax.linen.MoEBlock``'s default (dropless, so the ragged lowering, with its kernels) under
+DelayedScaling. On a CPU the kernels do not run: the CPU table has one row per lowering.
+
+For each: the GEMMs of the H100 program (FP8 cuBLASLt calls, te_flax's grouped GEMM kernels
+and others), its FLOPs and the bytes it accesses (compiled deviceless, XLA's cost analysis plus
+the custom calls' operands, as ``bench.h100.cost``), a modelled step time from them
+(``modelled_ms``), at H100 size; and the CPU step time (median of interleaved rounds, FP8
 emulated) at CPU size. Figures go to ``bench/RESULTS_moe.md``.
 """
 
@@ -32,6 +43,7 @@ import math  # noqa: E402
 import platform  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+import warnings  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from functools import partial  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -43,9 +55,12 @@ from flax.linen import fp8_ops  # noqa: E402
 
 from bench import h100  # noqa: E402
 from bench.timing import interleaved, paired_ratio, stats  # noqa: E402
-from te_flax._ops.grouped import pack_rows, unpack_rows  # noqa: E402
+from te_flax._ops.grouped import RaggedOnGpuWarning, pack_rows, unpack_rows  # noqa: E402
+from te_flax._tools.hlo import parse_gemms  # noqa: E402
 from te_flax.dense import grouped_dense, grouped_quantizer_set  # noqa: E402
+from te_flax.linen import MoEBlock  # noqa: E402
 from te_flax.quantize import DelayedScaling, QuantizerFactory, noop_quantizer_set  # noqa: E402
+from te_flax.training import merge_fp8_state  # noqa: E402
 
 RESULTS = Path(__file__).parent / "RESULTS_moe.md"
 VARIANTS = (
@@ -56,6 +71,42 @@ VARIANTS = (
     "flax fp8 capacity",
     "flax bf16 capacity",
 )
+MOE_BLOCK = "te_flax MoEBlock fp8"
+# The H100 rows: each a layer variant and te_flax's kernel switch while it is traced.
+H100_VARIANTS = {
+    "te_flax fp8 ragged kernel": ("te_flax fp8 ragged", "auto"),
+    "te_flax fp8 ragged xla": ("te_flax fp8 ragged", "0"),
+    "te_flax fp8 capacity kernel": ("te_flax fp8 capacity", "auto"),
+    "te_flax fp8 capacity xla": ("te_flax fp8 capacity", "0"),
+    "te_flax bf16 ragged kernel": ("te_flax bf16 ragged", "auto"),
+    "te_flax bf16 ragged xla": ("te_flax bf16 ragged", "0"),
+    "te_flax bf16 capacity": ("te_flax bf16 capacity", "auto"),
+    "flax fp8 capacity": ("flax fp8 capacity", "auto"),
+    "flax bf16 capacity": ("flax bf16 capacity", "auto"),
+    MOE_BLOCK: (MOE_BLOCK, "auto"),
+}
+BASELINE = "te_flax bf16 capacity"
+
+# H100 SXM: dense tensor-core peaks and HBM3 bandwidth (NVIDIA's datasheet), as bench/te_peer.py.
+PEAK_FLOPS = {"bf16": 989e12, "fp8": 1979e12}
+HBM_BYTES_PER_S = 3.35e12
+# The share of a peak each kind of work reaches in the model ("derated"), or all of it ("peak").
+DERATES = {
+    "peak": {
+        "cublas bf16": 1.0,
+        "cublas fp8": 1.0,
+        "kernel bf16": 1.0,
+        "kernel fp8": 1.0,
+        "hbm": 1.0,
+    },
+    "derated": {
+        "cublas bf16": 0.70,
+        "cublas fp8": 0.65,
+        "kernel bf16": 0.68,
+        "kernel fp8": 0.55,
+        "hbm": 0.90,
+    },
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,18 +216,47 @@ def flax_moe(params, state, x, case: MoECase, fp8: bool) -> jax.Array:
     return combine(unpack_rows(y, sizes, rows.shape[0]), order, weights)
 
 
+def _merged_loss(loss: Callable, variables, x):
+    """``loss`` with the FP8 state max-merged, as ``te_flax.training.value_and_grad`` calls it."""
+    return loss(merge_fp8_state(variables), x)
+
+
+def _moe_block(case: MoECase, key: jax.Array, x, make: Callable):
+    """``te_flax.linen.MoEBlock`` with its defaults (dropless: the ragged lowering) under
+    DelayedScaling, as ``make_variant``: its variables are ``params``, ``state`` is empty."""
+    layer = MoEBlock(
+        num_experts=case.experts,
+        num_experts_per_tok=case.topk,
+        intermediate_dim=case.ffn,
+        recipe=DelayedScaling(),
+    )
+    variables = make(layer.init, key, x)
+
+    def loss(variables, x):
+        return jnp.mean(jnp.square(layer.apply(variables, x)[0].astype(jnp.float32)))
+
+    def step(variables, state, x):
+        del state
+        merged = partial(_merged_loss, loss)
+        return jax.value_and_grad(merged, argnums=(0, 1))(variables, x)
+
+    return step, variables, {}, x
+
+
 def make_variant(variant: str, case: MoECase, key: jax.Array, abstract: bool = False):
     """``(step, params, state, x)``: ``step`` is one training step's gradients. ``abstract``:
     the arguments as shapes only (``jax.ShapeDtypeStruct``), for a compile at a size that
     this machine's memory need not hold."""
-    library, precision, lowering = variant.split()
-    fp8 = precision == "fp8"
     make = jax.eval_shape if abstract else (lambda f, *args: f(*args))
-    params = make(partial(init_params, case), key)
     x = make(
         lambda k: jax.random.normal(k, (case.tokens, case.hidden), jnp.bfloat16),
         jax.random.fold_in(key, 1),
     )
+    if variant == MOE_BLOCK:
+        return _moe_block(case, key, x, make)
+    library, precision, lowering = variant.split()
+    fp8 = precision == "fp8"
+    params = make(partial(init_params, case), key)
     if library == "te_flax":
         recipe_set = QuantizerFactory.create_set(fp8_recipe=DelayedScaling())
         one = grouped_quantizer_set(recipe_set, case.experts) if fp8 else noop_quantizer_set
@@ -198,7 +278,8 @@ def make_variant(variant: str, case: MoECase, key: jax.Array, abstract: bool = F
     def loss(params, state, x):
         return jnp.mean(jnp.square(forward(params, state, x).astype(jnp.float32)))
 
-    return jax.value_and_grad(loss, argnums=(0, 1)), params, state, x
+    # The input's gradient too, as for a layer inside a network.
+    return jax.value_and_grad(loss, argnums=(0, 1, 2)), params, state, x
 
 
 # ----------------------------------------------------------------------------- measurements
@@ -222,8 +303,27 @@ def _weight_gradient_pass_bytes(instructions: list[dict], case: MoECase) -> floa
     )
 
 
+def modelled_ms(row: dict, derate: dict[str, float]) -> tuple[float, float]:
+    """A model of the step's H100 time in ms, not a measurement, and its share in the GEMM and
+    grouped kernel calls: each cuBLAS GEMM and each grouped
+    GEMM kernel takes its FLOPs at its peak times its derate, or its bytes at the derated HBM
+    bandwidth where that is longer (``max(flops time, bytes time)`` per call); every other byte
+    the step accesses moves at the derated HBM bandwidth. cuBLAS GEMMs with float8 operands run
+    at the FP8 peak, all others (the float32 router's too) at the BF16 peak; a grouped kernel
+    with float8 operands at the FP8 one. GEMMs left to fusions count by their bytes only."""
+    hbm = HBM_BYTES_PER_S * derate["hbm"]
+    seconds, call_bytes = 0.0, 0.0
+    for source, calls in (("cublas", row["gemm_calls"]), ("kernel", row["kernel_gemm_calls"])):
+        for flops, nbytes, fp8 in calls:
+            kind = "fp8" if fp8 else "bf16"
+            seconds += max(flops / (PEAK_FLOPS[kind] * derate[f"{source} {kind}"]), nbytes / hbm)
+            call_bytes += nbytes
+    return 1e3 * (seconds + max(row["bytes"] - call_bytes, 0.0) / hbm), 1e3 * seconds
+
+
 def h100_figures(case: MoECase) -> dict[str, dict]:
-    """GEMMs, FLOPs and bytes of each variant's training step compiled for the H100."""
+    """GEMMs, FLOPs, bytes and modelled time of each variant's training step compiled for the
+    H100."""
     from te_flax._ops.kernels import pallas_kernels
 
     sharding = h100._sharding()
@@ -231,26 +331,39 @@ def h100_figures(case: MoECase) -> dict[str, dict]:
     def spec(leaf):
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
 
-    def compiled(step: Callable, arguments: tuple):
-        # The deviceless compile runs on a CPU host: "auto" traces as a GPU process would.
-        with pallas_kernels("auto", assume_gpu=True):
+    def compiled(step: Callable, arguments: tuple, kernels: str):
+        # The deviceless compile runs on a CPU host: "auto" traces as a GPU process would. With
+        # the kernels off, grouped_dense warns that XLA's ragged_dot runs: that row's purpose.
+        with pallas_kernels(kernels, assume_gpu=True), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RaggedOnGpuWarning)
             lowered = jax.jit(step).lower(*jax.tree.map(spec, arguments))
         return lowered.compile()
 
     figures = {}
-    for variant in VARIANTS:
+    for name, (variant, kernels) in H100_VARIANTS.items():
         step, params, state, x = make_variant(variant, case, jax.random.key(0), abstract=True)
-        gradients = compiled(step, (params, state, x))
+        gradients = compiled(step, (params, state, x), kernels)
         text = gradients.as_text()
         instructions = h100.instruction_bytes(text, top=None)
         top = instructions[0]
-        figures[variant] = {
+        grouped = h100.grouped_kernel_gemms(text)
+        row = {
             **h100.count_gemms(text),
             **h100.cost(gradients),
             "top": f"{top['instruction']} -> {top['result']} ({top['bytes'] / 1e6:.0f} MB)",
             "wgrad_pass": _weight_gradient_pass_bytes(instructions, case),
+            "gemm_calls": [(g.flops, g.bytes, g.fp8) for g in parse_gemms(text)],
+            "kernel_gemm_calls": [(g["flops"], g["bytes"], g["fp8"]) for g in grouped],
+            "kernel_types": sorted({" x ".join(g["operand_types"]) for g in grouped}),
         }
-        print(f"  H100 {variant}: {figures[variant]['bytes'] / 1e9:.2f} GB", file=sys.stderr)
+        modelled = {label: modelled_ms(row, derate) for label, derate in DERATES.items()}
+        row["ms"] = {label: step for label, (step, _) in modelled.items()}
+        row["calls_ms"] = {label: calls for label, (_, calls) in modelled.items()}
+        figures[name] = row
+        print(
+            f"  H100 {name}: {row['bytes'] / 1e9:.2f} GB, {row['ms']['derated']:.2f} ms (model)",
+            file=sys.stderr,
+        )
     return figures
 
 
@@ -268,84 +381,127 @@ def _ratio_row(label: str, times: dict, numerator: str, denominator: str) -> str
     return f"| {label} | {ratio['median']:.3f} | [{ratio['min']:.3f}, {ratio['max']:.3f}] |"
 
 
-def report(cpu_case: MoECase, h100_case: MoECase, repeats: int, command: str) -> str:
-    started = time.time()
-    load_start = os.getloadavg()[0]
-    h100_rows = h100_figures(h100_case) if h100.available() is None else None
-    times = cpu_times(cpu_case, repeats)
-    load_end = os.getloadavg()[0]
+def _speedup(rows: dict, variant: str, label: str) -> float:
+    return rows[BASELINE]["ms"][label] / rows[variant]["ms"][label]
+
+
+def _h100_tables(rows: dict[str, dict]) -> list[str]:
+    """The traffic table and the modelled-time table of the H100 rows."""
+    bf16 = rows[BASELINE]["bytes"]
     lines = [
-        "# MoE layer benchmark: grouped_dense's lowerings, FP8 vs BF16, te_flax vs Flax FP8",
+        "| variant | FP8 cuBLAS GEMMs | other GEMMs | grouped GEMM kernels | cuBLAS GFLOP | "
+        f"kernel GFLOP | GFLOP | GB accessed | / {BASELINE} | GB in weight-gradient "
+        "passes | GB without them | largest instruction |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for variant, row in rows.items():
+        kernels = row["grouped_kernels"]
+        types = f" ({', '.join(row['kernel_types'])})" if kernels else ""
+        lines.append(
+            f"| {variant} | {row['fp8_gemms']} | {row['other_gemms']} | {kernels}{types} | "
+            f"{row['gemm_flops'] / 1e9:.0f} | {row['grouped_kernel_flops'] / 1e9:.0f} | "
+            f"{row['flops'] / 1e9:.0f} | {row['bytes'] / 1e9:.2f} | {row['bytes'] / bf16:.3f} "
+            f"| {row['wgrad_pass'] / 1e9:.2f} | {(row['bytes'] - row['wgrad_pass']) / 1e9:.2f} "
+            f"| {row['top']} |"
+        )
+    lines += [
         "",
-        f"Produced by `{command}` ({(time.time() - started) / 60:.1f} min, "
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}). One training step (forward + "
-        "backward, no optimizer) of a Mixtral-style MoE layer: float32 softmax router, top-k, "
-        "rows sorted by expert (argsort + gather), gated SiLU experts as two grouped GEMMs, "
-        "weighted un-permutation. See the docstring of `bench/moe.py` for the six variants; "
-        "docs/moe.md says which lowering to use where.",
+        "Modelled step time (a model from the compiled program's FLOPs and bytes, not a "
+        "measurement; `modelled_ms` in `bench/moe.py`): each cuBLAS GEMM and each grouped GEMM "
+        "kernel call takes max(its FLOPs / (peak x derate), its bytes / (HBM x derate)); every "
+        "other byte of the step moves at HBM x derate. H100 SXM peaks: BF16 989 TFLOP/s, FP8 "
+        "1979 TFLOP/s, HBM 3.35 TB/s. Derates: cuBLAS BF16 0.70, cuBLAS FP8 0.65, grouped "
+        'kernels BF16 0.68 / FP8 0.55, HBM 0.90; "peak": all 1.0. Non-FP8 cuBLAS GEMMs (the '
+        f"float32 router's too) at the BF16 peak. Speed-up: {BASELINE}'s time / the "
+        "row's.",
         "",
-        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"{platform.system()} {platform.release()}; load average {load_start:.1f} at the "
-        f"start and {load_end:.1f} at the end (other processes shared the CPU). "
-        f"jax {jax.__version__}. No GPU: the H100 figures come from XLA's deviceless compile "
-        "(its real GPU compiler, FLOPs and bytes from its cost analysis plus the cuBLAS calls' "
-        "operands), not from a run; GPU step times are not measured.",
+        "| variant | GEMM + kernel calls ms (derated) | other bytes ms (derated) | step ms (peak) "
+        "| step ms (derated) | speed-up (peak) | speed-up (derated) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for variant, row in rows.items():
+        calls = row["calls_ms"]["derated"]
+        lines.append(
+            f"| {variant} | {calls:.2f} | {row['ms']['derated'] - calls:.2f} | "
+            f"{row['ms']['peak']:.2f} | {row['ms']['derated']:.2f} | "
+            f"{_speedup(rows, variant, 'peak'):.2f} | {_speedup(rows, variant, 'derated'):.2f} |"
+        )
+    return lines
+
+
+def _h100_notes(rows: dict[str, dict], case: MoECase) -> list[str]:
+    """The comparison the kernels are for, and the traffic ratios."""
+    fp8, bf16 = "te_flax fp8 ragged kernel", "te_flax bf16 ragged kernel"
+    lines = [
+        "",
+        "The grouped GEMM kernels against BF16 (modelled step time, ms; speed-up against "
+        f"{BASELINE}):",
+        "",
+        f"| model | {fp8} | {bf16} | {BASELINE} | FP8 kernel / BF16 kernel speed-up |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for label in DERATES:
+        ms = [rows[v]["ms"][label] for v in (fp8, bf16, BASELINE)]
+        lines.append(
+            f"| {label} | {ms[0]:.2f} ({ms[2] / ms[0]:.2f}x) | {ms[1]:.2f} ({ms[2] / ms[1]:.2f}x) "
+            f"| {ms[2]:.2f} (1.00x) | {ms[1] / ms[0]:.2f}x |"
+        )
+    block = rows[MOE_BLOCK]
+    lines += [
+        "",
+        f"{MOE_BLOCK} runs the same grouped GEMMs with its kernel stored `[E, hidden, 2, ffn]` "
+        f"(this layer's: `[E, hidden, 2 * ffn]`): {block['bytes'] / 1e9:.2f} GB against "
+        f"{rows[fp8]['bytes'] / 1e9:.2f} GB; largest instructions: {block['top']} against "
+        f"{rows[fp8]['top']}. {MOE_BLOCK} / {bf16} speed-up (derated model): "
+        f"{rows[bf16]['ms']['derated'] / block['ms']['derated']:.2f}x.",
+    ]
+    capacity = rows["te_flax fp8 capacity xla"]
+
+    def without(variant: str) -> float:
+        return rows[variant]["bytes"] - rows[variant]["wgrad_pass"]
+
+    ragged_xla, ragged_kernel = rows["te_flax fp8 ragged xla"], rows[fp8]
+    routed = case.tokens * case.topk
+    return [
+        *lines,
+        "",
+        "The other GEMMs of the FP8 variants are the router's (forward and backward, float32). "
+        "The capacity lowering multiplies every expert's capacity, "
+        f"{case.experts} x {case.capacity} = {case.experts * case.capacity} rows (dropped "
+        f"tokens' rows are zeros), the ragged one the {routed} routed rows.",
+        "",
+        "- Bytes, te_flax FP8 / BF16 (capacity): "
+        f"{capacity['bytes'] / rows[BASELINE]['bytes']:.3f}.",
+        "- Bytes, te_flax FP8 / Flax FP8 (capacity): "
+        f"{capacity['bytes'] / rows['flax fp8 capacity']['bytes']:.3f}.",
+        "- Weight-gradient passes: a batched cuBLASLt GEMM takes one scalar scale, so "
+        "te_flax's per-expert scales of the weight gradients (float32, the kernels' dtype) "
+        "are an elementwise pass over the gradients; Flax's FP8 einsum returns bfloat16 "
+        "gradients and converts them in a pass of its own; the grouped GEMM kernel applies "
+        "each expert's scale before it writes (no pass). Here nothing consumes the "
+        "gradients; in training the optimizer update reads them and takes either pass into "
+        "its own fusion, so the column without them is the step's share of a training step. "
+        "Without them: te_flax FP8 / BF16 (capacity) "
+        f"{without('te_flax fp8 capacity xla') / without(BASELINE):.3f}, te_flax FP8 / Flax "
+        f"FP8 {without('te_flax fp8 capacity xla') / without('flax fp8 capacity'):.3f}.",
+        "- Ragged / capacity (FP8), XLA's lowering: "
+        f"{ragged_xla['bytes'] / capacity['bytes']:.2f}x "
+        f"the bytes, {ragged_xla['flops'] / capacity['flops']:.2f}x the FLOPs: XLA:GPU expands "
+        f"`ragged_dot` into GEMMs over every expert (each row meets all {case.experts} kernels, "
+        f"masked). With the kernels: {ragged_kernel['bytes'] / capacity['bytes']:.2f}x the "
+        f"bytes, {ragged_kernel['flops'] / capacity['flops']:.2f}x the FLOPs.",
         "",
     ]
-    if h100_rows is None:
-        lines += [f"H100 figures not measured: {h100.available()}.", ""]
-    else:
-        bf16 = h100_rows["te_flax bf16 capacity"]["bytes"]
-        lines += [
-            f"## H100 (deviceless): {h100_case.describe()}",
-            "",
-            "| variant | FP8 GEMMs | other GEMMs | GFLOP | GB accessed | / te_flax bf16 capacity "
-            "| GB in weight-gradient passes | GB without them | largest instruction |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-        ]
-        for variant, row in h100_rows.items():
-            lines.append(
-                f"| {variant} | {row['fp8_gemms']} | {row['other_gemms']} | "
-                f"{row['flops'] / 1e9:.0f} | {row['bytes'] / 1e9:.2f} | {row['bytes'] / bf16:.3f} "
-                f"| {row['wgrad_pass'] / 1e9:.2f} | {(row['bytes'] - row['wgrad_pass']) / 1e9:.2f} "
-                f"| {row['top']} |"
-            )
-        fp8 = h100_rows["te_flax fp8 capacity"]["bytes"]
-        flax_fp8 = h100_rows["flax fp8 capacity"]["bytes"]
-        base = "te_flax bf16 capacity"
 
-        def without(variant: str) -> float:
-            return h100_rows[variant]["bytes"] - h100_rows[variant]["wgrad_pass"]
 
-        ragged = h100_rows["te_flax fp8 ragged"]
-        capacity = h100_rows["te_flax fp8 capacity"]
-        lines += [
-            "",
-            "The other GEMMs of the FP8 variants are the router's (forward and backward, float32).",
-            "",
-            f"- Bytes, te_flax FP8 / BF16 (capacity): {fp8 / bf16:.3f}.",
-            f"- Bytes, te_flax FP8 / Flax FP8 (capacity): {fp8 / flax_fp8:.3f}.",
-            "- Weight-gradient passes: a batched cuBLASLt GEMM takes one scalar scale, so "
-            "te_flax's per-expert scales of the weight gradients (float32, the kernels' dtype) "
-            "are an elementwise pass over the gradients; Flax's FP8 einsum returns bfloat16 "
-            "gradients and converts them in a pass of its own. Here nothing consumes the "
-            "gradients; in training the optimizer update reads them and takes either pass into "
-            "its own fusion, so the column without them is the step's share of a training step. "
-            "Without them: te_flax FP8 / BF16 "
-            f"{without('te_flax fp8 capacity') / without(base):.3f}, te_flax FP8 / Flax FP8 "
-            f"{without('te_flax fp8 capacity') / without('flax fp8 capacity'):.3f}.",
-            f"- Ragged / capacity (FP8): {ragged['bytes'] / capacity['bytes']:.2f}x the bytes, "
-            f"{ragged['flops'] / capacity['flops']:.2f}x the FLOPs: XLA:GPU expands "
-            "`ragged_dot` into GEMMs over every expert (each row meets all "
-            f"{h100_case.experts} kernels, masked).",
-            "",
-        ]
-    lines += [
-        f"## CPU: {cpu_case.describe()}",
+def _cpu_lines(case: MoECase, times: dict[str, list[float]], repeats: int) -> list[str]:
+    lines = [
+        f"## CPU: {case.describe()}",
         "",
         f"Median of {repeats} interleaved rounds after one warm-up round; FP8 GEMMs are "
         "emulated on a CPU (float8 operands converted for float32 GEMMs), so FP8 costs more "
-        "there, not less.",
+        "there, not less. te_flax's grouped GEMM kernels do not run on a CPU: the ragged rows "
+        "are XLA's `ragged_dot`.",
         "",
         "| variant | step ms (median) | spread |",
         "| --- | --- | --- |",
@@ -353,7 +509,8 @@ def report(cpu_case: MoECase, h100_case: MoECase, repeats: int, command: str) ->
     for variant in VARIANTS:
         s = stats(times[variant])
         lines.append(f"| {variant} | {s['median'] * 1e3:.1f} | {s['spread']:.2f} |")
-    lines += [
+    return [
+        *lines,
         "",
         "| ratio (per round) | median | [min, max] |",
         "| --- | --- | --- |",
@@ -365,7 +522,52 @@ def report(cpu_case: MoECase, h100_case: MoECase, repeats: int, command: str) ->
         _ratio_row("ragged / capacity (te_flax BF16)", times, VARIANTS[2], VARIANTS[3]),
         "",
     ]
-    return "\n".join(lines)
+
+
+def report(cpu_case: MoECase, h100_case: MoECase, repeats: int, command: str) -> str:
+    started = time.time()
+    load_start = os.getloadavg()[0]
+    h100_rows = h100_figures(h100_case) if h100.available() is None else None
+    times = cpu_times(cpu_case, repeats)
+    load_end = os.getloadavg()[0]
+    lines = [
+        "# MoE layer benchmark: grouped_dense's lowerings, FP8 vs BF16, te_flax vs Flax FP8",
+        "",
+        f"Produced by `{command}` ({(time.time() - started) / 60:.1f} min, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}). One training step (forward + "
+        "backward with the input's gradient, no optimizer) of a Mixtral-style MoE layer: "
+        "float32 softmax router, top-k, rows sorted by expert (argsort + gather), gated SiLU "
+        "experts as two grouped GEMMs, "
+        "weighted un-permutation. See the docstring of `bench/moe.py` for the variants; "
+        "docs/moe.md says which lowering to use where.",
+        "",
+        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"{platform.system()} {platform.release()}; load average {load_start:.1f} at the "
+        f"start and {load_end:.1f} at the end (other processes shared the CPU). "
+        f"jax {jax.__version__}. No GPU: the H100 figures come from XLA's deviceless compile "
+        "(its real GPU compiler, FLOPs and bytes from its cost analysis plus the custom calls' "
+        "operands: cuBLAS GEMMs, te_flax's Pallas kernels), not from a run; GPU step times are "
+        "modelled, not measured.",
+        "",
+    ]
+    if h100_rows is None:
+        lines += [f"H100 figures not measured: {h100.available()}.", ""]
+    else:
+        lines += [
+            f"## H100 (deviceless): {h100_case.describe()}",
+            "",
+            "`kernel`: te_flax's grouped GEMM kernels (Pallas Mosaic GPU, one `mosaic_gpu_v2` "
+            "custom call per GEMM; the default on a GPU for the ragged lowering and FP8's "
+            "capacity lowering); `xla`: every te_flax kernel off (`TE_FLAX_PALLAS=0`): XLA's "
+            "`ragged_dot` or batched cuBLASLt GEMMs; `te_flax bf16 capacity`: batched cuBLAS "
+            "GEMMs, its default. `grouped GEMM kernels`: their calls and operand "
+            "types; `kernel GFLOP`: their GEMM FLOPs from the operand shapes (wgrad over the "
+            "group-aligned, zero-padded rows), apart from the cuBLAS GEMMs'.",
+            "",
+            *_h100_tables(h100_rows),
+            *_h100_notes(h100_rows, h100_case),
+        ]
+    return "\n".join(lines + _cpu_lines(cpu_case, times, repeats))
 
 
 def main(argv: list[str]) -> None:

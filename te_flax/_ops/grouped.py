@@ -321,23 +321,19 @@ def capacity_on_kernels(
     x: Array, kernel: Array, capacity: int, quantizer_set: QuantizerSet
 ) -> bool:
     """Whether the capacity lowering runs its GEMMs on the grouped GEMM kernels (each group
-    ``capacity`` rows, ``ragged_grouped_dense`` on the packed rows): where the switch takes the
-    kernels and they take all three GEMMs' operands. There, as in the ragged lowering, each
-    group's scales are applied to the kernels' accumulators: no pass over the weight gradient,
-    which a batched cuBLASLt GEMM, taking one scalar scale, would add."""
+    ``capacity`` rows, ``ragged_grouped_dense`` on the packed rows): with per-tensor FP8, where
+    the switch takes the kernels and they take all three GEMMs' operands.
+
+    There each group's scales are applied to the kernels' accumulators: no pass over the weight
+    gradient, which a batched cuBLASLt GEMM (one scalar scale) adds. Without FP8, and with
+    block-scaled recipes (whose operands enter as 16-bit values), the batched cuBLAS GEMMs stay:
+    by ``bench/moe.py``'s model they are the faster of the two there (docs/moe.md)."""
+    quantizers = (quantizer_set.x, quantizer_set.kernel, quantizer_set.dgrad)
+    if quantizer_set.is_noop or any(q is None or q.block_scaled for q in quantizers):
+        return False
+    fp8_x, fp8_kernel, fp8_grad = (q.q_dtype for q in quantizers if q is not None)
     groups, hidden, features = kernel.shape
     rows = groups * capacity
-    x_dtype = jnp.dtype(x.dtype)
-
-    def operand_dtype(quantizer: Quantizer | None) -> Any:
-        # Block-scaled operands enter the kernels as their values in x's dtype.
-        if quantizer is None or quantizer.block_scaled:
-            return x_dtype
-        return quantizer.q_dtype
-
-    fp8_x, fp8_kernel, fp8_grad = map(
-        operand_dtype, (quantizer_set.x, quantizer_set.kernel, quantizer_set.dgrad)
-    )
     gemms = [
         (fp8_x, fp8_kernel, tiles_for(fp8_x, rows, features, hidden)),  # forward
         (fp8_grad, fp8_kernel, tiles_for(fp8_grad, rows, hidden, features)),  # dgrad
