@@ -19,6 +19,10 @@ from jax.typing import DTypeLike
 
 from te_flax._ops.kernels import GradOperand, dispatch
 from te_flax._ops.kernels.blockwise import blockwise_gemm_kernel, whole_operands
+from te_flax._ops.kernels.blockwise_mosaic import (
+    blockwise_gemm_kernel as blockwise_gemm_kernel_mosaic,
+)
+from te_flax._ops.kernels.switch import MOSAIC
 from te_flax._ops.stages import grad_operand, leading_ones
 from te_flax.quantize import (
     BlockOperand,
@@ -158,9 +162,9 @@ def _blockwise_gemm(lhs: BlockScaledTensor, rhs: BlockScaledTensor, out_dtype: D
     ) -> Array:
         l_scale = block_scaling.expand_tile_rows(l_scale, l_data.shape[0])
         r_scale = block_scaling.expand_tile_rows(r_scale, r_data.shape[0])
-        return blockwise_gemm_kernel(
-            l_data, l_scale, r_data, r_scale, out_dtype, interpret=interpret
-        )
+        mosaic = "blockwise_gemm" in MOSAIC
+        gemm = blockwise_gemm_kernel_mosaic if mosaic else blockwise_gemm_kernel
+        return gemm(l_data, l_scale, r_data, r_scale, out_dtype, interpret=interpret)
 
     operands = (lhs.data, lhs.scale_inv, rhs.data, rhs.scale_inv)
     return dispatch(

@@ -36,7 +36,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.typing import DTypeLike
 
 from te_flax._base.jax_compat import mixed_fp8_wgmma
-from te_flax._ops.kernels.mosaic import interpret_params
+from te_flax._ops.kernels import mosaic
 
 __all__ = [
     "Tiles",
@@ -130,22 +130,12 @@ def _launch(
             )
             for operand, height in ((lhs, tiles.rows), (rhs, tiles.cols))
         ]
-        kernel = plgpu.kernel(
-            body,
-            out_type=out,
-            grid=tuple(grid.values()),
-            grid_names=tuple(grid),
-            scratch_types=(
-                *buffers,
-                plgpu.Barrier(num_arrivals=2, num_barriers=tiles.stages),
-                plgpu.SMEM((tiles.rows, tiles.cols), out.dtype),
-            ),
-            compiler_params=plgpu.CompilerParams(
-                lowering_semantics=plgpu.LoweringSemantics.Warpgroup
-            ),
-            interpret=interpret_params() if interpret else None,
-            kernel_name=f"te_flax_{name}",
+        scratch = (
+            *buffers,
+            plgpu.Barrier(num_arrivals=2, num_barriers=tiles.stages),
+            plgpu.SMEM((tiles.rows, tiles.cols), out.dtype),
         )
+        kernel = mosaic.kernel(name, body, out, grid, scratch, interpret, warpgroup=True)
         return kernel(*inputs)
 
     return call

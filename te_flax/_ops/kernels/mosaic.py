@@ -21,6 +21,7 @@ from te_flax._ops.kernels.common import saturating_cast
 __all__ = [
     "TILE",
     "interpret_params",
+    "kernel",
     "layouts_by_xla",
     "quantized_tile",
     "tile_amax",
@@ -45,6 +46,33 @@ def interpret_params() -> Any:
             f"Mosaic GPU's interpret mode needs jax 0.11 or newer (this is jax {jax.__version__})"
         )
     return params()
+
+
+def kernel(
+    name: str,
+    body: Any,
+    out_type: Any,
+    grid: dict[str, int],
+    scratch: tuple[Any, ...],
+    interpret: bool,
+    *,
+    warpgroup: bool = False,
+) -> Any:
+    """The Mosaic GPU kernel ``te_flax_{name}`` (the name its ``mosaic_gpu_v2`` call carries in
+    the HLO) of ``body(*inputs, *outputs, *scratch)`` over ``grid`` (axis name -> size), in
+    ``interpret`` mode where asked; ``warpgroup``: the lowering that infers register layouts
+    (the GEMM kernels), else the per-thread one."""
+    semantics = plgpu.LoweringSemantics.Warpgroup if warpgroup else plgpu.LoweringSemantics.Lane
+    return plgpu.kernel(
+        body,
+        out_type=out_type,
+        grid=tuple(grid.values()),
+        grid_names=tuple(grid),
+        scratch_types=scratch,
+        compiler_params=plgpu.CompilerParams(lowering_semantics=semantics),
+        interpret=interpret_params() if interpret else None,
+        kernel_name=f"te_flax_{name}",
+    )
 
 
 def tileable(rows: int, columns: int) -> bool:

@@ -15,13 +15,21 @@ from jax import Array
 from jax.typing import DTypeLike
 
 from te_flax._ops.kernels.activation_grad import KERNEL_ACTIVATIONS, activation_grad_tiles
+from te_flax._ops.kernels.activation_grad_mosaic import (
+    activation_grad_tiles as activation_grad_tiles_mosaic,
+)
 from te_flax._ops.kernels.activation_quantize import activation_quantize_tiles
+from te_flax._ops.kernels.activation_quantize_mosaic import (
+    activation_quantize_tiles as activation_quantize_tiles_mosaic,
+)
 from te_flax._ops.kernels.common import RowBlocks, row_blocks
 from te_flax._ops.kernels.norm_backward import norm_backward
+from te_flax._ops.kernels.norm_backward_mosaic import norm_backward as norm_backward_mosaic
 from te_flax._ops.kernels.norm_quantize import norm_quantize
 from te_flax._ops.kernels.partition import Reduction, mesh_partitioned, per_shard
 from te_flax._ops.kernels.quantize import quantize_tiles
-from te_flax._ops.kernels.switch import dispatch
+from te_flax._ops.kernels.quantize_mosaic import quantize_tiles as quantize_tiles_mosaic
+from te_flax._ops.kernels.switch import MOSAIC, dispatch
 from te_flax.quantize import scaling
 from te_flax.quantize.quantizer import (
     LEADING,
@@ -287,6 +295,8 @@ def tiled_quantize_operand(
     """
     rows, columns = math.prod(x.shape[:split]), math.prod(x.shape[split:])
     supported = _per_tensor(quantizer) and 0 < split < x.ndim and rows * columns > 0
+    # The Mosaic GPU version where this JAX has it (it quantizes what it does not tile by XLA).
+    quantize = quantize_tiles_mosaic if "quantize" in MOSAIC else quantize_tiles
     dims = tuple(f"d{d}" for d in range(x.ndim))
     layout_dims = (dims, dims[split:] + dims[:split])  # [leading, trailing], transposed
 
@@ -296,7 +306,7 @@ def tiled_quantize_operand(
     ) -> tuple[Array | None, Array | None, Array]:  # fmt: skip
         leading, trailing = x.shape[:split], x.shape[split:]
         matrix = x.reshape(math.prod(leading), math.prod(trailing))
-        data, transposed, partials = quantize_tiles(
+        data, transposed, partials = quantize(
             matrix, scale_inv, q_dtype, asked, interpret=interpret
         )
         return (
@@ -344,13 +354,15 @@ def activation_quantize_operand(
     n_batch = pre_activation.ndim - 2
     batch = tuple(f"b{d}" for d in range(n_batch))
     dims = ((*batch, "act", "i"), ((*batch, "i"), ("i", *batch)))
+    mosaic = "activation_quantize" in MOSAIC
+    quantize = activation_quantize_tiles_mosaic if mosaic else activation_quantize_tiles
 
     def tiles(
         pre_activation: Array, scale_inv: Array, q_dtype: DTypeLike | None,
         asked: tuple[bool, bool], interpret: bool,
     ) -> tuple[Array | None, Array | None, Array]:  # fmt: skip
         tokens, intermediate = pre_activation.shape[:-2], pre_activation.shape[-1]
-        data, transposed, partials = activation_quantize_tiles(
+        data, transposed, partials = quantize(
             pre_activation.reshape(math.prod(tokens), -1), scale_inv, activation_type,
             q_dtype, asked, interpret=interpret,
         )  # fmt: skip
@@ -415,6 +427,8 @@ def activation_grad_operand(
         and pre_activation.shape == (*grad.shape[:-1], n_act, intermediate)
     )
     with_bias = bias_dtype is not None
+    mosaic = "activation_grad" in MOSAIC
+    grad_tiles = activation_grad_tiles_mosaic if mosaic else activation_grad_tiles
 
     def kernel(
         grad: Array, pre_activation: Array, quantizer: Quantizer | None, *, interpret: bool
@@ -428,7 +442,7 @@ def activation_grad_operand(
 
             def local(pre_activation: Array, grad: Array, scale_inv: Array) -> list[Array]:
                 rows = math.prod(grad.shape[:-1])
-                data, transposed, partials, sums = activation_grad_tiles(
+                data, transposed, partials, sums = grad_tiles(
                     pre_activation.reshape(rows, -1), grad.reshape(rows, -1), scale_inv,
                     activation_type, q_dtype, sums_asked, interpret=interpret,
                 )  # fmt: skip
@@ -521,6 +535,8 @@ def norm_backward_grads(
     hidden = x.shape[-1] if x.ndim else 0
     rows = math.prod(x.shape[:-1])
     blocks = row_blocks(rows, hidden) if x.ndim and d_out.shape == x.shape else None
+    # The Mosaic GPU version where this JAX has it (it computes what it does not take by XLA).
+    backward = norm_backward_mosaic if "norm_backward" in MOSAIC else norm_backward
 
     def kernel(*operands: Array | None, interpret: bool) -> _NormGrads:
         """``operands``: ``(d_out, x, mean, rsigma, gamma, scale)``, as ``local`` takes them."""
@@ -538,7 +554,7 @@ def norm_backward_grads(
             rows, hidden = math.prod(x.shape[:-1]), x.shape[-1]
             if scale is not None:  # dx = rsigma (gamma d_out - ...): linear in gamma
                 gamma = gamma * scale
-            d_x, d_gamma, d_beta = norm_backward(
+            d_x, d_gamma, d_beta = backward(
                 d_out.reshape(rows, hidden), x.reshape(rows, hidden),
                 None if mean is None else mean.reshape(rows), rsigma.reshape(rows), gamma,
                 with_beta, x.dtype, _row_blocks(rows, hidden), interpret=interpret,

@@ -5,11 +5,11 @@
 part of ``jax.jit``'s cache key: a function jitted outside it is traced again inside it):
 
 - ``"auto"`` (default): on CUDA GPUs the kernels that save memory traffic (``AUTO``), the XLA
-  stages everywhere else. The kernels are Pallas Triton programs; from jax 0.12 on, which
-  deprecates that backend, ``"auto"`` takes the XLA stages on GPUs too (same results, the
-  memory traffic of ``TE_FLAX_PALLAS=0``), and ``"1"`` still runs the kernels. The grouped
-  GEMM kernels (``MOSAIC``) are Pallas Mosaic GPU programs, used on GPUs at every JAX of the
-  range. In a process
+  stages everywhere else. From jax 0.11 on every kernel of ``AUTO`` is a Pallas Mosaic GPU
+  program (``MOSAIC``; the backend JAX keeps); with jax 0.10 they are Pallas Triton programs,
+  but for the grouped GEMMs, which are Mosaic GPU's at every JAX of the range. A Triton kernel
+  is never used under ``"auto"`` where JAX deprecates that backend (jax 0.12); the normalize-
+  quantize kernel, which only ``"1"`` runs, is Triton's everywhere. In a process
   without a CUDA GPU the XLA stages are traced directly, so CPU programs are exactly those
   without kernels; with one, the choice is made per platform when the program is lowered
   (``lax.platform_dependent``). A program compiled for a GPU from a CPU host (a deviceless
@@ -85,7 +85,10 @@ AUTO = frozenset(
     }
 )
 # The kernels written in Pallas Mosaic GPU, the backend JAX keeps; the others are Pallas Triton.
-MOSAIC = frozenset({"grouped_gemm"})
+# Every kernel of AUTO has both versions (the grouped GEMMs only Mosaic GPU's): Mosaic GPU from
+# jax 0.11 on (where its interpret mode tests them), Triton before.
+_PORTED = ("quantize", "activation_quantize", "activation_grad", "blockwise_gemm", "norm_backward")
+MOSAIC = frozenset({"grouped_gemm", *(_PORTED if mosaic_gpu_interpreted() else ())})
 # The innermost ``pallas_kernels(mode, assume_gpu)``; None: ``TE_FLAX_PALLAS``, no GPU assumed.
 _SELECTED: ScopedSetting[tuple[str, bool] | None] = ScopedSetting("pallas_kernels", None)
 
@@ -219,11 +222,19 @@ def dispatch(
         return fallback(*args)
     on_gpu = partial(kernel, interpret=False)
     elsewhere: Callable[..., T] = fallback
-    if mode() == "1" and (name not in MOSAIC or mosaic_gpu_interpreted()):
+    if mode() == "1" and (name not in MOSAIC or _mosaic_interpretable(args)):
         elsewhere = partial(kernel, interpret=True)
     elif as_kernel_result is not None:
         elsewhere = _composed(as_kernel_result, fallback)
     return lax.platform_dependent(*args, cuda=on_gpu, default=elsewhere)
+
+
+def _mosaic_interpretable(args: tuple[Any, ...]) -> bool:
+    """Whether Mosaic GPU's interpreter can run a kernel on these operands off a GPU: this JAX
+    has it, and no operand is batched by ``vmap`` (the interpreter's host callbacks cannot be
+    batched inside ``platform_dependent``'s branches). Elsewhere ``"1"`` runs the XLA stage."""
+    batched = any(is_batch_tracer(leaf) for leaf in jax.tree.leaves(args))
+    return mosaic_gpu_interpreted() and not batched
 
 
 def _composed(outer: Callable[[T], T], inner: Callable[..., T]) -> Callable[..., T]:
