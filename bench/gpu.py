@@ -4,7 +4,9 @@ The same candidates and training step as the CPU suite (``bench/models.py``), at
 to 16384 tokens x 8192 hidden, timed interleaved (each timed call runs ``--iterations`` steps
 back to back, then waits). Writes ``GPU_RESULTS.md`` and ``gpu_results.json``: step time,
 achieved TFLOP/s (GEMM flops of the step / time), te_flax / Flax and FP8 / BF16 ratios, the
-FP8 GEMM count of each compiled program, and the GPU targets.
+FP8 GEMM count of each compiled program, and the GPU targets. Then the MoE layer of
+``bench/moe.py`` (``bench/gpu_moe.py``: FP8 and BF16 on te_flax's grouped GEMM kernels against
+BF16 capacity; ``--no-moe`` skips it).
 
 ``--smoke`` runs it on the CPU with tiny shapes, to check the script without a GPU; its
 figures mean nothing, and it writes to a temporary folder unless ``--out`` is given.
@@ -17,6 +19,8 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+
+from bench import gpu_moe
 
 BENCH_DIR = Path(__file__).parent
 
@@ -43,6 +47,7 @@ def _parse(argv):
         "--iterations", type=int, default=None, help="steps per timed call (default 10; smoke 1)"
     )
     parser.add_argument("--out", type=Path, default=None, help="output folder (default bench/)")
+    parser.add_argument("--no-moe", action="store_true", help="skip the MoE layer")
     args = parser.parse_args(argv)
     if args.iterations is None:
         args.iterations = 1 if args.smoke else 10
@@ -165,6 +170,8 @@ def _markdown(results: dict) -> str:
                 f"{1000 * t['median']:.3f} | {t['spread']:.0%} | {e['tflops']:.3g} | "
                 f"{e['fp8_gemms']} / {e['other_gemms']} | {_mib(e['memory']['temp'])} |"
             )
+    if "moe" in results:
+        lines += gpu_moe.markdown(results["moe"])
     return "\n".join(lines) + "\n"
 
 
@@ -210,6 +217,12 @@ def main(argv: list[str] | None = None) -> Path:
         results["targets"] = _targets(results["layers"])
         results["settings"]["cases_done"] = f"{index} of {len(cases)}"
         results["environment"]["wall_time_s"] = time.perf_counter() - start
+        (out / "gpu_results.json").write_text(json.dumps(results, indent=1) + "\n")
+        path.write_text(_markdown(results))
+    if not args.no_moe:
+        case = gpu_moe.SMOKE_CASE if args.smoke else gpu_moe.GPU_CASE
+        log(f"MoE layer: {case.describe()}")
+        results["moe"] = gpu_moe.run_moe(case, args.repeats, args.warmup, args.iterations, log)
         (out / "gpu_results.json").write_text(json.dumps(results, indent=1) + "\n")
         path.write_text(_markdown(results))
     log(f"wrote {path} and {out / 'gpu_results.json'}")

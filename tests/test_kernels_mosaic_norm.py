@@ -136,3 +136,32 @@ def test_kernel_is_a_mosaic_gpu_call():
     assert len(calls) == 1
     assert "te_flax_norm_backward" in calls[0]
     assert "bf16[4096,8192]" in calls[0] and "f32[256,8192]" in calls[0]
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("switch", ["auto", "1"])
+def test_a_layer_step_for_a_gpu_runs_the_kernel_under_every_switch(switch):
+    """A deviceless H100 compile of a ``layernorm_dense`` training step (no FP8: the norm's
+    backward is its one kernel) under ``"auto"`` and ``"1"``. Under ``"1"`` a CUDA program's
+    other branch must not carry the interpreter's ordered host callbacks (a lowering error)."""
+    pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the gpu-compile extra")
+    from te_flax.layernorm_dense import layernorm_dense
+    from te_flax.quantize import noop_quantizer_set
+    from tests.gpu_target import h100_sharding
+
+    sharding = h100_sharding()
+
+    def spec(shape, dtype=jnp.float32):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    def loss(x, kernel, gamma, beta):
+        out = layernorm_dense(x, kernel, gamma, beta, quantizer_set=noop_quantizer_set)
+        return jnp.sum(out.astype(jnp.float32))
+
+    with pallas_kernels(switch, assume_gpu=True):
+        step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+        lowered = step.lower(
+            spec((4096, 1024), jnp.bfloat16), spec((1024, 4096)), spec((1024,)), spec((1024,))
+        )
+    calls = [line for line in lowered.compile().as_text().splitlines() if "mosaic_gpu_v2" in line]
+    assert len(calls) == 1 and "te_flax_norm_backward" in calls[0]

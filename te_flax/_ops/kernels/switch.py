@@ -230,11 +230,13 @@ def dispatch(
 
 
 def _mosaic_interpretable(args: tuple[Any, ...]) -> bool:
-    """Whether Mosaic GPU's interpreter can run a kernel on these operands off a GPU: this JAX
-    has it, and no operand is batched by ``vmap`` (the interpreter's host callbacks cannot be
-    batched inside ``platform_dependent``'s branches). Elsewhere ``"1"`` runs the XLA stage."""
+    """Whether ``"1"`` runs a Mosaic GPU kernel in its interpreter off a GPU: this JAX has it,
+    the program is for this host (no CUDA GPU seen or assumed: a program lowered for a GPU may
+    not carry the interpreter's ordered host callbacks in its other branch), and no operand is
+    batched by ``vmap`` (those callbacks cannot be batched inside ``platform_dependent``).
+    Elsewhere ``"1"`` runs the XLA stage off a GPU."""
     batched = any(is_batch_tracer(leaf) for leaf in jax.tree.leaves(args))
-    return mosaic_gpu_interpreted() and not batched
+    return mosaic_gpu_interpreted() and not batched and not gpu_host()
 
 
 def _composed(outer: Callable[[T], T], inner: Callable[..., T]) -> Callable[..., T]:
