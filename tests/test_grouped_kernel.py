@@ -255,6 +255,7 @@ def test_ragged_on_a_gpu_without_the_kernel_says_so():
     assert "lowering='capacity'" in str(first.message)
 
 
+@pytest.mark.skipif(mosaic_gpu_interpreted(), reason="this JAX has the Mosaic GPU interpreter")
 def test_switch_mode_1_without_the_interpreter_takes_xla():
     """Where JAX has no Mosaic GPU interpreter, ``pallas_kernels("1")`` runs the XLA lowering
     on a CPU instead of failing (the other kernels run in Triton's interpret mode)."""
@@ -263,9 +264,7 @@ def test_switch_mode_1_without_the_interpreter_takes_xla():
         (_, out), _ = _step(x, kernel, bias, cotangent, noop_quantizer_set, (50, 0, 70))
     with pallas_kernels("0"):
         (_, expected), _ = _step(x, kernel, bias, cotangent, noop_quantizer_set, (50, 0, 70))
-    if not mosaic_gpu_interpreted():
-        np.testing.assert_array_equal(out, expected)
-    assert out.shape == (M, N)
+    np.testing.assert_array_equal(out, expected)
 
 
 @interpreted

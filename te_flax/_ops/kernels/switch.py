@@ -155,11 +155,15 @@ def _partitioned_without_rule() -> bool:
     return _cuda_devices() > 1
 
 
+def _batched(args: tuple[Any, ...]) -> bool:
+    """Whether an operand is being batched by ``vmap``."""
+    return any(is_batch_tracer(leaf) for leaf in jax.tree.leaves(args))
+
+
 def _batched_on_mesh(args: tuple[Any, ...]) -> bool:
     """True for operands batched by ``vmap`` in a program partitioned over a mesh: the kernels'
     partitioning rule (``custom_partitioning``) has no batching rule, so the XLA stage runs."""
-    batched = any(is_batch_tracer(leaf) for leaf in jax.tree.leaves(args))
-    return batched and mesh_partitioned()
+    return _batched(args) and mesh_partitioned()
 
 
 def traced_in_scan(x: Any) -> bool:
@@ -235,8 +239,7 @@ def _mosaic_interpretable(args: tuple[Any, ...]) -> bool:
     not carry the interpreter's ordered host callbacks in its other branch), and no operand is
     batched by ``vmap`` (those callbacks cannot be batched inside ``platform_dependent``).
     Elsewhere ``"1"`` runs the XLA stage off a GPU."""
-    batched = any(is_batch_tracer(leaf) for leaf in jax.tree.leaves(args))
-    return mosaic_gpu_interpreted() and not batched and not gpu_host()
+    return mosaic_gpu_interpreted() and not _batched(args) and not gpu_host()
 
 
 def _composed(outer: Callable[[T], T], inner: Callable[..., T]) -> Callable[..., T]:
