@@ -64,9 +64,18 @@ RESULTS = Path(__file__).with_name("RESULTS_compile_layers.md")
 SHAPE = te_peer.Shape(tokens=1024, seq=512, hidden=1024, mlp=4096, heads=16)  # batch 2
 VARIANTS = ("te_flax", "TE", "Flax")
 # Experiments, not configurations: te_flax's step differentiated with jax.value_and_grad (no
-# max-merge mark on its FP8 state: right here, where every state has one use), and te_flax with
-# its XLA stages instead of its Pallas kernels.
-EXPERIMENTS = ("te_flax:jax_grad", "te_flax:xla_stages")
+# max-merge mark on its FP8 state: right here, where every state has one use), te_flax with its
+# XLA stages instead of its Pallas kernels, and each library with XLA's GPU autotuning off (all of
+# it; or, on XLA versions that have it, only the autotuner of fusions' emitters).
+XLA_EXPERIMENTS = {
+    "no_autotune": "--xla_gpu_autotune_level=0",
+    "no_fusion_autotune": "--xla_gpu_experimental_enable_fusion_autotuner=false",
+}
+EXPERIMENTS = (
+    "te_flax:jax_grad",
+    "te_flax:xla_stages",
+    *(f"{variant}:{experiment}" for experiment in XLA_EXPERIMENTS for variant in VARIANTS),
+)
 RECIPES = ("bf16", "fp8")
 FP8_COLLECTIONS = ("_overwrite_with_gradient", "fp8_metas")  # te_flax and Flax; TE
 _OP = re.compile(r"\b((?:stablehlo|chlo|sdy|mhlo|func)\.[a-z_0-9]+)\b")
@@ -139,9 +148,10 @@ class Body(nn.Module):
     @nn.compact
     def __call__(self, x, _):
         s = SHAPE
-        if self.variant == "Flax":
+        name = self.variant.split(":")[0]
+        if name == "Flax":
             return FlaxBlock(s.hidden, s.heads, s.mlp, self.fp8, name="layer")(x), None
-        if self.variant == "TE":
+        if name == "TE":
             import transformer_engine.jax.flax as library
 
             recipe = None
@@ -167,7 +177,7 @@ def stack(variant: str, fp8: bool, layers: int) -> nn.Module:
 
 def context(variant: str, fp8: bool):
     """TE's autocast; te_flax's Pallas kernel switch as on a GPU (its recipe is the layer's)."""
-    if variant == "TE":
+    if variant.split(":")[0] == "TE":
         import transformer_engine.jax as te
         from transformer_engine.common import recipe
 
@@ -201,7 +211,7 @@ def step_and_inputs(variant: str, fp8: bool, layers: int):
         y, _ = model.apply(variables, x, None)
         return jnp.mean(jnp.square(y.astype(jnp.float32)))
 
-    if variant in ("te_flax", "te_flax:xla_stages"):
+    if variant.startswith("te_flax") and variant != "te_flax:jax_grad":
         from te_flax.training import value_and_grad
 
         return value_and_grad(loss), variables, x
@@ -404,8 +414,16 @@ def available_variants() -> list[str]:
 def run_one(variant: str, recipe: str, layers: int, timeout: int) -> dict:
     """``measure`` in a fresh interpreter (this one), its JSON back."""
     command = [sys.executable, "-m", "bench.compile_layers", "--one", variant, recipe, str(layers)]
+    env = dict(os.environ)
+    if flag := XLA_EXPERIMENTS.get(variant.partition(":")[2]):
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()
     done = subprocess.run(
-        command, capture_output=True, text=True, timeout=timeout, cwd=Path(__file__).parents[1]
+        command,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=Path(__file__).parents[1],
+        env=env,
     )
     lines = done.stdout.strip().splitlines()
     if done.returncode or not lines:
@@ -457,7 +475,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.one:
         variant, recipe, layers = args.one
-        if variant == "TE":
+        if variant.split(":")[0] == "TE":
             te_peer._te_deviceless(fused_attention=False)
         print(json.dumps(measure(variant, recipe, int(layers))), flush=True)
         return
@@ -465,7 +483,7 @@ def main(argv: list[str] | None = None) -> None:
         results = merged([json.loads(path.read_text()) for path in args.report])
         RESULTS.write_text(report(results, [path.name for path in args.report]))
         return
-    variants = [v for v in args.variants if v in available_variants() + list(EXPERIMENTS)]
+    variants = [v for v in args.variants if v.split(":")[0] in available_variants()]
     results = []
     for layers in args.layers:
         for variant in variants:
@@ -498,6 +516,17 @@ GOALS = (  # (label, numerator, denominator, goal)
     ("te_flax FP8 / te_flax BF16", ("te_flax", "fp8"), ("te_flax", "bf16"), 1.3),
     ("TE FP8 / TE BF16", ("TE", "fp8"), ("TE", "bf16"), None),
     ("Flax FP8 / Flax BF16", ("Flax", "fp8"), ("Flax", "bf16"), None),
+    *(
+        (f"{v} FP8 / {v} BF16, {x}", (f"{v}:{x}", "fp8"), (f"{v}:{x}", "bf16"), None)
+        for x in XLA_EXPERIMENTS
+        for v in VARIANTS
+    ),
+    *(
+        (f"{v} {r.upper()}: {x} / default", (f"{v}:{x}", r), (v, r), None)
+        for x in XLA_EXPERIMENTS
+        for v in VARIANTS
+        for r in RECIPES
+    ),
 )
 
 
@@ -507,8 +536,8 @@ def _total(r: dict) -> float:
 
 def _calls(r: dict) -> str:
     gemms = sum(n for t, n in r["custom_calls"].items() if "cublas" in t or "gemm" in t)
-    triton = r["custom_calls"].get("__gpu$xla.gpu.triton", 0)
-    return f"{gemms} / {triton} / {sum(r['custom_calls'].values()) - gemms - triton}"
+    pallas = sum(r["custom_calls"].get(t, 0) for t in ("__gpu$xla.gpu.triton", "mosaic_gpu_v2"))
+    return f"{gemms} / {pallas} / {sum(r['custom_calls'].values()) - gemms - pallas}"
 
 
 def _table(rows: list[dict]) -> list[str]:
@@ -577,6 +606,11 @@ def _sources(rows: list[dict], layers: int) -> list[str]:
     return lines
 
 
+def _invocations(files: list[str]) -> int:
+    """How many times each of the two main commands ran: its JSON files (not the experiments')."""
+    return max(1, sum("_exp" not in name for name in files) // 2)
+
+
 def report(results: list[dict], files: list[str]) -> str:
     s = SHAPE
     lines = [
@@ -588,8 +622,8 @@ def report(results: list[dict], files: list[str]) -> str:
         f"{s.mlp}, sequence {s.seq}, batch {s.batch}, RMSNorm, causal unfused softmax "
         "attention, no biases, bf16 parameters and activations. FP8: delayed scaling "
         "(te_flax's and TE's `DelayedScaling()`, Flax's `nn.Fp8DotGeneral` in every Dense). "
-        "te_flax's Pallas kernel switch is `auto` as on a GPU: the kernels on jax 0.10, the "
-        "XLA stages from jax 0.12 on (its documented choice). Each figure is the best of 3 "
+        "te_flax's Pallas kernel switch is `auto` as on a GPU: its Triton kernels on jax 0.10, "
+        "its Mosaic GPU kernels from jax 0.11 on. Each figure is the best of 3 "
         "fresh processes, stage by stage, on a shared 2-core host: only the ratios mean "
         "something. Seconds of XLA's stages are summed over its compile threads (a `jax."
         "profiler` trace of `.compile()`); `config-assigner` is the XLA pass that compiles "
@@ -598,24 +632,31 @@ def report(results: list[dict], files: list[str]) -> str:
         "identical fused computations counted once (as XLA's `deduplicated_name` shows, one "
         "kernel each).",
         "",
-        f"Commands, from the repository root, each run {len(files) // 2 - 1} times (TE's "
+        f"Commands, from the repository root, each run {_invocations(files)} times (TE's "
         "environment as for `bench.te_peer`); the report takes each stage's best over all "
         "those runs' processes, the other figures from the last run:",
         "",
         "    NVTE_JAX_CUSTOM_CALLS=true PYTHONPATH=. te-python -m bench.compile_layers \\",
-        "        --out te_1.json    # then te_2.json, ...",
+        "        --out te_1.json    # jax 0.10.2; then te_2.json",
         "    python -m bench.compile_layers --out jax012_1.json    # jax 0.12; then jax012_2.json",
         "    NVTE_JAX_CUSTOM_CALLS=true PYTHONPATH=. te-python -m bench.compile_layers \\",
-        "        --variants te_flax:jax_grad te_flax:xla_stages --layers 4 --out te_exp.json",
-        "    python -m bench.compile_layers --variants te_flax:jax_grad --layers 4 \\",
-        "        --out jax012_exp.json",
+        "        --variants te_flax:no_autotune TE:no_autotune Flax:no_autotune --layers 4 \\",
+        "        --out te_exp.json",
+        "    python -m bench.compile_layers --variants te_flax:no_autotune Flax:no_autotune \\",
+        "        te_flax:xla_stages --layers 4 --out jax012_exp.json",
+        "    python -m bench.compile_layers --variants te_flax:no_fusion_autotune \\",
+        "        Flax:no_fusion_autotune --layers 4 --out jax012_exp2.json",
         f"    python -m bench.compile_layers --report {' '.join(files)}",
         "",
-        "The `te_flax:` rows are experiments (the experiment runs once, best of 3): "
-        "`jax_grad`, te_flax's step differentiated with `jax.value_and_grad` instead of "
-        "`te_flax.training.value_and_grad` (no max-merge mark on the FP8 state, which this "
-        "stack does not need: every state has one use); `xla_stages`, te_flax with its XLA "
-        "stages instead of its Pallas kernels (`pallas_kernels('0')`).",
+        "The rows named `variant:experiment` are experiments (run once, best of 3): "
+        "`te_flax:xla_stages`, te_flax with its XLA stages instead of its Pallas kernels "
+        "(`pallas_kernels('0')`); `:no_autotune`, the same step compiled with XLA's GPU "
+        f"autotuning off (`XLA_FLAGS={XLA_EXPERIMENTS['no_autotune']}`); `:no_fusion_autotune`, "
+        "with only the autotuner of the fusions' emitters off (`XLA_FLAGS="
+        f"{XLA_EXPERIMENTS['no_fusion_autotune']}`, a flag of XLA from jax 0.12); "
+        "`te_flax:jax_grad` (not run here), te_flax's "
+        "step differentiated with `jax.value_and_grad` instead of "
+        "`te_flax.training.value_and_grad`.",
     ]
     for version in sorted({r["jax"] for r in results}):
         rows = sorted(

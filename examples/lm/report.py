@@ -173,7 +173,7 @@ def write_report(config: Config, results: list[RunResult]) -> Path:
         lines.append(
             f"| {r.name} | {r.train_loss[-1]:.4f} | {r.eval_loss[0]:.4f} | {r.eval_loss[-1]:.4f} "
             f"| {drop:.1%} | {r.tokens_per_s:,.0f} | {1000 * r.step_time_s:.1f} | "
-            f"{r.first_step_s:.1f} | {r.parameters:,} |"
+            f"{r.first_step_s:.2f} | {r.parameters:,} |"
         )
     lines += [
         "",
