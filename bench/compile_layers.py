@@ -18,9 +18,9 @@ Attention is the unfused softmax path everywhere (``bench.te_peer --attention un
 ``NVTE_FUSED_ATTN=0``, te_flax's ``implementation="xla"``). Every measurement runs in a fresh
 process; the figures are the best of ``--repeats`` such processes, stage by stage. Per variant:
 ``jit(step).trace`` (tracing), ``.lower()`` (lowering to StableHLO, the Pallas kernels' lowering
-to Triton within it), ``.compile()`` (XLA) and, from a ``jax.profiler`` trace of the compile,
-XLA's HLO passes, its LLVM IR emission, LLVM's PTX generation and ``ptxas`` (one call per
-compiled module); StableHLO ops by kind, jaxpr equations by source function, and from the
+to Triton or Mosaic GPU within it), ``.compile()`` (XLA) and, from a ``jax.profiler`` trace of
+the compile, XLA's HLO passes, its LLVM IR emission, LLVM's PTX generation and ``ptxas`` (one
+call per compiled module); StableHLO ops by kind, jaxpr equations by source function, and from the
 optimized HLO its fusions (all, and distinct: identical bodies compile once) by XLA's name (after
 the root op) and by the module scope of their ``op_name``. ``--variants`` also takes the
 experiments of ``EXPERIMENTS``.
@@ -222,7 +222,8 @@ def step_and_inputs(variant: str, fp8: bool, layers: int):
 
 
 def _timed_pallas_lowering(seconds: list[float]) -> None:
-    """Adds each ``pallas_call`` lowering's (to Triton) seconds to ``seconds``."""
+    """Adds each Pallas kernel's lowering seconds to ``seconds``: ``pallas_call``'s (to Triton)
+    and Mosaic GPU's (to its MLIR module; XLA compiles both)."""
     from jax._src.interpreters import mlir
     from jax._src.pallas.pallas_call import pallas_call_p
 
@@ -240,6 +241,20 @@ def _timed_pallas_lowering(seconds: list[float]) -> None:
         mlir._lowerings[pallas_call_p] = dataclasses.replace(entry, rule=timed)
     else:
         mlir._lowerings[pallas_call_p] = timed
+    try:  # Mosaic GPU kernels (plgpu.kernel) reach their lowering without pallas_call's rule
+        from jax._src.pallas.mosaic_gpu import lowering as mosaic_gpu
+    except ImportError:  # no Mosaic GPU lowering in this JAX
+        return
+    lower_module = mosaic_gpu.lower_unpipelined_jaxpr_to_module
+
+    def timed_mosaic(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return lower_module(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - start)
+
+    mosaic_gpu.lower_unpipelined_jaxpr_to_module = timed_mosaic
 
 
 def _profile_stages(log_dir: str) -> dict:
@@ -606,11 +621,6 @@ def _sources(rows: list[dict], layers: int) -> list[str]:
     return lines
 
 
-def _invocations(files: list[str]) -> int:
-    """How many times each of the two main commands ran: its JSON files (not the experiments')."""
-    return max(1, sum("_exp" not in name for name in files) // 2)
-
-
 def report(results: list[dict], files: list[str]) -> str:
     s = SHAPE
     lines = [
@@ -632,13 +642,14 @@ def report(results: list[dict], files: list[str]) -> str:
         "identical fused computations counted once (as XLA's `deduplicated_name` shows, one "
         "kernel each).",
         "",
-        f"Commands, from the repository root, each run {_invocations(files)} times (TE's "
-        "environment as for `bench.te_peer`); the report takes each stage's best over all "
-        "those runs' processes, the other figures from the last run:",
+        "Commands, from the repository root (TE's environment as for `bench.te_peer`), each "
+        "run once per JSON file of the last command; the report takes each stage's best over "
+        "all those runs' processes, the other figures from the last run:",
         "",
         "    NVTE_JAX_CUSTOM_CALLS=true PYTHONPATH=. te-python -m bench.compile_layers \\",
         "        --out te_1.json    # jax 0.10.2; then te_2.json",
         "    python -m bench.compile_layers --out jax012_1.json    # jax 0.12; then jax012_2.json",
+        "    python -m bench.compile_layers --variants te_flax --out jax012_3.json    # and _4",
         "    NVTE_JAX_CUSTOM_CALLS=true PYTHONPATH=. te-python -m bench.compile_layers \\",
         "        --variants te_flax:no_autotune TE:no_autotune Flax:no_autotune --layers 4 \\",
         "        --out te_exp.json",
@@ -646,6 +657,8 @@ def report(results: list[dict], files: list[str]) -> str:
         "        te_flax:xla_stages --layers 4 --out jax012_exp.json",
         "    python -m bench.compile_layers --variants te_flax:no_fusion_autotune \\",
         "        Flax:no_fusion_autotune --layers 4 --out jax012_exp2.json",
+        "    python -m bench.compile_layers --variants te_flax:no_autotune \\",
+        "        te_flax:no_fusion_autotune te_flax:xla_stages --layers 4 --out jax012_exp3.json",
         f"    python -m bench.compile_layers --report {' '.join(files)}",
         "",
         "The rows named `variant:experiment` are experiments (run once, best of 3): "
