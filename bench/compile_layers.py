@@ -221,6 +221,19 @@ def step_and_inputs(variant: str, fp8: bool, layers: int):
 # ----------------------------------------------------------------------------- one measurement
 
 
+def _timed(function, seconds: list[float]):
+    """``function``, adding the seconds of each call to ``seconds``."""
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - start)
+
+    return timed
+
+
 def _timed_pallas_lowering(seconds: list[float]) -> None:
     """Adds each Pallas kernel's lowering seconds to ``seconds``: ``pallas_call``'s (to Triton)
     and Mosaic GPU's (to its MLIR module; XLA compiles both)."""
@@ -228,33 +241,21 @@ def _timed_pallas_lowering(seconds: list[float]) -> None:
     from jax._src.pallas.pallas_call import pallas_call_p
 
     entry = mlir._lowerings[pallas_call_p]
-    rule = getattr(entry, "rule", entry)  # jax 0.10 keeps the rule in an entry
-
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return rule(*args, **kwargs)
-        finally:
-            seconds.append(time.perf_counter() - start)
-
-    if hasattr(entry, "rule"):
-        mlir._lowerings[pallas_call_p] = dataclasses.replace(entry, rule=timed)
+    if hasattr(entry, "rule"):  # jax 0.10 keeps the rule in an entry
+        mlir._lowerings[pallas_call_p] = dataclasses.replace(
+            entry, rule=_timed(entry.rule, seconds)
+        )
     else:
-        mlir._lowerings[pallas_call_p] = timed
+        mlir._lowerings[pallas_call_p] = _timed(entry, seconds)
     try:  # Mosaic GPU kernels (plgpu.kernel) reach their lowering without pallas_call's rule
         from jax._src.pallas.mosaic_gpu import lowering as mosaic_gpu
     except ImportError:  # no Mosaic GPU lowering in this JAX
         return
-    lower_module = mosaic_gpu.lower_unpipelined_jaxpr_to_module
-
-    def timed_mosaic(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return lower_module(*args, **kwargs)
-        finally:
-            seconds.append(time.perf_counter() - start)
-
-    mosaic_gpu.lower_unpipelined_jaxpr_to_module = timed_mosaic
+    # The entry point its pallas_call registration calls: renamed after jax 0.10.
+    for name in ("lower_unpipelined_jaxpr_to_module", "lower_pipelined_jaxpr_to_module"):
+        if hasattr(mosaic_gpu, name):
+            setattr(mosaic_gpu, name, _timed(getattr(mosaic_gpu, name), seconds))
+            return
 
 
 def _profile_stages(log_dir: str) -> dict:
