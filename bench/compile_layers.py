@@ -662,7 +662,7 @@ def report(results: list[dict], files: list[str]) -> str:
         "        te_flax:no_fusion_autotune te_flax:xla_stages --layers 4 --out jax012_exp3.json",
         f"    python -m bench.compile_layers --report {' '.join(files)}",
         "",
-        "The rows named `variant:experiment` are experiments (run once, best of 3): "
+        "The rows named `variant:experiment` are experiments (best of 3 per run): "
         "`te_flax:xla_stages`, te_flax with its XLA stages instead of its Pallas kernels "
         "(`pallas_kernels('0')`); `:no_autotune`, the same step compiled with XLA's GPU "
         f"autotuning off (`XLA_FLAGS={XLA_EXPERIMENTS['no_autotune']}`); `:no_fusion_autotune`, "
