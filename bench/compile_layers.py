@@ -59,6 +59,7 @@ import jax
 import jax.numpy as jnp
 
 from bench import te_peer
+from te_flax._tools.hlo import MOSAIC_CALL, TRITON_CALL, custom_call_targets
 
 RESULTS = Path(__file__).with_name("RESULTS_compile_layers.md")
 SHAPE = te_peer.Shape(tokens=1024, seq=512, hidden=1024, mlp=4096, heads=16)  # batch 2
@@ -91,7 +92,6 @@ _TRANSFORM = re.compile(
 _METADATA = re.compile(r", metadata=\{[^}]*\}|, backend_config=.*$|, frontend_attributes=\{[^}]*\}")
 _NAME = re.compile(r"%[\w.\-]+")
 _INSTRUCTION_NAME = re.compile(r"^\s*(?:ROOT )?%([\w\-]+?)(?:\.\d+)? = ")
-_TARGET = re.compile(r'custom_call_target="([^"]+)"')
 # XLA's compile stages as the profiler names them; "PTX->CUBIN" is one ptxas call.
 ASSIGNER = "config-assigner"
 STAGES = {
@@ -353,7 +353,7 @@ def hlo_summary(hlo: str) -> dict:
             distinct_by_file[where] += 1
             named = _INSTRUCTION_NAME.match(line)
             distinct_by_name[named.group(1) if named else "?"] += 1
-    targets = Counter(_TARGET.findall(hlo))
+    targets = Counter(custom_call_targets(hlo))
     return {
         "fusions": len(fusions),
         "distinct_fusions": len(seen),
@@ -552,7 +552,7 @@ def _total(r: dict) -> float:
 
 def _calls(r: dict) -> str:
     gemms = sum(n for t, n in r["custom_calls"].items() if "cublas" in t or "gemm" in t)
-    pallas = sum(r["custom_calls"].get(t, 0) for t in ("__gpu$xla.gpu.triton", "mosaic_gpu_v2"))
+    pallas = sum(r["custom_calls"].get(t, 0) for t in (TRITON_CALL, MOSAIC_CALL))
     return f"{gemms} / {pallas} / {sum(r['custom_calls'].values()) - gemms - pallas}"
 
 

@@ -177,6 +177,18 @@ RECIPES = {
 }
 
 
+def _assert_bf16_close(actual, want, name):
+    """Two bfloat16 ulps of the tensor's largest value apart at most: the kernel scales its
+    float32 accumulator before rounding once, XLA rounds the GEMM's output, then the scaled one."""
+    scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
+    np.testing.assert_allclose(
+        np.asarray(actual, np.float32),
+        np.asarray(want, np.float32),
+        atol=2**-7 * scale,
+        err_msg=name,
+    )
+
+
 @functools.partial(jax.jit, static_argnames="sizes")
 def _step(x, kernel, bias, cotangent, state, sizes):
     def loss(x, kernel, bias, state):
@@ -213,16 +225,8 @@ def test_grouped_dense_on_the_kernels_matches_xla(recipe, sizes):
         (_, out), grads = _two_steps(RECIPES[recipe], sizes)
     with pallas_kernels("0"):
         (_, expected_out), expected = _two_steps(RECIPES[recipe], sizes)
-    # bfloat16 outputs and input gradients: the kernel scales its float32 accumulator before
-    # rounding once, XLA rounds the GEMM's output, then the scaled one (two ulps apart at most).
     for name, actual, want in [("out", out, expected_out), ("d_x", grads[0], expected[0])]:
-        scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
-        np.testing.assert_allclose(
-            np.asarray(actual, np.float32),
-            np.asarray(want, np.float32),
-            atol=2**-7 * scale,
-            err_msg=name,
-        )
+        _assert_bf16_close(actual, want, name)
     for name, actual, want in zip(("d_kernel", "d_bias"), grads[1:3], expected[1:3], strict=True):
         np.testing.assert_allclose(actual, want, rtol=1e-5, atol=1e-5, err_msg=name)
     for (path, actual), want in zip(
@@ -296,13 +300,7 @@ def test_capacity_lowering_on_the_kernels_matches_batched_dense(recipe):
             results[mode] = jax.jit(step)(x, kernel, bias, state)
     names = ("d_x", "d_kernel", "d_bias")
     for name, actual, want in zip(names, results["1"][:3], results["0"][:3], strict=True):
-        scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
-        np.testing.assert_allclose(
-            np.asarray(actual, np.float32),
-            np.asarray(want, np.float32),
-            atol=2**-7 * scale,
-            err_msg=name,
-        )
+        _assert_bf16_close(actual, want, name)
     for actual, want in zip(*map(jax.tree.leaves, (results["1"][3], results["0"][3])), strict=True):
         np.testing.assert_allclose(actual, want, rtol=1e-6)
 

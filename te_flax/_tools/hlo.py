@@ -25,6 +25,7 @@ from typing import Any
 
 __all__ = [
     "FP8_GEMM",
+    "MOSAIC_CALL",
     "NON_FP8_GEMMS",
     "TRITON_CALL",
     "Collective",

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jax import Array, lax
 from jax.experimental import pallas as pl
@@ -30,6 +29,8 @@ from te_flax._ops.kernels import mosaic
 from te_flax._ops.kernels.common import lowered_once
 from te_flax._ops.kernels.mosaic import (
     TILE,
+    layout_outputs,
+    layout_results,
     layouts_by_xla,
     tile_amax,
     tileable,
@@ -120,13 +121,7 @@ def activation_quantize_tiles(
         ]
         activated = _activated(slices, activation_type, dtype)
         return layouts_by_xla(activated, scale_inv, q_dtype, layouts)
-    grid = (rows // TILE, intermediate // TILE)
-    shapes = ((rows, intermediate), (intermediate, rows))
-    out_type = [
-        jax.ShapeDtypeStruct(s, q_dtype) for s, on in zip(shapes, layouts, strict=True) if on
-    ]
-    out_type.append(jax.ShapeDtypeStruct(grid, jnp.float32))
-    buffers = [plgpu.SMEM((TILE, TILE), q_dtype) for on in layouts if on and q_dtype is not None]
+    out_type, buffers = layout_outputs(rows, intermediate, q_dtype, layouts)
     if layouts[1]:  # the transposed read's 16-bit buffer (``transposed_tile``)
         staged = (2, TILE, TILE) if dtype.itemsize == 4 else (TILE, TILE)
         buffers.append(plgpu.SMEM(staged, jnp.uint16 if dtype.itemsize == 4 else dtype))
@@ -134,7 +129,7 @@ def activation_quantize_tiles(
         "activation_quantize",
         lambda *refs: _body(activation_type, q_dtype, layouts, *refs),
         tuple(out_type),
-        dict(zip(("row", "column"), grid, strict=True)),
+        {"row": rows // TILE, "column": intermediate // TILE},
         (
             plgpu.SMEM((n_act, TILE, TILE), dtype),
             *buffers,
@@ -142,8 +137,4 @@ def activation_quantize_tiles(
         ),
         interpret,
     )
-    *written, partials = kernel(pre_activation, scale_inv)
-    results = iter(written)
-    data = next(results) if layouts[0] else None
-    transposed = next(results) if layouts[1] else None
-    return data, transposed, partials.reshape(-1)
+    return layout_results(kernel(pre_activation, scale_inv), layouts)

@@ -22,6 +22,8 @@ __all__ = [
     "TILE",
     "interpret_params",
     "kernel",
+    "layout_outputs",
+    "layout_results",
     "layouts_by_xla",
     "quantized_tile",
     "tile_amax",
@@ -152,4 +154,34 @@ def layouts_by_xla(
         quantized if layouts[0] else None,
         quantized.T if layouts[1] else None,
         amax,
+    )
+
+
+def layout_outputs(
+    rows: int, columns: int, q_dtype: DTypeLike | None, layouts: tuple[bool, bool]
+) -> tuple[list[jax.ShapeDtypeStruct], list[Any]]:
+    """An element-wise kernel's results on a ``[rows, columns]`` tensor, and their buffers: the
+    float8 data in each layout asked for (``[rows, columns]``, ``[columns, rows]``; none without
+    ``q_dtype``), then the f32 amax of each tile; a shared-memory tile for each float8 result
+    to be copied out from."""
+    amax = jax.ShapeDtypeStruct((rows // TILE, columns // TILE), jnp.float32)
+    if q_dtype is None:
+        return [amax], []
+    shapes = ((rows, columns), (columns, rows))
+    written = [shape for shape, on in zip(shapes, layouts, strict=True) if on]
+    out_type = [jax.ShapeDtypeStruct(shape, q_dtype) for shape in written]
+    return [*out_type, amax], [plgpu.SMEM((TILE, TILE), q_dtype) for _ in written]
+
+
+def layout_results(
+    results: list[Array], layouts: tuple[bool, bool]
+) -> tuple[Array | None, Array | None, Array]:
+    """The results of a kernel built on ``layout_outputs``: the float8 data as is and
+    transposed (None where not written) and the tiles' amax, flat."""
+    *written, partials = results
+    data = iter(written)
+    return (
+        next(data) if layouts[0] else None,
+        next(data) if layouts[1] else None,
+        partials.reshape(-1),
     )

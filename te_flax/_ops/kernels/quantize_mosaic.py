@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jax import Array, lax
 from jax.experimental import pallas as pl
@@ -30,6 +29,8 @@ from te_flax._ops.kernels import mosaic
 from te_flax._ops.kernels.common import lowered_once
 from te_flax._ops.kernels.mosaic import (
     TILE,
+    layout_outputs,
+    layout_results,
     layouts_by_xla,
     tile_amax,
     tileable,
@@ -94,20 +95,14 @@ def quantize_tiles(
     layouts = layouts if q_dtype is not None else (False, False)
     if not tileable(rows, columns):
         return layouts_by_xla(x, scale_inv, q_dtype, layouts)
-    grid = (rows // TILE, columns // TILE)
-    shapes = ((rows, columns), (columns, rows))
-    out_type = [
-        jax.ShapeDtypeStruct(s, q_dtype) for s, on in zip(shapes, layouts, strict=True) if on
-    ]
-    out_type.append(jax.ShapeDtypeStruct(grid, jnp.float32))
-    buffers = [plgpu.SMEM((TILE, TILE), q_dtype) for on in layouts if on and q_dtype is not None]
+    out_type, buffers = layout_outputs(rows, columns, q_dtype, layouts)
     if x.dtype.itemsize == 4 and layouts[1]:  # the float32 tile's halves (``transposed_tile``)
         buffers.append(plgpu.SMEM((2, TILE, TILE), jnp.uint16))
     kernel = mosaic.kernel(
         "quantize",
         lambda *refs: _body(q_dtype, layouts, *refs),
         tuple(out_type),
-        dict(zip(("row", "column"), grid, strict=True)),
+        {"row": rows // TILE, "column": columns // TILE},
         (
             plgpu.SMEM((TILE, TILE), x.dtype),
             *buffers,
@@ -115,8 +110,4 @@ def quantize_tiles(
         ),
         interpret,
     )
-    *written, partials = kernel(x, scale_inv)
-    results = iter(written)
-    data = next(results) if layouts[0] else None
-    transposed = next(results) if layouts[1] else None
-    return data, transposed, partials.reshape(-1)
+    return layout_results(kernel(x, scale_inv), layouts)
