@@ -33,7 +33,9 @@ os.environ["XLA_FLAGS"] = " ".join([_existing, *(f for f in _FLAGS if f not in _
 # environment, so a program compiled once is loaded, not recompiled, by every other process.
 # Every compile is kept (no minimum compile time or size); executables with host callbacks are
 # never cached by JAX. JAX_COMPILATION_CACHE_DIR set beforehand (a folder kept between runs)
-# is used as it is; JAX_ENABLE_COMPILATION_CACHE=false turns the cache off.
+# is used as it is; JAX_ENABLE_COMPILATION_CACHE=false turns the cache off. JAX writes an entry
+# in place, so a process may read one half-written (or left truncated by a killed process): JAX
+# warns and compiles again, and pyproject.toml's filterwarnings lets that warning through.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache_dir = tempfile.mkdtemp(prefix="te-flax-jax-cache-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
