@@ -39,6 +39,7 @@ Example usage::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -51,7 +52,7 @@ from te_flax._base.checks import check_positive_int
 from te_flax._base.jax_compat import partial_eval_jaxpr_nounits
 from te_flax.quantize.state import OVERWRITE_WITH_GRADIENT
 
-__all__ = ["accumulate_gradients", "split_microbatches"]
+__all__ = ["accumulate_gradients", "combine_gradients", "split_microbatches"]
 
 # A Flax variable dict: collection name -> nested dict of arrays.
 Variables = Mapping[str, Any]
@@ -95,6 +96,66 @@ def _combine(is_max: bool, total: Array, value: Array) -> Array:
 def _start(is_max: bool, like: jax.ShapeDtypeStruct) -> Array:
     fill = -jnp.inf if is_max else 0
     return jnp.full(like.shape, fill, like.dtype)
+
+
+def combine_gradients(*grads: Variables, reduce: str = "mean") -> dict[str, Any]:
+    """Several gradient dicts of one step (microbatches, views) as one: each parameter
+    gradient averaged (or summed), the FP8 state merged by elementwise max.
+
+    A gradient dict's FP8 collection is a new state, not a gradient: the sum of two new
+    states is no state, and their mean is a state of the mean amax, which no check can tell
+    from a real one (a mean of updates of one state is itself a valid update). Where a step
+    differentiates each microbatch apart and combines the results by hand, combine them with
+    this, not ``jax.tree.map``. (A loss that applies the model to every microbatch in one
+    differentiated function needs nothing: its reads of the state merge by max.)
+
+    Args:
+      *grads: gradient dicts of the same structure (``jax.grad`` of a loss over the whole
+        variable dict), one per microbatch.
+      reduce: ``"mean"`` (default) or ``"sum"``, for the parameter gradients.
+
+    Returns:
+      One gradient dict of that structure, ready for ``te_flax.training.apply_gradients`` or
+      Flax's ``TrainState.apply_gradients``.
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> import te_flax.linen as te_nn
+      >>> from te_flax.quantize import DelayedScaling
+      >>> from te_flax.accumulate import combine_gradients
+      >>> layer = te_nn.DenseGeneral(features=4, recipe=DelayedScaling(amax_history_len=4))
+      >>> variables = layer.init(jax.random.key(0), jnp.ones((2, 8)))
+      >>> grad = jax.grad(lambda v, x: jnp.sum(layer.apply(v, x)))
+      >>> grads = combine_gradients(grad(variables, jnp.ones((2, 8))),
+      ...                           grad(variables, 3 * jnp.ones((2, 8))))
+      >>> grads["_overwrite_with_gradient"]["x_amax_history"]  # max(1, 3), not their mean
+      Array([3., 0., 0., 0.], dtype=float32)
+    """
+    if reduce not in ("mean", "sum"):
+        raise ValueError(f'combine_gradients(reduce=...) must be "mean" or "sum", got {reduce!r}')
+    if not grads:
+        raise ValueError("combine_gradients needs at least one gradient dict, got none")
+    trees = {jax.tree.structure(g) for g in grads}
+    if len(trees) != 1:
+        raise ValueError(
+            "combine_gradients takes gradient dicts of one structure (the same model's "
+            f"variables), got {len(trees)} different structures: {sorted(map(str, trees))}"
+        )
+    if not isinstance(grads[0], Mapping):
+        raise TypeError(
+            "combine_gradients takes Flax variable dicts ({'params': ..., "
+            f"'{OVERWRITE_WITH_GRADIENT}': ...}}), got {type(grads[0]).__name__}"
+        )
+
+    def combine(path: tuple[Any, ...], *values: Array) -> Array:
+        if getattr(path[0], "key", None) == OVERWRITE_WITH_GRADIENT:
+            return functools.reduce(jnp.maximum, values)
+        total = functools.reduce(jnp.add, values)
+        return total / len(values) if reduce == "mean" else total
+
+    combined: dict[str, Any] = jax.tree_util.tree_map_with_path(combine, *grads)
+    return combined
 
 
 def accumulate_gradients(

@@ -23,6 +23,8 @@ from flax.training import train_state
 
 import te_flax.linen as te_nn
 import te_flax.nnx as te_nnx
+from te_flax.accumulate import combine_gradients
+from te_flax.dense import dense as te_dense
 from te_flax.quantize import (
     DelayedScaling,
     Float8BlockScaling,
@@ -181,6 +183,129 @@ def test_a_layer_applied_twice_trains_under_flax_train_state_as_under_te_flax():
     assert float(shared["kernel_amax_history"][0]) == pytest.approx(
         float(jnp.max(jnp.abs(state.params["params"]["shared"]["kernel"]))), rel=1e-2
     )
+
+
+SMALL = DelayedScaling(amax_history_len=4)
+
+
+def _small_x(scale: float = 1.0) -> jax.Array:
+    return scale * jax.random.normal(jax.random.key(3), (2, 16), jnp.float32)
+
+
+class _TwoUses(nn.Module):
+    """One layer applied to x and to 5 x: the merged amax of its input is 5 amax(x)."""
+
+    @nn.compact
+    def __call__(self, x):
+        layer = te_nn.DenseGeneral(features=16, recipe=SMALL, name="shared")
+        return layer(x) + layer(5.0 * x)
+
+
+class _TwoUsesNnx(nnx.Module):
+    def __init__(self):
+        self.shared = te_nnx.DenseGeneral(16, 16, recipe=SMALL, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        return self.shared(x) + self.shared(5.0 * x)
+
+
+def _two_uses_history(front_end: str, mode: str) -> jax.Array:
+    """The input amax history of a layer applied twice, after one differentiated step."""
+    x = _small_x()
+    if front_end == "linen":
+        model = _TwoUses()
+        variables = model.init(jax.random.key(0), x)
+        grad = jax.grad(lambda v: jnp.sum(model.apply(v, x)))  # Flax's plain idiom
+        step = jax.jit(grad) if mode == "jit" else grad
+        return step(variables)[FP8]["shared"]["x_amax_history"]
+    module = _TwoUsesNnx()
+    grad = te_nnx.value_and_grad(lambda m: jnp.sum(m(x)), update_fp8_state=True)
+    (nnx.jit(grad) if mode == "jit" else grad)(module)
+    return module.shared.x_amax_history[...]
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit", "disable_jit"])
+@pytest.mark.parametrize("front_end", ["linen", "nnx"])
+def test_a_layer_applied_twice_merges_by_max_with_and_without_jit(front_end, mode):
+    # Outside jit JAX had no rule to add the marked state's cotangents (KeyError: EArray).
+    if mode == "disable_jit":
+        with jax.disable_jit():
+            history = _two_uses_history(front_end, mode)
+    else:
+        history = _two_uses_history(front_end, mode)
+    amax = float(jnp.max(jnp.abs(_small_x())))
+    np.testing.assert_allclose(np.asarray(history), [5.0 * amax, 0.0, 0.0, 0.0], rtol=1e-6)
+
+
+class _TeStyleProjection(te_nn.TransformerEngineBase):
+    """A module written on TE's base class, its FP8 state from generate_quantizer_set."""
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], 16))
+        quantizer_set = self.generate_quantizer_set(fp8_recipe=SMALL)
+        return te_dense(x, kernel, quantizer_set=quantizer_set)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("module", ["DenseGeneral", "TransformerEngineBase"])
+def test_one_variable_dict_in_two_applies_merges_under_flax_train_state(module, jit):
+    # A two-view loss: the same variables applied twice per step, Flax's TrainState and
+    # jax.grad, no te_flax helper. The state was summed: scales doubled every step.
+    if module == "DenseGeneral":
+        layer = te_nn.DenseGeneral(features=16, recipe=SMALL)
+    else:
+        layer = _TeStyleProjection()
+    x = _small_x()
+    variables = layer.init(jax.random.key(0), x)
+    state = train_state.TrainState.create(
+        apply_fn=layer.apply, params=variables, tx=optax.sgd(1e-3)
+    )
+
+    def loss_fn(params, x):
+        return jnp.sum(state.apply_fn(params, x)) + jnp.sum(state.apply_fn(params, 2.0 * x))
+
+    def step(state, x):
+        return state.apply_gradients(grads=jax.grad(loss_fn)(state.params, x))
+
+    step = jax.jit(step) if jit else step
+    amaxes = []
+    for i in range(3):
+        batch = (1.0 + i) * x
+        amaxes.insert(0, 2.0 * float(jnp.max(jnp.abs(batch))))  # the larger view's
+        state = step(state, batch)
+    history = state.params[FP8]["x_amax_history"]
+    np.testing.assert_allclose(np.asarray(history), [*amaxes, 0.0], rtol=1e-6)
+
+
+def _microbatch_grads(layer, variables, scales):
+    grad = jax.jit(jax.grad(lambda v, x: jnp.sum(layer.apply(v, x))))
+    return [grad(variables, scale * _small_x()) for scale in scales]
+
+
+def test_hand_combined_microbatch_gradients_keep_the_max_or_are_refused():
+    layer = te_nn.DenseGeneral(features=16, recipe=SMALL)
+    variables = nn.unbox(layer.init(jax.random.key(0), _small_x()))
+    tx = optax.sgd(1e-3)
+    opt_state = init_optimizer(tx, variables)
+    # A step first, so that the check can see the shifted part of a history.
+    variables, opt_state = apply_gradients(
+        tx, variables, _microbatch_grads(layer, variables, [1.0])[0], opt_state
+    )
+    first, second = _microbatch_grads(layer, variables, [1.0, 4.0])
+    amax = float(jnp.max(jnp.abs(_small_x())))
+    combined = combine_gradients(first, second)
+    assert float(combined[FP8]["x_amax_history"][0]) == pytest.approx(4.0 * amax)
+    np.testing.assert_allclose(
+        combined["params"]["kernel"], (first["params"]["kernel"] + second["params"]["kernel"]) / 2
+    )
+    apply_gradients(tx, variables, combined, opt_state)  # accepted
+    # A sum or a scaling of the new state (clipping by hand) is refused where it is applied.
+    summed = jax.tree.map(jnp.add, first, second)
+    clipped = jax.tree.map(lambda g: 0.5 * g, first)
+    for wrong in (summed, clipped):
+        with pytest.raises(ValueError, match="summed over its uses"):
+            apply_gradients(tx, variables, wrong, opt_state)
 
 
 # ----------------------------------------------------------------------------- frozen layers

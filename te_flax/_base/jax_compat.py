@@ -22,6 +22,10 @@ Under ``TE_FLAX_PALLAS=auto`` the kernels are used only where it is kept without
 (``docs/versions.md``, "Kernel backends"). ``mixed_fp8_wgmma()``: whether the Mosaic GPU
 grouped GEMM kernels can multiply e4m3 by e5m2 (the float8 gradient GEMMs); where not, those
 GEMMs take the XLA lowering.
+
+``add_eagerly_by_max``: outside ``jit`` JAX has no rule to add cotangents of an extended dtype,
+which te_flax's max-merge of a reused FP8 state uses; one is registered from ``jax._src``.
+Fallback: said once, and such a reuse needs ``jit``.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import jax
 __all__ = [
     "JAX_VERSION",
     "TESTED_RANGE",
+    "add_eagerly_by_max",
     "is_batch_tracer",
     "mixed_fp8_wgmma",
     "mosaic_gpu_interpreted",
@@ -173,3 +178,40 @@ def mixed_fp8_wgmma() -> bool:
 def mosaic_gpu_interpreted() -> bool:
     """Whether this JAX has Pallas Mosaic GPU's interpret mode (from jax 0.11 on)."""
     return JAX_VERSION >= (0, 11)
+
+
+_ADDERS = _private("ad_util", "raw_jaxval_adders")
+_EARRAY = _private("earray", "EArray")
+
+
+def add_eagerly_by_max(dtype: Any) -> None:
+    """Lets JAX add cotangents of ``dtype`` (an extended dtype over float32, such as Flax's
+    ``fp32_max_grad``) outside ``jit``, by elementwise max, as its rules add them under ``jit``.
+
+    Autodiff adds the cotangents of a value's uses with ``add_any``. Inside ``jit`` an extended
+    dtype's own rule lowers it; outside ``jit`` (``jax.grad`` of an eager function, or under
+    ``jax.disable_jit()``) JAX looks the value's Python type up in ``ad_util.raw_jaxval_adders``,
+    which has no entry for ``EArray`` (a ``KeyError`` in jax 0.10 to 0.12). The entry added here
+    takes the max of the physical float32 data for ``dtype`` and defers to an entry JAX may have
+    for any other extended dtype. Without those internals te_flax says so once; a layer
+    applied twice then needs ``jit``.
+    """
+    if _ADDERS is None or _EARRAY is None or not hasattr(_EARRAY, "_data"):
+        _degraded(
+            "merging a reused layer's FP8 state by max outside jit",
+            "jax._src.ad_util.raw_jaxval_adders or jax._src.earray.EArray",
+        )
+        return
+    earlier = _ADDERS.get(_EARRAY)
+    if getattr(earlier, "te_flax_dtype", None) == dtype:
+        return
+
+    def add(x: Any, y: Any) -> Any:
+        if x.aval.dtype != dtype:
+            if earlier is None:
+                raise TypeError(f"JAX cannot add cotangents of dtype {x.aval.dtype} outside jit")
+            return earlier(x, y)
+        return _EARRAY(x.aval, jax.numpy.maximum(x._data, y._data))
+
+    add.te_flax_dtype = dtype  # type: ignore[attr-defined]
+    _ADDERS[_EARRAY] = add

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
+from flax.core.tracers import current_trace
 from jax import Array
 from jax.custom_derivatives import SymbolicZero
 
@@ -34,38 +35,43 @@ __all__ = [
 P = TypeVar("P")
 S = TypeVar("S")
 
-# owner id -> (weak reference to the owner, weak references to the state leaves it last read,
-# those leaves marked to merge by max).
-_READS: dict[int, tuple[weakref.ref[Any], list[weakref.ref[Any]], Any]] = {}
+# ids of the state leaves a module read -> (the trace they were read in, weak references to
+# those leaves, the leaves marked to merge by max).
+_READS: dict[tuple[int, ...], tuple[Any, list[weakref.ref[Any]], Any]] = {}
 
 
-def merge_reuse(owner: object, states: S) -> S:
-    """``states`` (what the module ``owner`` just read) marked to merge by max, the same
-    marked values for every call of ``owner`` that reads the very same arrays.
+def merge_reuse(states: S) -> S:
+    """``states`` (the FP8 state a module just read) marked to merge by max: the same marked
+    values for every read of the very same arrays in the same trace.
 
-    A layer applied twice in one differentiated step (weight tying, a shared block) reads one
-    value of its FP8 state twice; JAX adds the cotangents of the two reads, and a summed
-    history is no history. Marking where the state fans out to the two calls makes the uses
-    merge by elementwise max, whatever loop differentiates the step (``jax.grad``, Flax's
-    ``TrainState``, ``nnx.grad``). Reads are matched by identity: within one trace the same
-    variable gives the same array, and an array of another trace is another object.
+    One state read twice in one differentiated step (a layer applied twice, weight tying, a
+    shared block, one variable dict in two ``apply`` calls of a two-view loss) would get the sum
+    of the two reads' cotangents, and a summed history is no history. Marking each read makes
+    the uses merge by elementwise max, whatever loop differentiates the step (``jax.grad``,
+    Flax's ``TrainState``, ``nnx.grad``), with or without ``jit``. Reads are matched by
+    identity and by trace: within one trace the same variable gives the same array, whichever
+    module or ``apply`` reads it, and an array of another trace is another object (a concrete
+    array closed over by two traces is marked once per trace).
     """
     leaves = jax.tree.leaves(states)
     if not leaves:
         return states
-    cached = _READS.get(id(owner))
+    key = tuple(id(leaf) for leaf in leaves)
+    trace = current_trace()
+    cached = _READS.get(key)
     if cached is not None:
-        owner_ref, leaf_refs, marked = cached
-        same = owner_ref() is owner and len(leaf_refs) == len(leaves)
-        if same and all(ref() is leaf for ref, leaf in zip(leaf_refs, leaves, strict=True)):
+        read_in, leaf_refs, marked = cached
+        if read_in == trace and all(
+            ref() is leaf for ref, leaf in zip(leaf_refs, leaves, strict=True)
+        ):
             return marked
     marked = merge_by_max(states)
-    key = id(owner)
 
     def forget(_: object) -> None:
         _READS.pop(key, None)
 
-    _READS[key] = (weakref.ref(owner, forget), [weakref.ref(leaf) for leaf in leaves], marked)
+    refs = [weakref.ref(leaves[0], forget)] + [weakref.ref(leaf) for leaf in leaves[1:]]
+    _READS[key] = (trace, refs, marked)
     return marked
 
 

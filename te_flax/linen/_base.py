@@ -12,7 +12,7 @@ from jax import Array
 
 from te_flax._base.checks import check_positive_int
 from te_flax._layers.base import named_sets
-from te_flax._layers.fp8_state import check_state_matches
+from te_flax._layers.fp8_state import check_state_matches, merge_reuse
 from te_flax.quantize import QuantizerSet, Recipe
 from te_flax.quantize.state import (
     OVERWRITE_WITH_GRADIENT,
@@ -117,7 +117,8 @@ class TransformerEngineBase(nn.Module):
             raise TypeError(f"postfix must be a str, got {postfix!r}")
         recipe = resolve_recipe(fp8_recipe)
         collection = OVERWRITE_WITH_GRADIENT if variable_collection is None else variable_collection
-        state = fp8_variables(self, recipe, postfix, collection, n_groups)
+        # A module applied twice in one step reads the same arrays: their updates merge by max.
+        state = merge_reuse(fp8_variables(self, recipe, postfix, collection, n_groups))
         sr_key = self.make_rng(SR_RNG) if needs_sr_key(recipe) else None
         (qs,) = named_sets(
             [quantizer_set(recipe, postfix, state, sr_key)], quantization_checkpoint_name

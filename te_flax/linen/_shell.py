@@ -54,7 +54,7 @@ class LinenShell(TransformerEngineBase):
             postfix: fp8_variables(self, recipe, postfix, n_groups=self.fp8_groups)
             for postfix in self.fp8_postfixes
         }
-        states = merge_reuse(self, states)  # a layer applied twice merges by max
+        states = merge_reuse(states)  # a layer applied twice merges by max
         params, states = watch_fp8_state(type(self).__name__, "linen", params, states)
         sets = tuple(
             quantizer_set(

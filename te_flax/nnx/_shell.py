@@ -162,7 +162,7 @@ class NnxShell(nnx.Module):
             postfix: fp8_variables(self, recipe, postfix, self.fp8_groups)
             for postfix in self.fp8_postfixes
         }
-        states = merge_reuse(self, states)  # a layer applied twice merges by max
+        states = merge_reuse(states)  # a layer applied twice merges by max
         params, states = watch_fp8_state(type(self).__name__, "nnx", params, states)
         sets = tuple(
             quantizer_set(recipe, postfix, states.get(postfix, {}), sr_key(self, recipe))

@@ -7,8 +7,9 @@ and scales. The right merge is the elementwise max: the merged history's newest 
 largest amax of any use, and the merged ``scale_inv`` the largest (most cautious) scale.
 
 ``merge_by_max`` converts float32 state to Flax's ``fp32_max_grad`` dtype, whose cotangents
-autodiff accumulates with max; the ops convert it back to float32 where they read it. The
-differentiated function must be jitted: JAX adds extended-dtype cotangents only when tracing.
+autodiff accumulates with max; the ops convert it back to float32 where they read it. Inside
+``jit`` the dtype's own rule adds them; outside it, the rule ``jax_compat.add_eagerly_by_max``
+registers.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 from flax.linen.fp8_ops import fp32_max_grad
 from jax import Array, lax
 
+from te_flax._base.jax_compat import add_eagerly_by_max
 from te_flax.quantize import scaling
 
 __all__ = [
@@ -35,6 +37,9 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+# Outside jit too, the cotangents of a marked state's uses merge by max.
+add_eagerly_by_max(fp32_max_grad)
 
 
 # Both conversions take a whole tuple of leaves: one custom_vjp per marked tree (a model's state,
@@ -102,7 +107,7 @@ def _is_max_merged(leaf: object) -> bool:
 def merge_by_max(state: T) -> T:
     """Marks FP8 state so that the updates of all its uses merge by elementwise max.
 
-    Call it where a differentiated (and jitted) function reads the state, before the state
+    Call it where a differentiated function reads the state, before the state
     fans out to its uses (outside any ``lax.scan`` / ``nn.scan`` that reads it: inside a scan
     body the per-iteration updates would already have been added up); pass the result to the
     ops as usual. The gradient with respect to the original float32 state is then the
