@@ -133,14 +133,21 @@ def combine_gradients(*grads: Variables, reduce: str = "mean") -> dict[str, Any]
       Array([3., 0., 0., 0.], dtype=float32)
     """
     if reduce not in ("mean", "sum"):
-        raise ValueError(f'combine_gradients(reduce=...) must be "mean" or "sum", got {reduce!r}')
+        raise ValueError(
+            f'combine_gradients(reduce=...) must be "mean" or "sum", got {reduce!r}; "mean" '
+            'averages the parameter gradients, "sum" adds them (the FP8 state is max-merged)'
+        )
     if not grads:
-        raise ValueError("combine_gradients needs at least one gradient dict, got none")
+        raise ValueError(
+            "combine_gradients needs at least one gradient dict, got none; pass the gradient "
+            "dicts of the microbatches, e.g. combine_gradients(grads_1, grads_2)"
+        )
     trees = {jax.tree.structure(g) for g in grads}
     if len(trees) != 1:
         raise ValueError(
             "combine_gradients takes gradient dicts of one structure (the same model's "
-            f"variables), got {len(trees)} different structures: {sorted(map(str, trees))}"
+            f"variables), got {len(trees)} different structures: {sorted(map(str, trees))}; "
+            "pass the gradients of one model, each from jax.grad over its whole variable dict"
         )
     if not isinstance(grads[0], Mapping):
         raise TypeError(

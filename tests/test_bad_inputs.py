@@ -30,6 +30,7 @@ import te_flax.nnx as te_nnx
 from examples.lm.config import load_config
 from te_flax import convert, sharding, training
 from te_flax import quantize as q
+from te_flax.accumulate import combine_gradients
 from te_flax.attention import dot_product_attention
 from te_flax.dense import dense, grouped_dense
 from te_flax.layernorm import layernorm
@@ -573,6 +574,12 @@ CASES = [
          r"^variables must be a Flax variable dict", r"with a 'params' collection"),
     case("training-merge-without-params", lambda: training.merge_fp8_state({"kernel": KERNEL}),
          TypeError, r"^variables must be a Flax variable dict", r"with a 'params' collection"),
+    case("combine-gradients-reduce",
+         lambda: combine_gradients({"params": {"k": KERNEL}}, reduce="median"), ValueError,
+         r"combine_gradients\(reduce=\.\.\.\)", r'"mean" averages the parameter gradients'),
+    case("combine-gradients-structures",
+         lambda: combine_gradients({"params": {"k": KERNEL}}, {"params": {"j": KERNEL}}),
+         ValueError, r"gradient dicts of one structure", r"pass the gradients of one model"),
     case("training-optax-state", _apply_gradients_with_optax_state, TypeError,
          r"^opt_state must come from", r"te_flax\.training\.init_optimizer"),
     case("nnx-train-step-optax", lambda: _nnx_train_step(lambda model: TX), TypeError,
