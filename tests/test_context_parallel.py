@@ -1,10 +1,13 @@
 """Context parallelism: DotProductAttention with the sequence sharded over a ``context`` mesh
-axis (the all-gather and ring strategies, causal load balancing, packing) equals one device.
+axis (the all-gather and ring strategies, causal load balancing in each of TE's reorders,
+packing) equals one device.
 
 Small shapes on the 8 CPU devices; each case compiles one jitted loss-and-gradient function.
 """
 
 from __future__ import annotations
+
+import functools
 
 import flax.linen as nn
 import jax
@@ -23,6 +26,7 @@ from te_flax.sharding import load_axis_rules, make_mesh
 
 BATCH, SEQ, HEADS, HEAD_DIM = 2, 32, 2, 8
 SWAP = ReorderStrategy.DualChunkSwap
+STRIPED = ReorderStrategy.Striped
 
 
 def _qkv() -> tuple[jax.Array, ...]:
@@ -40,24 +44,45 @@ def _packed() -> SequenceDescriptor:
     return SequenceDescriptor.from_segment_ids_and_pos(jnp.asarray(ids), jnp.asarray(pos))
 
 
-def _loss_and_grads(module, cp_size, balanced, packed, qkv=None):
+def _one_document_per_row() -> SequenceDescriptor:
+    """A descriptor of unpacked rows: segment ids 1, positions 0 .. SEQ - 1."""
+    pos = np.broadcast_to(np.arange(SEQ, dtype=np.int32), (BATCH, SEQ))
+    return SequenceDescriptor.from_segment_ids_and_pos(
+        jnp.ones((BATCH, SEQ), jnp.int32), jnp.asarray(pos)
+    )
+
+
+def _loss_and_grads(module, cp_size, balanced, packed, qkv=None, order=(SWAP, None)):
     """``(output, grads of (params, q, k, v))`` of a fixed weighted sum of the output, with the
-    inputs reordered for load balancing (and the output put back) when ``balanced``; ``qkv``:
-    the inputs (default ``_qkv()``)."""
+    inputs reordered for load balancing by ``order`` = (strategy, stripe_size) (and the output
+    put back) when ``balanced``; ``packed``: the descriptor, True for ``_packed()``'s
+    documents, "rows" for one document per row, "seqlens" for rows of 32 and 23 tokens given
+    by ``from_seqlens``, False for none; ``qkv``: the inputs (default ``_qkv()``). Segment ids
+    and positions are given as MaxText gives them: reordered with the tensors, with the
+    keywords of TE before 2.14 for a Striped order."""
     weights = jnp.sin(jnp.arange(BATCH * SEQ * HEADS * HEAD_DIM, dtype=jnp.float32))
     weights = weights.reshape(BATCH, SEQ, HEADS, HEAD_DIM)
+    strategy, stripe_size = order
 
     def reorder(x):
-        return reorder_causal_load_balancing(x, SWAP, cp_size, 1) if balanced else x
+        if not balanced:
+            return x
+        return reorder_causal_load_balancing(x, strategy, cp_size, 1, stripe_size)
 
     def loss(params, q, k, v):
         descriptor = None
-        if packed:
-            ids, pos = _packed().segment_ids[0], _packed().segment_pos[0]
-            descriptor = SequenceDescriptor.from_segment_ids_and_pos(reorder(ids), reorder(pos))
+        if packed == "seqlens":  # in the original order, whatever the tensors' order
+            descriptor = SequenceDescriptor.from_seqlens(jnp.asarray([SEQ, 23]))
+        elif packed:
+            segments = _packed() if packed is True else _one_document_per_row()
+            ids, pos = (reorder(t) for t in (segments.segment_ids[0], segments.segment_pos[0]))
+            keywords = {}
+            if strategy == STRIPED:
+                keywords = dict(is_thd=True, is_segment_ids_reordered=balanced and cp_size > 1)
+            descriptor = SequenceDescriptor.from_segment_ids_and_pos(ids, pos, **keywords)
         out = module.apply(params, *(reorder(t) for t in (q, k, v)), sequence_descriptor=descriptor)
         if balanced:
-            out = inverse_reorder_causal_load_balancing(out, SWAP, cp_size, 1)
+            out = inverse_reorder_causal_load_balancing(out, strategy, cp_size, 1, stripe_size)
         return jnp.sum(out * weights), out
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
@@ -109,6 +134,89 @@ def test_context_parallel_equals_one_device(cp_size, strategy, balanced, packed,
     if packed:  # the padding queries of row 1 get zero output and zero gradient
         np.testing.assert_array_equal(got[0][1, 29:], 0.0)
         np.testing.assert_array_equal(got[1][1][1, 29:], 0.0)
+
+
+@functools.cache
+def _one_device(packed, window):
+    """One device's ``_loss_and_grads`` (no mesh: the strategy and balancing play no part)."""
+    return _loss_and_grads(_module("ring", False, window_size=window), 1, False, packed)
+
+
+@pytest.mark.parametrize(
+    "order, cp_size, strategy, packed, window",
+    [
+        ((STRIPED, None), 2, "ring", True, None),
+        ((STRIPED, None), 2, "all_gather", True, None),
+        ((STRIPED, 1), 4, "ring", True, None),
+        ((STRIPED, 2), 4, "all_gather", True, None),
+        ((STRIPED, None), 8, "ring", True, None),
+        ((STRIPED, None), 8, "all_gather", "rows", None),
+        ((STRIPED, 2), 2, "ring", True, (5, 0)),
+        ((SWAP, None), 4, "all_gather", True, (7, 0)),
+        ((SWAP, None), 2, "ring", "seqlens", None),
+    ],
+    ids=[
+        "striped-2-ring-packed",
+        "striped-2-all-gather-packed",
+        "striped-4-ring-packed",
+        "striped2-4-all-gather-packed",
+        "striped-8-ring-packed",
+        "striped-8-all-gather-rows",
+        "striped2-2-ring-window",
+        "swap-4-all-gather-window",
+        "swap-2-ring-seqlens",
+    ],
+)
+def test_every_reorder_equals_one_device(order, cp_size, strategy, packed, window):
+    """MaxText's packed batch reordered with ``Striped`` (TE's reorder for thd) or
+    ``DualChunkSwap``, with the descriptor of its reordered segment ids and positions: output
+    and q, k, v gradients within 1e-5 relative L2 of one device on the batch in its order."""
+    module = _module(strategy, True, window_size=window)
+    expected = _one_device(packed, window)
+    with jax.set_mesh(_mesh(cp_size)):
+        got = _loss_and_grads(module, cp_size, True, packed, order=order)
+    for ours, theirs in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        assert _relative(ours, theirs) <= 1e-5
+    if packed is True:  # the padding queries of row 1 get zero output and zero gradient
+        np.testing.assert_array_equal(got[0][1, 29:], 0.0)
+        np.testing.assert_array_equal(got[1][1][1, 29:], 0.0)
+
+
+def test_load_balanced_packed_seqlens_and_offsets_are_refused():
+    """Seqlens and offsets cannot say which reorder placed the tokens (TE refuses them too)."""
+    q, k, v = _qkv()
+    descriptor = SequenceDescriptor.from_seqlens_and_offsets(
+        jnp.asarray([[10, 22], [10, 19]]), jnp.asarray([[0, 10, 32], [0, 10, 29]])
+    )
+    with jax.set_mesh(_mesh(2)):
+        with pytest.raises(ValueError, match=r"needs a SequenceDescriptor of segment ids and pos"):
+            _module("ring", True).apply({}, q, k, v, sequence_descriptor=descriptor)
+        # Not load balanced, the tensors' order is the documents' order: accepted.
+        _module("ring", False).apply({}, q, k, v, sequence_descriptor=descriptor)
+
+
+def test_te_keywords_of_from_segment_ids_and_pos():
+    """TE's keywords before 2.14: positions given are kept; without them, TE's default then
+    (restarting at each run of one id for thd, along the row otherwise), refused for
+    reordered ids."""
+    ids = jnp.asarray([[1, 1, 1, 2, 2, 0, 0, 3]])
+    pos = jnp.asarray([[5, 6, 7, 0, 1, 0, 0, 9]])
+    kept = SequenceDescriptor.from_segment_ids_and_pos(
+        ids, pos, is_thd=True, is_segment_ids_reordered=True
+    )
+    np.testing.assert_array_equal(kept.segment_pos[0], pos)
+    thd = SequenceDescriptor.from_segment_ids_and_pos(
+        ids, is_thd=True, is_segment_ids_reordered=False
+    )
+    np.testing.assert_array_equal(thd.segment_pos[1], [[0, 1, 2, 0, 1, 0, 1, 0]])
+    bshd = SequenceDescriptor.from_segment_ids_and_pos(
+        (ids, ids), is_thd=False, is_segment_ids_reordered=False
+    )
+    np.testing.assert_array_equal(bshd.segment_pos[0], [np.arange(8)])
+    with pytest.raises(ValueError, match=r"is_segment_ids_reordered=True\) needs segment_pos"):
+        SequenceDescriptor.from_segment_ids_and_pos(ids, is_thd=True, is_segment_ids_reordered=True)
+    with pytest.raises(ValueError, match=r"needs segment_pos .* as in TransformerEngine"):
+        SequenceDescriptor.from_segment_ids_and_pos(ids)
 
 
 @pytest.mark.parametrize(

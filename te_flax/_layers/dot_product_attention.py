@@ -131,7 +131,7 @@ class DotProductAttentionSpec(AttentionHeads):
         value: Array,
         mask: Array | None,
         bias: Array | None,
-        ids: tuple[Array, Array] | None,
+        descriptor: SequenceDescriptor | None,
         dropout_rng: Array | None,
         q_offset: Array | int,
         sink: Array | None,
@@ -141,7 +141,8 @@ class DotProductAttentionSpec(AttentionHeads):
         given = {
             "a bias": bias is not None,
             "attention dropout": dropout_rng is not None,
-            "a mask array (pass a SequenceDescriptor)": ids is None and "padding" in mask_type,
+            "a mask array (pass a SequenceDescriptor)": descriptor is None
+            and "padding" in mask_type,
             "a bottom-right causal mask": mask_type.endswith("bottom_right"),
             "a decoding offset": not (isinstance(q_offset, int) and q_offset == 0),
             "score_mod": self.score_mod is not None,
@@ -158,14 +159,20 @@ class DotProductAttentionSpec(AttentionHeads):
             )
         del mask
         scale = self.scale_factor
+        balanced = self.context_parallel_causal_load_balanced
+        segments = None
+        if descriptor is not None:  # its ids and positions say where each token lies
+            segments = cp.descriptor_segments(
+                descriptor, query.shape[1], key.shape[1], self.context_parallel_size(), balanced
+            )
         return cp.context_parallel_attention(
             query,
             key,
             value,
             axis=self.context_parallel_axis,
             strategy=cp.canonical_cp_strategy(self.context_parallel_strategy),
-            load_balanced=self.context_parallel_causal_load_balanced,
-            segment_ids=ids,
+            load_balanced=balanced,
+            segments=segments,
             causal="causal" in mask_type,
             window=check_window(self.window_size),
             scale=1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale),
@@ -274,10 +281,11 @@ class DotProductAttentionSpec(AttentionHeads):
             dropout_rng = host.rng(self.dropout_rng_name)
         offsets = {spec.name: host.param(spec) for spec in self.param_specs()}
         mask_type = self.attn_mask_type
-        ids = None
+        descriptor = None
         if isinstance(mask, SequenceDescriptor):
             # Documents: a key of another document (or padding) is masked out, as a padding
             # mask; causality and windows then apply within each document.
+            descriptor = mask
             ids, _ = segment_ids_and_pos(mask, query.shape[1], key.shape[1])
             mask = padding_mask(ids)
             mask_type = _WITH_PADDING[attn.canonical_mask_type(mask_type)]
@@ -297,7 +305,7 @@ class DotProductAttentionSpec(AttentionHeads):
                 query.shape[2],
             )
             result: Array | tuple[Array, Array] = self._context_parallel(
-                query, key, value, mask, bias, ids, dropout_rng, q_offset, sink
+                query, key, value, mask, bias, descriptor, dropout_rng, q_offset, sink
             )
         else:
             result = self._one_device(

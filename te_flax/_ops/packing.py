@@ -6,8 +6,9 @@ when both carry the same nonzero segment id (0 is padding), and rotary positions
 document (``segment_pos``). A ``SequenceDescriptor`` gives the segments in one of TE's three
 forms; ``segment_ids_and_pos`` turns any of them into ``([batch, seq] ids, [batch, seq]
 positions)`` for queries and keys, and ``padding_mask`` into TE's boolean mask (True: masked).
-Causal masks and sliding windows then apply within a document unchanged, since its tokens are
-contiguous and its positions count up one by one.
+On one device causal masks and sliding windows then apply within a document unchanged, since its
+tokens are contiguous and its positions count up one by one. Across devices the tokens may lie
+in any order (a reorder for load balancing): there the masks compare the positions.
 """
 
 from __future__ import annotations
@@ -17,9 +18,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import Array
+from jax import Array, lax
 
-__all__ = ["SequenceDescriptor", "padding_mask", "segment_ids_and_pos"]
+__all__ = [
+    "SequenceDescriptor",
+    "has_offsets",
+    "has_positions",
+    "padding_mask",
+    "segment_ids_and_pos",
+]
 
 
 def _pair(value: Any, name: str) -> tuple[Array, Array]:
@@ -84,17 +91,74 @@ class SequenceDescriptor:
         cls,
         segment_ids: Array | tuple[Array, Array],
         segment_pos: Array | tuple[Array, Array] | None = None,
+        *,
+        is_thd: bool | None = None,
+        is_segment_ids_reordered: bool | None = None,
     ) -> SequenceDescriptor:
+        """Segments from ``[batch, seq]`` ids and positions, in whatever order the tokens lie.
+
+        The positions place every token: across devices the masks (causal, windows) compare
+        positions, not indices, so a batch reordered for load balancing is described by its
+        reordered ids and positions. ``is_thd`` and ``is_segment_ids_reordered`` are the
+        keywords of TransformerEngine releases before 2.14 (2.20.2 has neither and needs
+        ``segment_pos``); with them, ``segment_pos=None`` means those releases' default
+        positions: counting from 0 at each run of one id (``is_thd=True``) or along the row,
+        and refused for reordered ids, whose positions cannot be recovered.
+        """
         if segment_pos is None:
-            raise ValueError(
-                "from_segment_ids_and_pos needs segment_pos (each token's position within its "
-                "segment), as in TransformerEngine; e.g. for ids [1, 1, 2, 2, 2] pass "
-                "[0, 1, 0, 1, 2]"
-            )
+            segment_pos = _default_positions(segment_ids, is_thd, is_segment_ids_reordered)
         ids, pos = _pair(segment_ids, "segment_ids"), _pair(segment_pos, "segment_pos")
         for row_ids, row_pos in zip(ids, pos, strict=True):
             _check_segments(row_ids, row_pos)
         return cls(segment_ids=ids, segment_pos=pos)
+
+
+def _default_positions(
+    segment_ids: Array | tuple[Array, Array],
+    is_thd: bool | None,
+    is_segment_ids_reordered: bool | None,
+) -> tuple[Array, Array]:
+    """The positions of TransformerEngine before 2.14 for ``segment_pos=None`` (its keywords
+    given); without the keywords ``segment_pos`` is required, as in TE 2.20.2."""
+    if is_thd is None and is_segment_ids_reordered is None:
+        raise ValueError(
+            "from_segment_ids_and_pos needs segment_pos (each token's position within its "
+            "segment), as in TransformerEngine; e.g. for ids [1, 1, 2, 2, 2] pass "
+            "[0, 1, 0, 1, 2]"
+        )
+    if is_segment_ids_reordered:
+        raise ValueError(
+            "from_segment_ids_and_pos(..., is_segment_ids_reordered=True) needs segment_pos: "
+            "the positions of reordered tokens cannot be recovered from their ids. Reorder the "
+            "positions with the ids (reorder_causal_load_balancing of both) and pass them"
+        )
+
+    def positions(ids: Array) -> Array:
+        tokens = jnp.broadcast_to(jnp.arange(ids.shape[-1], dtype=jnp.int32), ids.shape)
+        if not is_thd:  # one sequence per row: positions along the row
+            return tokens
+        # Each run of one id starts where the id changes; a token counts from its run's start.
+        starts = jnp.concatenate(
+            [jnp.ones_like(ids[..., :1], jnp.bool_), ids[..., 1:] != ids[..., :-1]], axis=-1
+        )
+        run_start = lax.cummax(jnp.where(starts, tokens, 0), axis=ids.ndim - 1)
+        return tokens - run_start
+
+    q_ids, kv_ids = _pair(segment_ids, "segment_ids")
+    return positions(q_ids), positions(kv_ids)
+
+
+def has_positions(descriptor: SequenceDescriptor) -> bool:
+    """Whether ``descriptor`` gives segment ids and positions (else seqlens and offsets, whose
+    positions follow the tensors' indices)."""
+    q_ids, kv_ids = descriptor.segment_ids
+    return bool(q_ids.size + kv_ids.size)
+
+
+def has_offsets(descriptor: SequenceDescriptor) -> bool:
+    """Whether ``descriptor`` packs several documents per row by seqlens and offsets."""
+    q_offsets, kv_offsets = descriptor.seq_offsets
+    return bool(q_offsets.size + kv_offsets.size)
 
 
 def _check_segments(ids: Array, pos: Array) -> None:
@@ -138,8 +202,8 @@ def segment_ids_and_pos(
     descriptor: SequenceDescriptor, q_len: int, kv_len: int
 ) -> tuple[tuple[Array, Array], tuple[Array, Array]]:
     """``((q ids, kv ids), (q positions, kv positions))``, each ``[batch, len]`` int32."""
-    q_ids, kv_ids = descriptor.segment_ids
-    if q_ids.size + kv_ids.size:
+    if has_positions(descriptor):
+        q_ids, kv_ids = descriptor.segment_ids
         q_pos, kv_pos = descriptor.segment_pos
         ids, pos = (q_ids, kv_ids), (q_pos, kv_pos)
         for name, pair in (("segment_ids", ids), ("segment_pos", pos)):
@@ -160,7 +224,7 @@ def segment_ids_and_pos(
             "from_seqlens_and_offsets or from_segment_ids_and_pos"
         )
     q_offsets, kv_offsets = descriptor.seq_offsets
-    packed = q_offsets.size + kv_offsets.size > 0
+    packed = has_offsets(descriptor)
     q = _from_seqlens(q_lens, q_offsets if packed else None, q_len)
     kv = _from_seqlens(kv_lens, kv_offsets if packed else None, kv_len)
     return (q[0], kv[0]), (q[1], kv[1])

@@ -12,6 +12,12 @@ reorders the tokens before sharding so that every device holds early and late to
 ``reorder_causal_load_balancing(x, strategy, cp_size, seq_dim)`` gives the reordered tensor
 (its ``cp_size`` contiguous shards are the devices' tokens) and
 ``inverse_reorder_causal_load_balancing`` undoes it, with TE's signatures and orders.
+
+The attention across devices reads the tokens' order from their positions: a
+``SequenceDescriptor``'s segment ids and positions, reordered with the tensors, are the truth
+about which token is where, whatever reorder made them (MaxText reorders packed batches with
+``Striped``, as TE does for ``thd``). Without positions (no descriptor, or seqlens) a
+load-balanced input is read as ``DualChunkSwap``, as TE reads ``bshd`` inputs.
 """
 
 from __future__ import annotations
@@ -36,6 +42,12 @@ from te_flax._base.explicit_sharding import (
     spec_of,
 )
 from te_flax._ops.attention import logits, xla_attention
+from te_flax._ops.packing import (
+    SequenceDescriptor,
+    has_offsets,
+    has_positions,
+    segment_ids_and_pos,
+)
 
 __all__ = [
     "ReorderStrategy",
@@ -136,34 +148,85 @@ def canonical_cp_strategy(strategy: object) -> str:
 
 
 def token_order(cp_size: int, length: int, load_balanced: bool) -> np.ndarray:
-    """The original position of each token of a ``length`` sequence as it is laid out.
+    """The original position of each token of a ``length`` sequence given without positions.
 
-    Load-balanced inputs are in ``DualChunkSwap`` order (what ``reorder_causal_load_balancing``
-    makes), so device ``r``'s tokens are chunks ``r`` and ``2 cp - 1 - r``; causal masks and
-    windows compare these positions, not the tensor's indices.
+    Load-balanced inputs are then in ``DualChunkSwap`` order (TE's order for ``bshd``), so
+    device ``r``'s tokens are chunks ``r`` and ``2 cp - 1 - r``; causal masks and windows
+    compare these positions, not the tensor's indices.
     """
     if load_balanced:
         return _order(ReorderStrategy.DualChunkSwap, cp_size, length, None)
+    _check_divisible(cp_size, length)
+    return np.arange(length)
+
+
+def _check_divisible(cp_size: int, length: int) -> None:
     if length % cp_size:
         raise ValueError(
             f"context parallelism over {cp_size} devices needs a sequence length divisible by "
             f"{cp_size}, got {length}: pad the sequence to a multiple of {cp_size}"
         )
-    return np.arange(length)
+
+
+Segments = tuple[tuple[Array, Array], tuple[Array, Array]]
+
+
+def descriptor_segments(
+    descriptor: SequenceDescriptor, q_len: int, kv_len: int, cp_size: int, load_balanced: bool
+) -> Segments:
+    """``((q ids, kv ids), (q positions, kv positions))`` ``[batch, len]`` of a descriptor, as
+    the tokens lie across ``cp_size`` devices.
+
+    Segment ids and positions are taken as given: they say where each token is, whatever
+    reorder made them. Seqlens say it only in the tensors' own order: for a load-balanced
+    input they are read in ``DualChunkSwap`` order (TE's order without positions), and
+    packed seqlens with offsets are refused, as TE refuses them across devices.
+    """
+    ids, pos = segment_ids_and_pos(descriptor, q_len, kv_len)
+    if has_positions(descriptor) or not load_balanced or cp_size == 1:
+        return ids, pos
+    if has_offsets(descriptor):
+        raise ValueError(
+            f"a load-balanced packed batch across {cp_size} devices needs a SequenceDescriptor "
+            "of segment ids and positions, got one of seqlens and offsets: they cannot say "
+            "which reorder placed the tokens (TE's thd context parallelism refuses them too). "
+            "Build it with SequenceDescriptor.from_segment_ids_and_pos of the ids and "
+            "positions reordered as the tensors were (reorder_causal_load_balancing)"
+        )
+
+    def swapped(pair: tuple[Array, Array]) -> tuple[Array, Array]:
+        q, kv = (reorder_causal_load_balancing(t, ReorderStrategy.DualChunkSwap, cp_size, 1)
+                 for t in pair)  # fmt: skip
+        return q, kv
+
+    return swapped(ids), swapped(pos)
+
+
+def _one_document(
+    batch: int, q_len: int, kv_len: int, cp_size: int, load_balanced: bool
+) -> Segments:
+    """The segments of inputs without a descriptor: one document per row (ids 1), positions
+    ``[1, len]`` from ``token_order``."""
+    ids = (jnp.ones((batch, q_len), jnp.int32), jnp.ones((batch, kv_len), jnp.int32))
+    q_pos, kv_pos = (
+        jnp.asarray(token_order(cp_size, length, load_balanced), jnp.int32)[None]
+        for length in (q_len, kv_len)
+    )
+    return ids, (q_pos, kv_pos)
 
 
 def _block_keep(
-    q_tok: Array,
+    q_pos: Array,
     q_ids: Array,
-    kv_tok: Array,
+    kv_pos: Array,
     kv_ids: Array,
     causal: bool,
     window: tuple[int, int] | None,
 ) -> Array:
     """``[batch, 1, q, kv]`` True where a query attends a key: the same nonzero segment, and
-    (by original positions) causal and within the window."""
+    (by positions ``[batch or 1, len]``, not indices) causal and within the window."""
     keep = (q_ids[:, :, None] == kv_ids[:, None, :]) & (q_ids[:, :, None] > 0)
-    query, key = q_tok[None, :, None], kv_tok[None, None, :]
+    query, key = q_pos[:, :, None], kv_pos[:, None, :]
     if causal:
         keep = keep & (key <= query)
     if window is not None:
@@ -183,7 +246,7 @@ def context_parallel_attention(
     axis: str,
     strategy: str,
     load_balanced: bool,
-    segment_ids: tuple[Array, Array] | None,
+    segments: Segments | None,
     causal: bool,
     window: tuple[int, int] | None,
     scale: float,
@@ -191,9 +254,10 @@ def context_parallel_attention(
 ) -> Array:
     """Attention with the sequence sharded over the mesh axis ``axis`` (TE's context parallelism).
 
-    ``query``, ``key``, ``value`` are the global ``[batch, seq, heads, head_dim]`` tensors (in
-    DualChunkSwap order when ``load_balanced``), run under ``shard_map`` over ``axis`` only (the
-    other mesh axes stay automatic); each device keeps its ``seq / cp`` queries and
+    ``query``, ``key``, ``value`` are the global ``[batch, seq, heads, head_dim]`` tensors, in
+    any token order that ``segments`` describes (else in DualChunkSwap order when
+    ``load_balanced``), run under ``shard_map`` over ``axis`` only (the other mesh axes stay
+    automatic); each device keeps its ``seq / cp`` queries and
 
     * ``"ALL_GATHER"``: gathers every key and value (and their segment ids and positions) and
       runs the one-device attention on its queries; autodiff turns the gathers into
@@ -203,46 +267,47 @@ def context_parallel_attention(
       skipping a block none of its queries attends; the backward pass (a custom VJP) runs
       the ring again from the saved output and log-sum-exp (flash-attention style).
 
-    Masks are computed from the tokens' original positions and segment ids, so the result is
-    the one-device attention's (``segment_ids``: ``(q ids, kv ids)`` ``[batch, len]``, 0 for
-    padding; None: one document). ``sink`` is the softmax's sink logit ``[1, heads, 1, 1]``.
+    Masks are computed from the tokens' positions and segment ids, so the result is the
+    one-device attention's on the tokens in their original order (``segments``: ``((q ids, kv
+    ids), (q positions, kv positions))``, each ``[batch, len]``, ids 0 for padding, e.g. from
+    ``descriptor_segments``; None: one document per row, positions from ``load_balanced``).
+    ``sink`` is the softmax's sink logit ``[1, heads, 1, 1]``.
     """
     cp_size = int(jax.sharding.get_abstract_mesh().shape[axis])
     batch, q_len = query.shape[:2]
     kv_len = key.shape[1]
-    q_tok = jnp.asarray(token_order(cp_size, q_len, load_balanced), jnp.int32)
-    kv_tok = jnp.asarray(token_order(cp_size, kv_len, load_balanced), jnp.int32)
-    packed = segment_ids is not None
-    if segment_ids is None:
-        segment_ids = (jnp.ones((batch, q_len), jnp.int32), jnp.ones((batch, kv_len), jnp.int32))
-    q_ids, kv_ids = segment_ids
+    packed = segments is not None
+    if segments is None:
+        segments = _one_document(batch, q_len, kv_len, cp_size, load_balanced)
+    for length in (q_len, kv_len):
+        _check_divisible(cp_size, length)
+    (q_ids, kv_ids), (q_pos, kv_pos) = segments
     heads = query.shape[2]
     sink_arg = jnp.zeros((1, heads, 1, 1), jnp.float32) if sink is None else sink
     sink_arg = jnp.broadcast_to(sink_arg, (1, heads, 1, 1))
 
     def local(
-        q: Array, k: Array, v: Array, q_tok: Array, kv_tok: Array, q_ids: Array, kv_ids: Array,
+        q: Array, k: Array, v: Array, q_pos: Array, kv_pos: Array, q_ids: Array, kv_ids: Array,
         sink_logit: Array,
     ) -> Array:  # fmt: skip
         sink_or_none = None if sink is None else sink_logit
         if strategy == "ALL_GATHER":
             k, v = (_gather_keys(t, axis) for t in (k, v))
-            kv_ids = lax.all_gather(kv_ids, axis, axis=1, tiled=True)
-            kv_tok = lax.all_gather(kv_tok, axis, axis=0, tiled=True)
-            keep = _block_keep(q_tok, q_ids, kv_tok, kv_ids, causal, window)
+            kv_ids, kv_pos = (lax.all_gather(t, axis, axis=1, tiled=True) for t in (kv_ids, kv_pos))
+            keep = _block_keep(q_pos, q_ids, kv_pos, kv_ids, causal, window)
             out, _ = xla_attention(q, k, v, keep, None, scale, None, sink=sink_or_none)
             return out
-        block = (k, v, kv_tok, kv_ids)
-        # Load balanced causal blocks are all partly attended: no block to skip.
+        block = (k, v, kv_pos, kv_ids)
+        # DualChunkSwap's causal blocks are all partly attended: no block to skip. Any other
+        # order, windows and documents may leave a block unattended: it is skipped at run time.
         skip = not load_balanced or window is not None or packed
         return _ring(
-            q, block, q_tok, q_ids, causal, window, scale, sink_or_none, axis, cp_size, skip
+            q, block, q_pos, q_ids, causal, window, scale, sink_or_none, axis, cp_size, skip
         )
 
     seq = P(None, axis)
-    tok = P(axis)
-    in_specs = (seq, seq, seq, tok, tok, seq, seq, P())
-    args = (query, key, value, q_tok, kv_tok, q_ids, kv_ids, sink_arg)
+    in_specs = (seq, seq, seq, seq, seq, seq, seq, P())
+    args = (query, key, value, q_pos, kv_pos, q_ids, kv_ids, sink_arg)
     return jax.shard_map(local, in_specs=in_specs, out_specs=seq, axis_names={axis})(
         *placed_for_shard_map(args, in_specs, {axis})
     )
@@ -291,7 +356,7 @@ class _RingConfig(NamedTuple):
 def _ring(
     q: Array,
     block: tuple[Array, Array, Array, Array],
-    q_tok: Array,
+    q_pos: Array,
     q_ids: Array,
     causal: bool,
     window: tuple[int, int] | None,
@@ -305,13 +370,13 @@ def _ring(
     passed on to the next device after each step; online softmax in float32. With ``skip``,
     a block no query attends is skipped at run time. The backward pass (a custom VJP) runs
     the ring again from the saved output and log-sum-exp, so no block outlives its step."""
-    k, v, kv_tok, kv_ids = block
+    k, v, kv_pos, kv_ids = block
     config = _RingConfig(causal, window, float(scale), axis, cp_size, skip, sink is not None)
     heads = q.shape[2]
     sink_arg = jnp.zeros((1, heads, 1, 1), jnp.float32) if sink is None else sink
     # Varying over the axis, so that autodiff sums the sink's per-device gradients.
     sink_arg = _vary(sink_arg.astype(jnp.float32), axis)
-    return _ring_attention(config, q, k, v, q_tok, kv_tok, q_ids, kv_ids, sink_arg)
+    return _ring_attention(config, q, k, v, q_pos, kv_pos, q_ids, kv_ids, sink_arg)
 
 
 def _vary(x: Array, axis: str) -> Array:
@@ -326,7 +391,7 @@ def _ring_pass(
     step_fn: Callable[
         [tuple[Array, ...], tuple[Array, ...], Array], tuple[tuple[Array, ...], tuple[Array, ...]]
     ],
-    q_tok: Array,
+    q_pos: Array,
     q_ids: Array,
 ) -> tuple[tuple[Array, ...], tuple[Array, ...]]:
     """``cp_size`` ring steps: ``moving`` = (keys, values, key positions, key ids, extras...)
@@ -347,7 +412,7 @@ def _ring_pass(
     ) -> tuple[tuple[tuple[Array, ...], tuple[Array, ...]], None]:
         # The next block waits for this one's step: its scores are freed first.
         carry, moving = lax.optimization_barrier(state)
-        keep = _block_keep(q_tok, q_ids, moving[2], moving[3], config.causal, config.window)
+        keep = _block_keep(q_pos, q_ids, moving[2], moving[3], config.causal, config.window)
         if config.skip:  # a block no query attends (causal, windows, other documents)
             carry, moving = lax.cond(
                 jnp.any(keep), step_fn, lambda c, m, keep: (c, m), carry, moving, keep
@@ -369,7 +434,7 @@ def _scores(config: _RingConfig, grouped: Array, k: Array, keep: Array) -> Array
 
 
 def _ring_forward(
-    config: _RingConfig, q: Array, k: Array, v: Array, q_tok: Array, kv_tok: Array,
+    config: _RingConfig, q: Array, k: Array, v: Array, q_pos: Array, kv_pos: Array,
     q_ids: Array, kv_ids: Array, sink: Array,
 ) -> tuple[Array, Array]:  # fmt: skip
     """The output ``[b, q, h, d]`` and the rows' log-sum-exp ``[b, h, q]`` (float32)."""
@@ -404,7 +469,7 @@ def _ring_forward(
     # Every device's state varies over the axis (the blocks do), whatever it starts from.
     state = tuple(_vary(t, config.axis) for t in (row_max, row_sum, acc))
     (row_max, row_sum, acc), _ = _ring_pass(
-        config, state, (k, v, kv_tok, kv_ids), attend, q_tok, q_ids
+        config, state, (k, v, kv_pos, kv_ids), attend, q_pos, q_ids
     )
     # A query that sees no key (padding) gets zeros, as on one device.
     seen = row_sum > 0
@@ -415,19 +480,19 @@ def _ring_forward(
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ring_attention(
-    config: _RingConfig, q: Array, k: Array, v: Array, q_tok: Array, kv_tok: Array,
+    config: _RingConfig, q: Array, k: Array, v: Array, q_pos: Array, kv_pos: Array,
     q_ids: Array, kv_ids: Array, sink: Array,
 ) -> Array:  # fmt: skip
-    return _ring_forward(config, q, k, v, q_tok, kv_tok, q_ids, kv_ids, sink)[0]
+    return _ring_forward(config, q, k, v, q_pos, kv_pos, q_ids, kv_ids, sink)[0]
 
 
 def _ring_attention_forward(
-    config: _RingConfig, q: Array, k: Array, v: Array, q_tok: Array, kv_tok: Array,
+    config: _RingConfig, q: Array, k: Array, v: Array, q_pos: Array, kv_pos: Array,
     q_ids: Array, kv_ids: Array, sink: Array,
 ) -> tuple[Array, tuple[Array, ...]]:  # fmt: skip
     """Saves the local q, k, v, the output and the log-sum-exp (and the small ids)."""
-    out, lse = _ring_forward(config, q, k, v, q_tok, kv_tok, q_ids, kv_ids, sink)
-    return out, (q, k, v, out, lse, q_tok, kv_tok, q_ids, kv_ids, sink)
+    out, lse = _ring_forward(config, q, k, v, q_pos, kv_pos, q_ids, kv_ids, sink)
+    return out, (q, k, v, out, lse, q_pos, kv_pos, q_ids, kv_ids, sink)
 
 
 def _ring_attention_backward(
@@ -436,7 +501,7 @@ def _ring_attention_backward(
     """Flash-attention backward round the ring: each step recomputes a block's probabilities
     from the log-sum-exp; the block's key/value gradients travel with it (float32) and are
     back on their device when the ring ends."""
-    q, k, v, out, lse, q_tok, kv_tok, q_ids, kv_ids, sink = saved
+    q, k, v, out, lse, q_pos, kv_pos, q_ids, kv_ids, sink = saved
     # Not the forward's blocks: the backward recomputes its own, in its own loop (the barrier
     # alone does not stop XLA from merging straight-line recomputation with the forward's).
     q, k, v, out, lse, grad = lax.optimization_barrier((q, k, v, out, lse, grad))
@@ -452,7 +517,7 @@ def _ring_attention_backward(
         carry: tuple[Array, ...], moving: tuple[Array, ...], keep: Array
     ) -> tuple[tuple[Array, ...], tuple[Array, ...]]:
         (dq,) = carry
-        k, v, kv_tok, kv_ids, dk, dv = moving
+        k, v, kv_pos, kv_ids, dk, dv = moving
         # Masked scores are -inf: their probabilities are exp(-inf) = 0.
         probs = jnp.exp(_scores(config, grouped, k, keep) - lse[..., None])
         probs = einops.rearrange(probs, "b (k g) q s -> b k g q s", k=kv_heads)
@@ -471,13 +536,13 @@ def _ring_attention_backward(
         dv = dv + jnp.einsum(
             "bkgqs,bqkgd->bskd", probs, grad_grouped, preferred_element_type=jnp.float32
         )
-        return (dq,), (k, v, kv_tok, kv_ids, dk, dv)
+        return (dq,), (k, v, kv_pos, kv_ids, dk, dv)
 
     dq, dk, dv = (jnp.zeros_like(t, jnp.float32) for t in (grouped, k, v))
     state = (_vary(dq, config.axis),)
     zeros = tuple(_vary(t, config.axis) for t in (dk, dv))
     (dq,), moving = _ring_pass(
-        config, state, (k, v, kv_tok, kv_ids, *zeros), block_grads, q_tok, q_ids
+        config, state, (k, v, kv_pos, kv_ids, *zeros), block_grads, q_pos, q_ids
     )
     dk, dv = moving[4:]  # back home with their blocks
     dq = einops.rearrange(dq, "b q k g d -> b q (k g) d", g=group)
