@@ -8,13 +8,17 @@
 #          the CUDA build of jaxlib that compiles for an H100 without one
 #   oldest the test and example extras at the oldest tested versions (scripts/oldest.txt)
 #   docs   the library and the `docs` extra: what scripts/docs needs
-# The environment is VENV (default .venv), made with PYTHON (default python3). Each use keeps
-# its own install stamp ($VENV/.te_flax-train, ...), redone when pyproject.toml changes; pip
-# installs only what is missing, so running one script after the other adds the difference.
+# The environment is VENV (default .venv), made with PYTHON (default: the newest Python 3.13 or
+# 3.12 found, on PATH or installed by pyenv, else python3; the same for every script, so that
+# scripts/train and scripts/test share one stack). A VENV of another Python version is made
+# again (scripts/check_venv). Each use keeps its own install stamp ($VENV/.te_flax-train, ...),
+# redone when pyproject.toml changes; pip installs only what is missing, so running one script
+# after the other adds the difference.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-PYTHON=${PYTHON:-python3}
+PYTHON=${PYTHON:-$(scripts/find_python 3.13 3.12 || command -v python3)}
 VENV=${VENV:-.venv}
+scripts/check_venv "$VENV" "$PYTHON"
 constraints=()
 case "${1:-}" in
     train)
