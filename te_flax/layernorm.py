@@ -110,9 +110,7 @@ def layernorm(
       >>> y.round(4)  # (x - 2) / sqrt(1 + epsilon); the last digits depend on the CPU's rsqrt
       Array([[-1.,  1.]], dtype=float32)
     """
-    check.check_floating(x, "x")
-    if x.ndim < 1:
-        raise ValueError("x must have at least one axis (the hidden axis it is normalized over)")
+    check.check_input(x, "x")
     spec = check_norm(x, gamma, beta, norm_type, zero_centered_gamma, epsilon)
     if quantizer is not None:
         check_quantizer(quantizer, "quantizer")

@@ -30,6 +30,10 @@ The lines that differ from TE's, and why:
   ``params``).
 * optax's AdamW counts steps in int32 and mixes them with floats, so the step runs under
   standard dtype promotion (the test suite is strict).
+* A progress bar (tqdm) over each epoch's steps, and a default of 1,024 training sentences:
+  the synthetic task reaches 100% test accuracy in the second epoch (about 1.5 minutes on a
+  2-core CPU in FP8), where TE's CoLA size took ten minutes with no output. ``--no-progress``
+  turns the bar off.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import numpy as np
 import optax
 from flax import linen as nn
 from flax.training import train_state
+from tqdm import tqdm
 
 import te_flax as te
 import te_flax.linen as te_flax_nn
@@ -113,8 +118,8 @@ def train_step(state, inputs, masks, labels, var_collect, rngs):
     return state, loss, accuracy, var_collect
 
 
-def train_epoch(state, train_ds, batch_size, rngs, var_collect):
-    """Train for a single epoch."""
+def train_epoch(state, train_ds, batch_size, rngs, var_collect, progress=None):
+    """Train for a single epoch; ``progress`` (a tqdm bar) advances by one per step."""
     train_ds_size = len(train_ds["sentence"])
     steps_per_epoch = train_ds_size // batch_size
     perms = jax.random.permutation(rngs[INPUT_KEY], train_ds_size)
@@ -134,6 +139,8 @@ def train_epoch(state, train_ds, batch_size, rngs, var_collect):
         )
         epoch_loss.append(loss)
         epoch_accuracy.append(accuracy)
+        if progress is not None:
+            progress.update()
 
     avg_loss = np.mean(epoch_loss)
     avg_accuracy = np.mean(epoch_accuracy)
@@ -236,6 +243,7 @@ def train_and_evaluate(args):
             print("PASSED")
             return None
 
+        steps_per_epoch = len(train_ds["sentence"]) // args.batch_size
         for epoch in range(1, args.epochs + 1):
             # Split and reassign to 'rng' to ensure unique rng for each step
             rng, input_rng = jax.random.split(rng)
@@ -243,9 +251,13 @@ def train_and_evaluate(args):
             rng, sr_rng = jax.random.split(rng)
             rngs = {INPUT_KEY: input_rng, DROPOUT_KEY: dropout_rng, SR_KEY: sr_rng}
 
-            state, train_loss, train_accuracy, var_collect = train_epoch(
-                state, train_ds, args.batch_size, rngs, var_collect
-            )
+            with tqdm(
+                total=steps_per_epoch, desc=f"epoch {epoch}/{args.epochs}", unit="step",
+                disable=not args.progress, leave=False,
+            ) as progress:  # fmt: skip
+                state, train_loss, train_accuracy, var_collect = train_epoch(
+                    state, train_ds, args.batch_size, rngs, var_collect, progress
+                )
 
             test_loss, test_accuracy = eval_model(
                 state, test_ds, args.test_batch_size, var_collect, rngs
@@ -296,9 +308,9 @@ def encoder_parser(args):
     parser.add_argument(
         "--train-size",
         type=int,
-        default=8192,
+        default=1024,
         metavar="N",
-        help="sentences in the synthetic training set (default: 8192)",
+        help="sentences in the synthetic training set (default: 1024)",
     )
     parser.add_argument(
         "--test-size",
@@ -321,6 +333,12 @@ def encoder_parser(args):
         help="quickly check a single pass",
     )
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default: 0)")
+    parser.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no progress bar over each epoch's steps",
+    )
     parser.add_argument(
         "--use-fp8",
         action="store_true",

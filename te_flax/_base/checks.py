@@ -22,6 +22,7 @@ __all__ = [
     "check_broadcastable",
     "check_dtype",
     "check_floating",
+    "check_input",
     "check_positive_int",
     "check_rate",
     "check_shape",
@@ -35,15 +36,47 @@ def check_floating(array: object, name: str) -> None:
     """``array`` must be a floating-point array of a compute dtype (not float8)."""
     dtype = getattr(array, "dtype", None)
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        variable = name if name.isidentifier() else "x"  # "DenseGeneral's input": x
         raise TypeError(
             f"{name} must be a floating-point array, got "
             f"{dtype if dtype is not None else type(array).__name__}; cast it, e.g. "
-            f"{name}.astype(jnp.bfloat16)"
+            f"{variable}.astype(jnp.bfloat16)"
         )
     if jnp.finfo(dtype).bits < 16:
         raise TypeError(
             f"{name} has dtype {dtype}; pass high-precision values (float32, bfloat16 or "
             "float16) and let a quantizer_set do the float8 conversion"
+        )
+
+
+def check_input(x: object, name: str, feature_axes: int = 1) -> None:
+    """``x`` must be a floating-point array with its features on its last ``feature_axes`` axes.
+
+    The one check of the input that every layer and op shares: a layer normalizes or contracts
+    the trailing axes of ``[batch..., features]``, so a scalar (or an array with fewer axes than
+    the layer contracts) has no features to read. A batch of size 0 is an input like any other.
+
+    Example usage::
+
+      >>> import jax.numpy as jnp
+      >>> from te_flax._base.checks import check_input
+      >>> check_input(jnp.ones((2, 8)), "x")
+      >>> check_input(jnp.float32(1.0), "x")
+      Traceback (most recent call last):
+      ...
+      ValueError: x has shape () but needs at least one axis: its last axis holds the \
+features, [batch..., features]; add the missing axes, e.g. x.reshape(1, -1) for one example
+    """
+    check_floating(x, name)
+    shape = tuple(cast(Array, x).shape)
+    if len(shape) < feature_axes:
+        if feature_axes == 1:
+            rule, fix = "one axis: its last axis holds", "x.reshape(1, -1)"
+        else:
+            rule, fix = f"{feature_axes} axes: its last {feature_axes} hold", "x[None]"
+        raise ValueError(
+            f"{name} has shape {shape} but needs at least {rule} the features, "
+            f"[batch..., features]; add the missing axes, e.g. {fix} for one example"
         )
 
 

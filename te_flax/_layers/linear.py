@@ -112,6 +112,7 @@ class LayerNormSpec(Norm, Fp8Layer):
     transpose_batch_sequence: bool = False
 
     def in_features(self, x: Array) -> tuple[int, ...]:
+        check.check_input(x, f"{type(self).__name__}'s input")
         return (x.shape[-1],)
 
     def param_specs(self, in_features: tuple[int, ...]) -> list[ParamSpec]:
@@ -167,6 +168,8 @@ class DenseGeneralSpec(LowRank, Fp8Layer):
         return normalized
 
     def in_features(self, x: Array) -> tuple[int, ...]:
+        contracted = 1 if isinstance(self.axis, int) else len(tuple(self.axis))
+        check.check_input(x, f"{type(self).__name__}'s input", contracted)
         return tuple(x.shape[a] for a in self._axes(x.ndim))
 
     def param_specs(self, in_features: tuple[int, ...]) -> list[ParamSpec]:
@@ -240,6 +243,7 @@ class LayerNormDenseGeneralSpec(FusedNorm, LowRank, Fp8Layer):
     fp8_postfixes: ClassVar[tuple[str, ...]] = ("",)
 
     def in_features(self, x: Array) -> tuple[int, ...]:
+        check.check_input(x, f"{type(self).__name__}'s input")
         check_last_axis(self.axis, x)
         return (x.shape[-1],)
 
@@ -358,6 +362,7 @@ class LayerNormMLPSpec(FusedNorm, LowRank, Fp8Layer):
     fp8_postfixes: ClassVar[tuple[str, ...]] = ("_0", "_1")
 
     def in_features(self, x: Array) -> tuple[int, ...]:
+        check.check_input(x, f"{type(self).__name__}'s input")
         check_last_axis(self.axis, x)
         return (x.shape[-1],)
 

@@ -193,6 +193,13 @@ def _block_gemm(lhs: BlockScaledTensor, rhs: BlockScaledTensor, out_dtype: DType
             "give the x and dgrad quantizers of a set the same use_rht (build sets with "
             "QuantizerFactory.create_set(fp8_recipe=NVFP4BlockScaling(...)))"
         )
+    if lhs.data.shape[-1] == 0:
+        # A sum over no terms (the weight gradient of a batch of 0 tokens) is 0; the
+        # block-scaled GEMMs cannot take K = 0 (they divide K by the number of block scales).
+        empty = lax.dot_general(
+            lhs.data.astype(out_dtype), rhs.data.astype(out_dtype), (((1,), (1,)), ((), ()))
+        )  # [M, 0] x [N, 0] -> [M, N] of zeros
+        return empty.reshape(lhs.row_shape + rhs.row_shape)
     operands = (lhs.data[None], rhs.data[None], lhs.scale_inv[None], rhs.scale_inv[None])
     # The output dtype is also the dequantization dtype of an emulated GEMM: block-scaled values
     # are exact in bfloat16, so a bfloat16 step runs bfloat16 GEMMs there.

@@ -280,9 +280,7 @@ def check_arguments(
     its ``custom_vjp``, ``(x, gamma, beta, kernels, biases, quantizer_sets, dropout_rng,
     lora_kernels)``."""
     _check_collective_op_sets(collective_op_sets)
-    check.check_floating(x, "x")
-    if x.ndim < 1:
-        raise ValueError("x must have at least one axis (the hidden axis it is normalized over)")
+    check.check_input(x, "x")
     activation_type = canonical_activation_type(activation_type)
     checked_params = canonical_activation_params(activation_type, activation_params)
     _check_kernels_and_biases(x, kernels, biases, len(activation_type))

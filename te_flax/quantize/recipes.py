@@ -44,6 +44,13 @@ __all__ = [
 # above its smallest normal number (2**-6); past it the largest value of a tensor is not.
 MAX_MARGIN = 14
 
+# DelayedScaling's longest amax history: 64 times TransformerEngine's default (1024). A history
+# is one float32 per step for every quantized tensor (three per GEMM, in every layer), rewritten
+# at every step and saved in every checkpoint: at this bound one tensor's history is 256 KiB and
+# a 32-layer transformer's 384 histories (four GEMMs a layer) 96 MiB, where the default keeps
+# 1.5 MiB. A longer window only ties each scale to amaxes more than 65536 steps old.
+MAX_AMAX_HISTORY_LEN = 2**16
+
 
 @dataclasses.dataclass(frozen=True)
 class DelayedScaling(RecipeKind, kinds=("delayed", "float8_per_tensor_scaling")):
@@ -59,7 +66,9 @@ class DelayedScaling(RecipeKind, kinds=("delayed", "float8_per_tensor_scaling"))
       margin: powers of two of headroom left below the format's maximum (default 0), from 0
         to ``MAX_MARGIN`` (14: beyond it the largest value lands below e4m3's normal range).
       fp8_format: the formats to use (default ``Format.HYBRID``).
-      amax_history_len: how many steps of amax the history keeps (default 1024, at least 1).
+      amax_history_len: how many steps of amax the history keeps (default 1024), from 1 to
+        ``MAX_AMAX_HISTORY_LEN`` (65536: a history is one float32 per step for every quantized
+        tensor, rewritten at every step and saved in every checkpoint).
       amax_compute_algo: ``"max"`` (default), ``"most_recent"``, or a function
         ``amax_compute_algo(amax_history) -> amax`` of the float32 ``[amax_history_len]``
         history (newest entry first) returning a float32 scalar.
@@ -125,6 +134,15 @@ class DelayedScaling(RecipeKind, kinds=("delayed", "float8_per_tensor_scaling"))
             raise ValueError(
                 "DelayedScaling(amax_history_len=...) must be an int >= 1, got "
                 f"{self.amax_history_len!r}; 1 keeps only the newest amax"
+            )
+        if self.amax_history_len > MAX_AMAX_HISTORY_LEN:
+            size = self.amax_history_len * 4 / 2**20
+            raise ValueError(
+                f"DelayedScaling(amax_history_len={self.amax_history_len}) is longer than "
+                f"te_flax allows ({MAX_AMAX_HISTORY_LEN}): the history keeps one float32 per "
+                "step for every quantized tensor (three per GEMM, in every layer), rewritten at "
+                f"every step and saved in every checkpoint, {size:.1f} MiB per tensor here. "
+                f"Use at most {MAX_AMAX_HISTORY_LEN} (TransformerEngine's default is 1024)"
             )
         if callable(self.amax_compute_algo):
             fields.check_hashable("DelayedScaling", "amax_compute_algo", self.amax_compute_algo)

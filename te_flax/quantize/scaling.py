@@ -130,7 +130,10 @@ def amax(x: Array) -> Array:
     axes: every device then quantizes with the same scale, the one a single device would use.
     """
     # Reduce in float32: a bfloat16 maximum is exact, but the scale math that follows is not.
-    value = lax.convert_element_type(jnp.max(lax.abs(x)), jnp.float32)
+    # An empty tensor (a batch of 0 tokens) has amax 0, as TransformerEngine's amax kernel
+    # gives it: delayed scaling keeps its scale, and nothing is quantized with it.
+    initial = 0 if x.size == 0 else None
+    value = lax.convert_element_type(jnp.max(lax.abs(x), initial=initial), jnp.float32)
     return max_over_devices(value)
 
 

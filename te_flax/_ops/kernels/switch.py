@@ -222,7 +222,7 @@ def dispatch(
     says. Under ``"auto"`` only the kernels named in ``AUTO`` are used: those that move fewer bytes
     than the XLA fusions they replace in a whole training step.
     """
-    if not takes_kernel(name, *args, supported=supported):
+    if not takes_kernel(name, *args, supported=supported) or _has_empty_operand(args):
         return fallback(*args)
     on_gpu = partial(kernel, interpret=False)
     elsewhere: Callable[..., T] = fallback
@@ -231,6 +231,13 @@ def dispatch(
     elif as_kernel_result is not None:
         elsewhere = _composed(as_kernel_result, fallback)
     return lax.platform_dependent(*args, cuda=on_gpu, default=elsewhere)
+
+
+def _has_empty_operand(args: tuple[Any, ...]) -> bool:
+    """An empty tensor (a batch of 0 tokens) needs no kernel, and a GPU cannot launch a grid of
+    0 blocks (the blockwise GEMM kernel refuses K = 0 outright): the XLA stage gives the empty
+    or zero result."""
+    return any(getattr(leaf, "size", 1) == 0 for leaf in jax.tree.leaves(args))
 
 
 def _mosaic_interpretable(args: tuple[Any, ...]) -> bool:
