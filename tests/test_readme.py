@@ -16,5 +16,7 @@ def test_readme_has_examples():
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_readme_example_runs(index):
+def test_readme_example_runs_and_prints_what_it_shows(index, capsys):
     exec(compile(BLOCKS[index], f"README.md example {index}", "exec"), {})
+    # A reader who pastes an example sees its result, not a silent prompt.
+    assert capsys.readouterr().out.strip(), f"README.md example {index} prints nothing"
