@@ -276,7 +276,7 @@ def context_parallel_attention(
     cp_size = int(jax.sharding.get_abstract_mesh().shape[axis])
     batch, q_len = query.shape[:2]
     kv_len = key.shape[1]
-    packed = segments is not None
+    described = segments is not None  # by a descriptor: any order, documents
     if segments is None:
         segments = _one_document(batch, q_len, kv_len, cp_size, load_balanced)
     for length in (q_len, kv_len):
@@ -300,7 +300,7 @@ def context_parallel_attention(
         block = (k, v, kv_pos, kv_ids)
         # DualChunkSwap's causal blocks are all partly attended: no block to skip. Any other
         # order, windows and documents may leave a block unattended: it is skipped at run time.
-        skip = not load_balanced or window is not None or packed
+        skip = not load_balanced or window is not None or described
         return _ring(
             q, block, q_pos, q_ids, causal, window, scale, sink_or_none, axis, cp_size, skip
         )
