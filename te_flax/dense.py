@@ -284,7 +284,7 @@ def _check(
 ) -> tuple[_Config, tuple[Any, ...]]:
     """Validates ``dense``'s arguments: its static configuration and the operands of its
     ``custom_vjp``, ``(x, kernel, bias, quantizer_set)``."""
-    check.check_floating(x, "x")
+    check.check_input(x, "x")
     check.check_floating(kernel, "kernel")
     n_contract = _contraction_size(x, kernel, contracting_dims)
     if bias is not None:

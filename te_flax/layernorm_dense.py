@@ -262,9 +262,7 @@ def _check(
 ) -> tuple[_Config, tuple[Any, ...]]:
     """Validates ``layernorm_dense``'s arguments: its static configuration and the operands of
     its ``custom_vjp``, ``(x, kernel, gamma, beta, bias, quantizer_set)``."""
-    check.check_floating(x, "x")
-    if x.ndim < 1:
-        raise ValueError("x must have at least one axis (the hidden axis it is normalized over)")
+    check.check_input(x, "x")
     check.check_floating(kernel, "kernel")
     if kernel.ndim < 2 or kernel.shape[0] != x.shape[-1]:
         raise ValueError(

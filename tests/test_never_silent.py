@@ -23,15 +23,22 @@ from flax.training import train_state
 
 import te_flax.linen as te_nn
 import te_flax.nnx as te_nnx
+from te_flax._ops.kernels import pallas_kernels
 from te_flax.accumulate import combine_gradients
 from te_flax.dense import dense as te_dense
+from te_flax.layernorm import layernorm
+from te_flax.layernorm_dense import layernorm_dense
+from te_flax.layernorm_mlp import layernorm_mlp
 from te_flax.quantize import (
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,
+    QuantizerFactory,
     UncalibratedFp8StateWarning,
     max_merge,
+    noop_quantizer_set,
 )
+from te_flax.quantize.recipes import MAX_AMAX_HISTORY_LEN
 from te_flax.training import (
     OVERWRITE_WITH_GRADIENT,
     accumulate_gradients,
@@ -400,3 +407,127 @@ def test_drop_amax_spikes_refuses_what_cannot_work():
         drop_amax_spikes({}, DELAYED, factor=0.5)
     with pytest.raises(TypeError, match="nested mapping"):
         drop_amax_spikes([jnp.ones(4)], DELAYED)
+
+
+# ----------------------------------------------------------------------------- odd shapes
+
+EMPTY = jnp.zeros((0, 32, HIDDEN), jnp.float32)  # a batch of no sequences
+EMPTY_STEP_KINDS = ["DenseGeneral", "LayerNormDenseGeneral", "LayerNormMLP"]
+EMPTY_STEP_CASES = [(r, k) for r in ["none", *RECIPES] for k in EMPTY_STEP_KINDS]
+
+
+def _empty_step_layer(kind: str, recipe: str | None):
+    recipe_object = RECIPES.get(recipe) if recipe else None
+    if kind == "LayerNorm":
+        return te_nn.LayerNorm()
+    if kind == "LayerNormMLP":
+        return te_nn.LayerNormMLP(intermediate_dim=HIDDEN, recipe=recipe_object)
+    return getattr(te_nn, kind)(features=HIDDEN, recipe=recipe_object)
+
+
+def _empty_step(layer, variables, x, jit=True):
+    """A gradient step of ``layer`` on ``x``: (gradients, output)."""
+
+    def loss_fn(variables, x):
+        y = _output(layer.apply(variables, x, rngs={"sr_rng": jax.random.key(1)}))
+        return jnp.sum(y * y), y
+
+    step = jax.grad(loss_fn, has_aux=True)
+    return (jax.jit(step) if jit else step)(variables, x)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "kind"), [*EMPTY_STEP_CASES, ("none", "LayerNorm")], ids=lambda v: str(v)
+)
+def test_an_empty_batch_gives_an_empty_output_and_zero_gradients(recipe, kind):
+    # As Flax's own layers do: init, apply and gradient of a batch of size 0 (under jit; the
+    # eager paths below). It failed on numpy's "zero-size array to reduction operation max"
+    # (per-tensor recipes) and, in the gradient of block-scaled ones, on a ZeroDivisionError.
+    layer = _empty_step_layer(kind, recipe)
+    keys = {"params": jax.random.key(0), "sr_rng": jax.random.key(1)}
+    variables = jax.jit(layer.init)(keys, EMPTY)
+    grads, y = _empty_step(layer, variables, EMPTY)
+    assert y.shape == EMPTY.shape
+    for gradient in jax.tree.leaves(grads["params"]):
+        np.testing.assert_array_equal(gradient, np.zeros_like(gradient))
+    assert bool(all_finite(grads.get(FP8, {})))
+
+
+@pytest.mark.parametrize("recipe", ["none", *RECIPES])
+def test_an_empty_batch_runs_eagerly_in_nnx_and_the_functional_ops(recipe):
+    recipe_object = RECIPES.get(recipe)
+    # NNX's LayerNormMLP (a norm and two GEMMs) without jit; Linen's in the test below.
+    model = te_nnx.LayerNormMLP(HIDDEN, intermediate_dim=HIDDEN, recipe=recipe_object,
+                                rngs=nnx.Rngs(0, sr_rng=1))  # fmt: skip
+
+    def empty_tensors_state():  # the state of x and grad; the kernels are not empty
+        state = nnx.to_pure_dict(nnx.state(model, te_nnx.Fp8Meta))
+        return {name: value for name, value in state.items() if not name.startswith("kernel")}
+
+    before = empty_tensors_state()
+    loss, grads = te_nnx.value_and_grad(
+        lambda m: jnp.sum(_output(m(EMPTY))), update_fp8_state=True
+    )(model)
+    assert float(loss) == 0.0
+    assert not any(np.any(g) for g in jax.tree.leaves(nnx.to_pure_dict(grads)))
+    # The never-updated state (scale 1, a history of zeros) stays so: an empty step's amax is 0.
+    jax.tree.map(np.testing.assert_array_equal, empty_tensors_state(), before)
+    # The functional ops, TE's signatures.
+    sets = (
+        QuantizerFactory.create_set(2, fp8_recipe=recipe_object)
+        if recipe_object is not None
+        else (noop_quantizer_set, noop_quantizer_set)
+    )
+    kernel, gamma, beta = jnp.ones((HIDDEN, HIDDEN)), jnp.ones(HIDDEN), jnp.zeros(HIDDEN)
+    kernels = [kernel[:, None, :], kernel]
+    ops = {
+        "dense": lambda x: te_dense(x, kernel, quantizer_set=sets[0]),
+        "layernorm": lambda x: layernorm(x, gamma, beta, "layernorm"),
+        "layernorm_dense": lambda x: layernorm_dense(x, kernel, gamma, beta, quantizer_set=sets[0]),
+        "layernorm_mlp": lambda x: layernorm_mlp(
+            x, gamma, beta, kernels, [None, None], "layernorm", quantizer_sets=sets
+        ),
+    }
+    for name, op in ops.items():
+        assert op(EMPTY).shape == EMPTY.shape, name
+        gradient = jax.grad(lambda x, op=op: jnp.sum(op(x)))(EMPTY)
+        np.testing.assert_array_equal(gradient, EMPTY)
+
+
+def test_an_empty_batch_steps_the_delayed_scaling_state_as_transformer_engine_does():
+    # TransformerEngine's amax kernel gives 0 for an empty tensor, and its update records that
+    # 0 as the newest entry of the history and keeps the scale where the window's max is 0:
+    # delayed scaling's ordinary rule for a step whose amax is 0.
+    layer = _empty_step_layer("LayerNormMLP", "delayed")
+    variables = layer.init(jax.random.key(0), _x())
+    grads, _ = _empty_step(layer, variables, _x())  # one real step: nonzero histories
+    variables = {**variables, FP8: grads[FP8]}
+    grads, y = _empty_step(layer, variables, EMPTY, jit=False)  # Linen, eagerly
+    assert y.shape == EMPTY.shape
+    assert not any(np.any(g) for g in jax.tree.leaves(grads["params"]))
+    old, new = variables[FP8], grads[FP8]
+    for name in ("x_0", "grad_0", "x_1", "grad_1"):  # empty tensors; the kernels are not
+        history = old[f"{name}_amax_history"]
+        assert float(history[0]) > 0
+        expected = jnp.concatenate([jnp.zeros(1), history[:-1]])
+        np.testing.assert_array_equal(new[f"{name}_amax_history"], expected)
+        np.testing.assert_array_equal(new[f"{name}_scale_inv"], old[f"{name}_scale_inv"])
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "blockwise"])
+def test_an_empty_batch_takes_the_xla_stages_where_the_kernels_are_on(recipe):
+    # Every kernel on (Pallas's interpreter here): an empty tensor takes the XLA stage, as a GPU
+    # cannot launch a grid of 0 blocks; the blockwise GEMM kernel refused the empty weight
+    # gradient (K = 0) outright.
+    layer = _empty_step_layer("LayerNormMLP", recipe)
+    with pallas_kernels("1"):
+        variables = jax.jit(layer.init)(jax.random.key(0), EMPTY)
+        grads, y = _empty_step(layer, variables, EMPTY)
+    assert y.shape == EMPTY.shape
+    assert not any(np.any(g) for g in jax.tree.leaves(grads["params"]))
+
+
+def test_amax_history_len_is_bounded():
+    assert DelayedScaling(amax_history_len=MAX_AMAX_HISTORY_LEN).amax_history_len == 2**16
+    with pytest.raises(ValueError, match=r"amax_history_len=65537\) is longer than te_flax"):
+        DelayedScaling(amax_history_len=MAX_AMAX_HISTORY_LEN + 1)
