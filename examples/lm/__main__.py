@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 import sys
 
-from .config import DEFAULT_CONFIG, load_config
+from .config import DEFAULT_CONFIG, ConfigError, load_config
 from .data import load_corpus
 from .report import write_report
 from .train import train
@@ -28,7 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_intermixed_args(argv)
     overrides = list(args.overrides) + ([f"data={args.data}"] if args.data else [])
-    config = load_config(args.config, overrides)
+    try:
+        config = load_config(args.config, overrides)
+    except ConfigError as error:
+        parser.error(str(error))  # one line and exit status 2, as for a wrong option
     corpus = load_corpus(config.data)
     progress = not args.no_progress
     if mode == "train":

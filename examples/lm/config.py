@@ -10,8 +10,9 @@ import dataclasses
 from pathlib import Path
 
 from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-__all__ = ["DEFAULT_CONFIG", "Config", "load_config"]
+__all__ = ["DEFAULT_CONFIG", "Config", "ConfigError", "load_config"]
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "lm_small.yaml"
 
@@ -108,44 +109,78 @@ _CHOICES = {
 }
 
 
+class ConfigError(ValueError):
+    """A configuration the example cannot run: one line naming the key and what it takes."""
+
+
+def _allowed_keys(config: object, full_key: str) -> list[str]:
+    """The keys of the section ``full_key`` (a dotted key) sits in."""
+    section = full_key.rpartition(".")[0]
+    node = OmegaConf.select(config, section) if section else config
+    return sorted(node.keys()) if OmegaConf.is_config(node) else []  # type: ignore[union-attr]
+
+
+def _one_line(error: OmegaConfBaseException, schema: object) -> str:
+    key = getattr(error, "full_key", "") or "?"
+    first = str(error).splitlines()[0]
+    if isinstance(error, ConfigKeyError):
+        keys = ", ".join(_allowed_keys(schema, key))
+        hint = first.partition("Did you mean: ")[2].rstrip("?")
+        mean = f" (did you mean {hint}?)" if hint else ""
+        return f"{key} is not a configuration key{mean}; the keys there are: {keys}"
+    return f"{key}: {first}; see configs/lm_small.yaml for each key's type and default"
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """The schema's defaults, then the YAML file, then ``key=value`` overrides, validated."""
+    """The schema's defaults, then the YAML file, then ``key=value`` overrides, validated.
+
+    Raises:
+      ConfigError: a key the schema lacks, a value of the wrong type or outside its choices:
+        one line that names the key and what it takes.
+    """
+    try:
+        return _load(path, overrides)
+    except OmegaConfBaseException as error:
+        raise ConfigError(_one_line(error, OmegaConf.structured(Config))) from None
+
+
+def _load(path: str | Path | None, overrides: list[str]) -> Config:
     config = OmegaConf.structured(Config)
     if path is not None:
         config = OmegaConf.merge(config, OmegaConf.load(path))
     if overrides:
         bad = [item for item in overrides if "=" not in item]
         if bad:
-            raise ValueError(f"overrides must be key=value, e.g. train.steps=100; got {bad}")
+            raise ConfigError(f"overrides must be key=value, e.g. train.steps=100; got {bad}")
         config = OmegaConf.merge(config, OmegaConf.from_dotlist(list(overrides)))
     for key, choices in _CHOICES.items():
         value = OmegaConf.select(config, key)
         if value not in choices:
-            raise ValueError(f"{key}={value!r} is not one of {choices}; use one of those")
+            raise ConfigError(f"{key}={value!r} is not one of {choices}; use one of those")
     positive = ("train.steps", "train.batch", "train.seq_len", "model.layers", "train.eval_every")
     positive += ("mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.context")
     for key in positive:
         if OmegaConf.select(config, key) < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"{key} must be >= 1, got {OmegaConf.select(config, key)}; set {key} to a "
                 "positive int"
             )
     m = config.model
     if m.block == "te" and m.d_model != m.heads * m.head_dim:
-        raise ValueError(
+        raise ConfigError(
             f"model.block=te needs model.d_model = model.heads * model.head_dim (TE's "
             f"TransformerLayer uses head_dim = hidden_size / num_attention_heads); got "
             f"d_model={m.d_model}, heads={m.heads}, head_dim={m.head_dim}"
         )
     if m.moe.experts and (m.frontend, m.block) != ("linen", "handwritten"):
-        raise ValueError(
+        raise ConfigError(
             f"model.moe.experts={m.moe.experts} needs model.frontend=linen and "
             f"model.block=handwritten (the MoE blocks are written in the Linen model); got "
             f"frontend={m.frontend}, block={m.block}"
         )
     t = config.train
     if t.fp8_attention and (t.recipe not in ("delayed", "current") or m.frontend != "linen"):
-        raise ValueError(
+        raise ConfigError(
             "train.fp8_attention=true needs train.recipe=delayed or current and "
             f"model.frontend=linen; got recipe={t.recipe}, frontend={m.frontend}"
         )
