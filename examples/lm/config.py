@@ -7,6 +7,7 @@ a message that names the key.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -113,11 +114,11 @@ class ConfigError(ValueError):
     """A configuration the example cannot run: one line naming the key and what it takes."""
 
 
-def _allowed_keys(config: object, full_key: str) -> list[str]:
+def _allowed_keys(config: Any, full_key: str) -> list[str]:
     """The keys of the section ``full_key`` (a dotted key) sits in."""
     section = full_key.rpartition(".")[0]
     node = OmegaConf.select(config, section) if section else config
-    return sorted(node.keys()) if OmegaConf.is_config(node) else []  # type: ignore[union-attr]
+    return sorted(node.keys()) if OmegaConf.is_config(node) else []
 
 
 def _one_line(error: OmegaConfBaseException, schema: object) -> str:
