@@ -7,8 +7,8 @@ a message that names the key.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
