@@ -15,6 +15,7 @@ from jax import Array, lax
 from te_flax._base import checks as check
 from te_flax._ops import grouped as _grouped
 from te_flax._ops.arguments import check_quantizer_set
+from te_flax._ops.custom_op import fused_op
 from te_flax._ops.gemm import dense_backward, dense_forward
 from te_flax._ops.kernels import traced_in_scan
 from te_flax._ops.stages import (
@@ -107,8 +108,7 @@ def _forward(
     return out, _Residuals(*saved_gemm_operands(lhs, rhs, quantizer_set), quantizers)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _dense(
+def _primal(
     config: _Config, x: Array, kernel: Array, bias: Array | None, quantizer_set: QuantizerSet
 ) -> Array:
     # Not differentiated: no quantization for the backward GEMMs.
@@ -147,7 +147,7 @@ def _backward(
     return d_x, d_kernel, d_bias, as_cotangent(new_state)
 
 
-_dense.defvjp(_forward, _backward)
+_dense = fused_op(_primal, _forward, _backward)
 
 
 class _LastAxis(tuple):  # type: ignore[type-arg]

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 from typing import Any, NamedTuple, cast
 
-import jax
 from jax import Array
 
 from te_flax._base import checks as check
 from te_flax._ops.arguments import check_norm, check_quantizer_set
+from te_flax._ops.custom_op import fused_op
 from te_flax._ops.gemm import dense_backward
 from te_flax._ops.kernels import traced_in_scan
 from te_flax._ops.norm import NormInput, NormSpec, normalize_backward
@@ -103,8 +102,7 @@ def _forward(
     return step.out, residuals
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _layernorm_dense(config: _Config, *operands: Any) -> _Output:
+def _primal(config: _Config, *operands: Any) -> _Output:
     """``_forward``'s output on ``(x, kernel, gamma, beta, bias, quantizer_set)``."""
     # Not differentiated: no quantization for the backward GEMMs.
     return _forward(config, *operands, for_backward=False)[0]
@@ -148,7 +146,7 @@ def _backward(
     return (*with_explicit_specs(primal_grads, config.grad_specs), as_cotangent(new_state))
 
 
-_layernorm_dense.defvjp(_forward, _backward)
+_layernorm_dense = fused_op(_primal, _forward, _backward)
 
 
 def layernorm_dense(

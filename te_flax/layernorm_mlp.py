@@ -23,6 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 
 from te_flax._ops.activations import activation_backward
+from te_flax._ops.custom_op import fused_op
 from te_flax._ops.gemm import DenseGrads, dense_backward, dense_forward
 from te_flax._ops.lora import lora_delta
 from te_flax._ops.mlp import (
@@ -223,8 +224,7 @@ def _forward(
     return out, residuals
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _layernorm_mlp(config: MlpConfig, *operands: Any) -> _Output:
+def _primal(config: MlpConfig, *operands: Any) -> _Output:
     """``_forward``'s output on ``(x, gamma, beta, kernels, biases, quantizer_sets,
     dropout_rng, lora_kernels)``."""
     # Not differentiated: no quantization for the backward GEMMs.
@@ -388,7 +388,7 @@ def _backward(
     )
 
 
-_layernorm_mlp.defvjp(_forward, _backward)
+_layernorm_mlp = fused_op(_primal, _forward, _backward)
 
 
 # ----------------------------------------------------------------------------- the op

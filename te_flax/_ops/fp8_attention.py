@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from functools import partial
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
+from te_flax._ops.custom_op import fused_op
 from te_flax.quantize import (
     CurrentScaleQuantizer,
     DelayedScaleQuantizer,
@@ -149,8 +148,7 @@ def _forward(
     return out.astype(product.out_dtype), _Residuals(lhs_q, rhs_q, quantizers)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fp8_product(product: _Product, lhs: Array, rhs: Array, quantizer_set: QuantizerSet) -> Array:
+def _primal(product: _Product, lhs: Array, rhs: Array, quantizer_set: QuantizerSet) -> Array:
     return _forward(product, lhs, rhs, quantizer_set)[0]
 
 
@@ -172,7 +170,7 @@ def _backward(
     )
 
 
-_fp8_product.defvjp(_forward, _backward)
+_fp8_product = fused_op(_primal, _forward, _backward)
 
 
 def fp8_logits(grouped: Array, key: Array, quantizer_set: QuantizerSet) -> Array:

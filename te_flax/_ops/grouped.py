@@ -29,6 +29,7 @@ from jax import Array, lax
 from jax.typing import DTypeLike
 
 from te_flax._base.checks import check_positive_int
+from te_flax._ops.custom_op import fused_op
 from te_flax._ops.kernels.grouped_gemm import (
     Tiles,
     aligned_columns,
@@ -184,9 +185,12 @@ def _group_amax(
 
 def _group_scales(quantizer: Quantizer, amax: Array) -> tuple[Array, Quantizer]:
     """Each group's ``scale_inv`` (float32 ``[G]``) for this step, and the updated quantizer."""
-    if isinstance(quantizer, DelayedScaleQuantizer):
+    if isinstance(quantizer, DelayedScaleQuantizer) and not quantizer.just_in_time:
         updated = jax.vmap(DelayedScaleQuantizer.update)(quantizer, amax)
         return quantizer.scale_inv[:, 0], updated
+    if isinstance(quantizer, DelayedScaleQuantizer):  # each fresh group scaled from its amax
+        scale_inv, updated = jax.vmap(DelayedScaleQuantizer.scale_and_update)(quantizer, amax)
+        return scale_inv, updated
     assert isinstance(quantizer, CurrentScaleQuantizer), type(quantizer)
     return quantizer.scale_inv_for(amax), quantizer
 
@@ -547,11 +551,10 @@ def _backward(
     return d_x, d_kernel, d_sizes, d_bias, as_cotangent(new_state)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def ragged_grouped_dense(config: GroupedConfig, *operands: Any) -> Array:
-    """The ragged lowering of ``grouped_dense`` on its checked operands ``(x, kernel,
-    group_sizes, bias, quantizer_set)``, as ``_forward`` takes them."""
+def _primal(config: GroupedConfig, *operands: Any) -> Array:
     return _forward(config, *operands)[0]
 
 
-ragged_grouped_dense.defvjp(_forward, _backward)
+# The ragged lowering of grouped_dense on its checked operands (x, kernel, group_sizes, bias,
+# quantizer_set), as _forward takes them.
+ragged_grouped_dense = fused_op(_primal, _forward, _backward)

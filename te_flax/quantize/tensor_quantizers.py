@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import Array
+from jax import Array, lax
 from jax.typing import DTypeLike
 
 from te_flax.quantize import block_scaling, scaling
@@ -56,6 +56,13 @@ class DelayedScaleQuantizer:
       amax_compute_algo: ``"max"``, ``"most_recent"`` or a function of the history (static).
       recipe: the recipe the quantizer was made from (static), or None. When its
         ``scaling_factor_compute_algo`` is set, that function computes the new scale.
+      just_in_time: while the state is still fresh (``scale_inv`` 1 and an all-zero
+        history: never updated), quantize with the scale this step's own amax gives (the
+        ``scale_inv`` that ``update`` computes from it) instead of 1 (static, default False).
+        The ops set it where the new state cannot leave the step (``te_flax._ops.custom_op``):
+        the state is still pushed the same way, but the tensor is read twice (its amax comes
+        before its quantization), so the training step that updates the state keeps the
+        one-pass form.
     """
 
     block_scaled = False  # quantizes per block along a contraction
@@ -67,6 +74,7 @@ class DelayedScaleQuantizer:
     margin: float = _static(0)
     amax_compute_algo: str | Callable[[Array], Array] = _static("max")  # noqa: RUF009
     recipe: DelayedScaling | None = _static(None)  # noqa: RUF009
+    just_in_time: bool = _static(False)
 
     @classmethod
     def fresh(cls, q_dtype: DTypeLike, recipe: DelayedScaling) -> DelayedScaleQuantizer:
@@ -88,9 +96,30 @@ class DelayedScaleQuantizer:
         One scale serves every use, so ``split`` and ``uses`` do not matter.
         """
         del split, uses
+        if self.just_in_time:
+            scale_inv, updated = self.scale_and_update(scaling.amax(x))
+            return ScaledTensor(scaling.quantize(x, self.q_dtype, scale_inv), scale_inv), updated
         scale_inv = self.scale_inv.reshape(())
         quantized = ScaledTensor(scaling.quantize(x, self.q_dtype, scale_inv), scale_inv)
         return quantized, self.update(scaling.amax(x))
+
+    def scale_and_update(self, amax_value: Array) -> tuple[Array, DelayedScaleQuantizer]:
+        """The scalar ``scale_inv`` to quantize a tensor with amax ``amax_value`` with, and the
+        state after the step.
+
+        The stored scale; with ``just_in_time`` and a fresh state (``scale_inv`` 1, history all
+        zeros) the scale of the new state instead, the one the next step would use: the
+        recipe's ``amax * 2**margin / fp8_max`` of this very tensor. A state set by hand (a
+        scale other than 1) is kept whatever its history.
+        """
+        updated = self.update(amax_value)
+        scale_inv = self.scale_inv.reshape(())
+        if not self.just_in_time:
+            return scale_inv, updated
+        history = self.amax_history
+        never_updated = lax.reduce_and(history == 0, tuple(range(history.ndim)))
+        fresh = never_updated & (scale_inv == 1)
+        return scaling.where(fresh, updated.scale_inv.reshape(()), scale_inv), updated
 
     def update(self, amax_value: Array) -> DelayedScaleQuantizer:
         """The state after a step whose tensor had ``amax_value``.
@@ -135,6 +164,11 @@ class CurrentScaleQuantizer:
         """
         one = jnp.ones((), jnp.float32)
         return scaling.compute_scale_inv(amax_value, self.q_dtype, 0, one, self.power_2_scale)
+
+    def scale_and_update(self, amax_value: Array) -> tuple[Array, CurrentScaleQuantizer]:
+        """``scale_inv_for(amax_value)`` and this (stateless) quantizer, as
+        ``DelayedScaleQuantizer.scale_and_update`` returns them."""
+        return self.scale_inv_for(amax_value), self
 
     def quantize(
         self, x: Array, split: int | None = None, uses: Sequence[str] = ()

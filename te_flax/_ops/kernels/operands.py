@@ -74,19 +74,22 @@ def _scaled_passes(
 
     ``run(scale_inv, q_dtype)`` quantizes with the f32 ``[1]`` ``scale_inv`` (computes the
     amax alone when ``q_dtype`` is None) and returns its outputs and the tile maxima. Delayed
-    scaling takes one pass with the stored scale and records the amax; current scaling needs
-    the amax before it can quantize, so a first pass computes it. Returns the last pass's
-    outputs, the scale they used (a scalar) and the quantizer after this step.
+    scaling takes one pass with the stored scale and records the amax; current scaling (and
+    delayed scaling ``just_in_time``) needs the amax before it can quantize, so a first pass
+    computes it. Returns the last pass's outputs, the scale they used (a scalar) and the
+    quantizer after this step.
     """
     q_dtype = quantizer.q_dtype
-    if isinstance(quantizer, DelayedScaleQuantizer):
+    if isinstance(quantizer, DelayedScaleQuantizer) and not quantizer.just_in_time:
         outputs, partials = run(quantizer.scale_inv, q_dtype)
         return outputs, quantizer.scale_inv.reshape(()), quantizer.update(scaling.amax(partials))
-    assert isinstance(quantizer, CurrentScaleQuantizer), "only per-tensor quantizers run kernels"
+    assert isinstance(quantizer, DelayedScaleQuantizer | CurrentScaleQuantizer), (
+        "only per-tensor quantizers run kernels"
+    )
     _, partials = run(jnp.ones((1,), jnp.float32), None)
-    scale_inv = quantizer.scale_inv_for(scaling.amax(partials))
+    scale_inv, new_quantizer = quantizer.scale_and_update(scaling.amax(partials))
     outputs, _ = run(scale_inv.reshape(1), q_dtype)
-    return outputs, scale_inv, quantizer
+    return outputs, scale_inv, new_quantizer
 
 
 def norm_quantize_operand(

@@ -1,0 +1,142 @@
+"""The ``custom_vjp`` of every fused op, and where its delayed-scaling state scales just in time.
+
+A delayed-scaling quantizer quantizes with the scale of the steps before; its state's update
+leaves the step as the "gradient" of its quantizer set. Where that update cannot leave the
+step, a fresh (never-updated) state would quantize with scale 1 for good: inputs far from 1
+clip or underflow. Only inside the op's ``custom_vjp`` does JAX tell which case a call is,
+also inside ``lax.scan``, ``jax.checkpoint`` and ``vmap`` (whose rules trace the op's rules
+lazily, after the module's code ran):
+
+1. the primal rule (the op is not differentiated: evaluation, a frozen backbone under a
+   gradient of the head) -> just in time;
+2. the forward rule with the quantizer's state perturbed (its new value is differentiated:
+   ``te_flax.training.value_and_grad``, Flax's ``TrainState`` over the whole variable dict,
+   ``te_flax.nnx.value_and_grad``) -> the stored scale, the program as it always was;
+3. the forward rule with the state not perturbed (a gradient of LoRA adapters, of the inputs
+   or of the parameters alone) -> just in time, the backward's gradient quantizer too.
+
+"Just in time" is ``DelayedScaleQuantizer.just_in_time``: while the state is fresh the tensor
+is quantized with its own amax's scale, which costs a second read of it (see
+docs/fp8_state.md, "Never-updated state"); a calibrated state keeps its scale. Current and
+block scaling keep no state and are untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import jax
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero, zero_from_primal
+
+from te_flax.quantize import DelayedScaleQuantizer
+from te_flax.quantize.tensors import static_field
+
+__all__ = ["fused_op"]
+
+
+def _is_delayed(node: object) -> bool:
+    return isinstance(node, DelayedScaleQuantizer)
+
+
+def _in_mode(quantizer: DelayedScaleQuantizer, just_in_time: bool) -> DelayedScaleQuantizer:
+    if quantizer.just_in_time == just_in_time:
+        return quantizer
+    return dataclasses.replace(quantizer, just_in_time=just_in_time)
+
+
+def _just_in_time(operands: Any) -> Any:
+    """``operands`` with every delayed-scaling quantizer just in time (case 1)."""
+    return jax.tree.map(
+        lambda node: _in_mode(node, True) if _is_delayed(node) else node,
+        operands,
+        is_leaf=_is_delayed,
+    )
+
+
+def _decided(primals: Any) -> tuple[Any, tuple[bool, ...]]:
+    """The forward rule's ``CustomVJPPrimal`` leaves as values, each delayed-scaling quantizer
+    whose state is not perturbed just in time (case 3); and the quantizers' own modes, in
+    tree order, for the cotangents (``_restored``)."""
+    modes: list[bool] = []
+
+    def decide(node: Any) -> Any:
+        if not _is_delayed(node):
+            return node.value  # a CustomVJPPrimal
+        values = jax.tree.map(lambda leaf: leaf.value, node)
+        modes.append(values.just_in_time)
+        perturbed = any(leaf.perturbed for leaf in jax.tree.leaves(node))
+        return values if perturbed else _in_mode(values, True)
+
+    operands = jax.tree.map(decide, primals, is_leaf=_is_delayed)
+    return operands, tuple(modes)
+
+
+def _restored(cotangents: Any, modes: tuple[bool, ...]) -> Any:
+    """The backward rule's cotangents with each quantizer in the mode its primal came in
+    (a cotangent's tree must be its primal's)."""
+    remaining = iter(modes)
+    restored = jax.tree.map(
+        lambda node: _in_mode(node, next(remaining)) if _is_delayed(node) else node,
+        cotangents,
+        is_leaf=_is_delayed,
+    )
+    assert next(remaining, None) is None, "one cotangent per quantizer"
+    return restored
+
+
+def _instantiated(cotangent: Any) -> Any:
+    """A symbolic zero as zeros of its type (sharding and varying axes included), as JAX
+    passes it to a backward rule without ``symbolic_zeros``; anything else as it is."""
+    if not isinstance(cotangent, SymbolicZero):
+        return cotangent
+    aval: Any = cotangent.aval  # a ShapedArray
+    zeros = jax.ShapeDtypeStruct(
+        aval.shape,
+        aval.dtype,
+        sharding=aval.sharding,
+        weak_type=aval.weak_type,
+        manual_axis_type=aval.mat,
+    )
+    return zero_from_primal(zeros)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Saved:
+    """The op's residuals, and its quantizers' modes as they came in (static)."""
+
+    residuals: Any
+    modes: tuple[bool, ...] = static_field(())
+
+
+def fused_op(
+    primal: Callable[..., Any],
+    forward: Callable[..., tuple[Any, Any]],
+    backward: Callable[..., tuple[Any, ...]],
+) -> Callable[..., Any]:
+    """A fused op ``op(config, *operands)``: a ``jax.custom_vjp`` with the static ``config``
+    first, and the rules ``primal(config, *operands) -> out``, ``forward(config, *operands) ->
+    (out, residuals)`` and ``backward(config, residuals, cotangent) -> operand cotangents``,
+    the delayed-scaling quantizers of the operands set just in time where their update cannot
+    leave the step (the module docstring's cases)."""
+
+    @partial(jax.custom_vjp, nondiff_argnums=(0,))
+    def op(config: Any, *operands: Any) -> Any:
+        return primal(config, *_just_in_time(operands))
+
+    def op_forward(config: Any, *primals: CustomVJPPrimal) -> tuple[Any, _Saved]:
+        operands, modes = _decided(primals)
+        out, residuals = forward(config, *operands)
+        return out, _Saved(residuals, modes)
+
+    def op_backward(config: Any, saved: _Saved, cotangent: Any) -> tuple[Any, ...]:
+        cotangent = jax.tree.map(
+            _instantiated, cotangent, is_leaf=lambda c: isinstance(c, SymbolicZero)
+        )
+        return _restored(backward(config, saved.residuals, cotangent), saved.modes)
+
+    op.defvjp(op_forward, op_backward, symbolic_zeros=True)
+    return op
