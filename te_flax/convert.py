@@ -15,7 +15,10 @@ back from TE as 0. ``scale_inv = 1 / scale`` is rounded to float32 (within one u
 ``migrate_fp8_state`` fits the FP8 state of a restored te_flax checkpoint to a model whose
 recipe differs from the saving run's: another ``amax_history_len``, FP8 state the checkpoint
 lacks (a BF16 or current-scaling run) or holds but the model does not keep. Each change happens
-only when the caller asks for it; otherwise the mismatch is an error that names it.
+only when the caller asks for it; otherwise the mismatch is an error that names it. Delayed
+scaling's ``scale_inv`` depends on the saving run's format, margin and ``amax_compute_algo``,
+which the checkpoint does not record: it is recomputed from each amax history under the
+model's recipe (``recipe=``), and a warning says so when that changed a scale.
 
 Example usage::
 
@@ -32,18 +35,24 @@ Example usage::
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from flax.core import meta
 from jax import Array
 from jax.typing import ArrayLike
 
+from te_flax.quantize import DelayedScaling, Recipe
 from te_flax.quantize.state import OVERWRITE_WITH_GRADIENT
+from te_flax.training import scale_inv_from_history
 
 __all__ = [
     "TE_FP8_COLLECTION",
+    "RecomputedFp8ScalesWarning",
     "from_transformer_engine",
     "migrate_fp8_state",
     "to_transformer_engine",
@@ -266,10 +275,116 @@ def _check_other_collections(variables: _Tree, target: _Tree) -> None:
         )
 
 
+class RecomputedFp8ScalesWarning(UserWarning):
+    """``migrate_fp8_state`` recomputed scales of a checkpoint from their amax histories, and
+    some came out other than saved: the checkpoint was written under another format, margin
+    or ``amax_compute_algo`` (or another history length) than the model's recipe."""
+
+
+# Scales this close to the recomputed ones count as the same: TE's checkpoints store the
+# reciprocal (1 / scale_inv, within one float32 ulp), nothing of a recipe's difference is
+# smaller than a power of two or the ratio of two amaxes.
+_SAME_SCALE_RTOL = 2.0**-20
+
+
+def _described(recipe: Recipe) -> str:
+    """A recipe as its class and the fields a delayed-scaling scale depends on."""
+    if not isinstance(recipe, DelayedScaling):
+        return type(recipe).__name__ + "()"
+    return (
+        f"DelayedScaling(fp8_format=Format.{recipe.fp8_format.name}, margin={recipe.margin}, "
+        f"amax_compute_algo={recipe.amax_compute_algo!r}, "
+        f"amax_history_len={recipe.amax_history_len})"
+    )
+
+
+def _delayed_pairs(
+    flat: Mapping[tuple[str, ...], Any],
+) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+    """``(history path, scale_inv path)`` of each delayed-scaling state in a flat FP8 tree."""
+    pairs = []
+    for path in sorted(flat):
+        if path[-1].endswith(_HISTORY):
+            scale = (*path[:-1], path[-1][: -len(_HISTORY)] + _SCALE_INV)
+            if scale in flat:
+                pairs.append((path, scale))
+    return pairs
+
+
+def _check_recipe(recipe: Recipe | None, wanted: Mapping[tuple[str, ...], Any]) -> str | None:
+    """Why ``recipe`` cannot recompute the model's delayed-scaling state, or None."""
+    pairs = _delayed_pairs(wanted)
+    if not pairs:
+        if isinstance(recipe, DelayedScaling):
+            return (
+                f"recipe={_described(recipe)} keeps delayed-scaling state, but the model holds "
+                "none; pass the model's own recipe (or leave recipe out for a model without FP8 "
+                "state)"
+            )
+        return None
+    if recipe is None:
+        return (
+            f"the model keeps delayed-scaling state ({_listed([p for p, _ in pairs])}), whose "
+            "scale_inv the saving run's recipe computed from its format, margin and "
+            "amax_compute_algo; the checkpoint does not record them (a checkpoint written "
+            "under Format.HYBRID restored into an E4M3 model has gradient scales 128x too "
+            f"small). Pass the model's recipe: {_MIGRATE}(..., recipe=DelayedScaling(...)) "
+            "recomputes each scale_inv from its amax history under it"
+        )
+    if not isinstance(recipe, DelayedScaling):
+        return (
+            f"recipe={_described(recipe)} keeps no FP8 state, but the model keeps "
+            "delayed-scaling state: pass the DelayedScaling recipe the model runs with"
+        )
+    lengths = sorted({int(wanted[path].shape[-1]) for path, _ in pairs})
+    if lengths != [recipe.amax_history_len]:
+        return (
+            f"recipe has amax_history_len={recipe.amax_history_len}, but the model's amax "
+            f"histories have length {', '.join(map(str, lengths))}: pass the recipe the model "
+            "was built with"
+        )
+    return None
+
+
+def _recompute_scales(
+    fitted: dict[tuple[str, ...], Any], recipe: DelayedScaling
+) -> dict[tuple[str, ...], Any]:
+    """``fitted`` with each ``scale_inv`` recomputed from its history under ``recipe``, and a
+    warning naming the scales that changed (where the values are concrete)."""
+    out = dict(fitted)
+    changed: list[tuple[str, float]] = []
+    for history_path, scale_path in _delayed_pairs(fitted):
+        saved = fitted[scale_path]
+        new = scale_inv_from_history(scale_path[-1], fitted[history_path], saved, recipe)
+        out[scale_path] = new.astype(jnp.result_type(saved))
+        if isinstance(new, jax.core.Tracer) or isinstance(saved, jax.core.Tracer):
+            continue
+        ratio = np.asarray(new, np.float64) / np.asarray(saved, np.float64)
+        worst = float(ratio.flat[np.argmax(np.abs(np.log2(ratio)))])
+        if abs(worst - 1.0) > _SAME_SCALE_RTOL:
+            changed.append((_name(scale_path), worst))
+    if changed:
+        examples = ", ".join(f"{name} x{factor:.6g}" for name, factor in changed[:_MAX_LISTED])
+        if len(changed) > _MAX_LISTED:
+            examples += ", ..."
+        warnings.warn(
+            f"{_MIGRATE} recomputed the scale_inv of the checkpoint's delayed-scaling state "
+            f"from its amax histories under the model's recipe {_described(recipe)}: "
+            f"{len(changed)} of {len(_delayed_pairs(fitted))} changed ({examples}), so "
+            "the checkpoint was written under another format, margin, amax_compute_algo "
+            "or amax_history_len. The returned state quantizes the next step as the model's "
+            "recipe would have.",
+            RecomputedFp8ScalesWarning,
+            stacklevel=3,
+        )
+    return out
+
+
 def migrate_fp8_state(
     variables: Mapping[str, Any],
     target: Mapping[str, Any],
     *,
+    recipe: Recipe | None = None,
     resize_history: bool = False,
     init_missing: bool = False,
     drop_extra: bool = False,
@@ -283,12 +398,28 @@ def migrate_fp8_state(
     other collections (``params``, ...) must already match ``target``: they are checked and
     copied, never changed.
 
+    A delayed-scaling ``scale_inv`` is a function of its amax history and of the recipe
+    (``amax * 2**margin / fp8_max``, amax the history's maximum or newest entry), and the
+    checkpoint does not record the recipe: restored into a model of another format (the
+    gradients' e5m2 of ``Format.HYBRID`` against e4m3 of ``Format.E4M3``: a factor of 128),
+    margin or ``amax_compute_algo``, the saved scales would quantize the first step wrongly.
+    So where the model keeps delayed-scaling state, ``recipe`` (the model's) is required, and
+    every ``scale_inv`` is recomputed from its (resized) history under it, exactly as the
+    recipe's update rule computes it; where that changes a scale a
+    ``RecomputedFp8ScalesWarning`` says so (for concrete values; under ``jax.eval_shape``
+    nothing is read).
+
     Args:
       variables: the restored variables, ``{collection: nested mapping of arrays}``.
       target: the variables of the model to resume, or their abstract version
         (``jax.eval_shape(model.init, ...)``, anything with ``shape`` and ``dtype``): only
         structure, shapes and dtypes are read. Logical-partitioning boxes (Linen's
         ``init`` output) are unboxed, in both trees.
+      recipe: the model's recipe; required (a ``DelayedScaling`` with the model's
+        ``amax_history_len``) where the model keeps delayed-scaling state, whose scales are
+        recomputed under it. A state whose history holds no amax keeps its saved scale (it
+        was set before the history's window). Current scaling and the block-scaled recipes
+        keep no state: for them, and for a model without FP8, it may be left out.
       resize_history: when an ``*_amax_history`` (``[..., L]``, newest entry first) has another
         length than the target's, keep its newest entries; a longer history is padded with
         empty (0) entries at its old end. Default False.
@@ -304,21 +435,26 @@ def migrate_fp8_state(
 
     Raises:
       ValueError: a difference the options do not allow, or one no option resolves (other
-        parameter shapes, another number of scanned layers).
+        parameter shapes, another number of scanned layers); a model with delayed-scaling
+        state and no ``recipe``, or a ``recipe`` that is not the model's.
 
     Example usage::
 
       >>> import jax.numpy as jnp
       >>> from te_flax.convert import migrate_fp8_state
+      >>> from te_flax.quantize import DelayedScaling
       >>> saved = {"params": {"kernel": jnp.ones((2, 2))},
       ...          "_overwrite_with_gradient": {"x_amax_history": jnp.array([3.0, 2.0, 1.0]),
       ...                                       "x_scale_inv": jnp.array([0.5])}}
       >>> target = {"params": {"kernel": jnp.zeros((2, 2))},
       ...           "_overwrite_with_gradient": {"x_amax_history": jnp.zeros(2),
       ...                                        "x_scale_inv": jnp.ones(1)}}
-      >>> fitted = migrate_fp8_state(saved, target, resize_history=True)
+      >>> recipe = DelayedScaling(amax_history_len=2)
+      >>> fitted = migrate_fp8_state(saved, target, recipe=recipe, resize_history=True)
       >>> fitted["_overwrite_with_gradient"]["x_amax_history"]  # the two newest entries
       Array([3., 2.], dtype=float32)
+      >>> fitted["_overwrite_with_gradient"]["x_scale_inv"] * 448.0  # e4m3: max of the two
+      Array([3.], dtype=float32)
     """
     for arg_name, tree in (("variables", variables), ("target", target)):
         if not isinstance(tree, Mapping):
@@ -369,6 +505,8 @@ def migrate_fp8_state(
             "state (current or block scaling), while the model's recipe is delayed scaling; "
             f"migrate with {_MIGRATE}(..., init_missing=True), which starts them fresh"
         )
+    if (recipe_problem := _check_recipe(recipe, wanted)) is not None:
+        problems.append(recipe_problem)
     if extra and not drop_extra:
         problems.append(
             f"the checkpoint holds {len(extra)} FP8 variables the model does not keep "
@@ -383,6 +521,8 @@ def migrate_fp8_state(
 
     for path in missing:
         fitted[path] = _fresh(path, wanted[path])
+    if isinstance(recipe, DelayedScaling) and _delayed_pairs(fitted):
+        fitted = _recompute_scales(fitted, recipe)
     out = {name: tree for name, tree in variables.items() if name != OVERWRITE_WITH_GRADIENT}
     if OVERWRITE_WITH_GRADIENT in target:
         out[OVERWRITE_WITH_GRADIENT] = _unflatten(fitted)

@@ -66,8 +66,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax import Array
+from jax import Array, lax
 
+from te_flax._base.checks import check_bool
 from te_flax._layers.fp8_state import hold_fp8_state
 from te_flax.accumulate import accumulate_gradients, split_microbatches
 from te_flax.quantize import (
@@ -229,21 +230,66 @@ def _without_spikes(
         median = jnp.nanmedian(jnp.where(positive, history, jnp.nan))
         spikes = positive & (history > factor * median)  # none where nothing is positive
         cleaned = jnp.where(spikes, 0.0, history)
-        amax = scaling.reduce_history(cleaned, recipe.amax_compute_algo)
-        previous = scale_inv.reshape(())
-        custom = recipe.scaling_factor_compute_algo
-        if custom is None:
-            recomputed = scaling.compute_scale_inv(amax, dtype, recipe.margin, previous)
-        else:
-            recomputed = scaling.scale_inv_from_scaling_factor(
-                custom, amax, dtype, previous, recipe
-            )
-        new = jnp.where(jnp.any(spikes), recomputed, previous)
+        recomputed = _scale_inv_of_history(cleaned, scale_inv, dtype, recipe)
+        new = jnp.where(jnp.any(spikes), recomputed.reshape(()), scale_inv.reshape(()))
         return cleaned, new.reshape(scale_inv.shape)
 
     length = history.shape[-1]
     rows = jax.vmap(one)(history.reshape(-1, length), scale_inv.reshape(-1, 1))
     return rows[0].reshape(history.shape), rows[1].reshape(scale_inv.shape)
+
+
+def _scale_inv_of_history(
+    history: Array, saved_scale_inv: Array, dtype: Any, recipe: DelayedScaling
+) -> Array:
+    """One state's ``scale_inv`` (``[1]``) as ``recipe``'s update rule computes it from
+    ``history`` (``[L]``, newest first); see ``scale_inv_from_history``."""
+    amax = scaling.reduce_history(history, recipe.amax_compute_algo)
+    if recipe.amax_compute_algo == "most_recent":
+        # A newest entry of 0 (a step that recorded no amax) kept the scale of the step before:
+        # the one of the newest positive entry.
+        newest_positive = history[jnp.argmax(history > 0)]
+        amax = scaling.where(amax > 0, amax, newest_positive)
+    previous = saved_scale_inv.reshape(())
+    custom = recipe.scaling_factor_compute_algo
+    if custom is None:
+        new = scaling.compute_scale_inv(amax, dtype, recipe.margin, previous)
+    else:
+        new = scaling.scale_inv_from_scaling_factor(custom, amax, dtype, previous, recipe)
+    return new.reshape(saved_scale_inv.shape)
+
+
+def scale_inv_from_history(
+    name: str, history: Array, saved_scale_inv: Array, recipe: DelayedScaling
+) -> Array:
+    """The ``scale_inv`` that ``recipe`` keeps after the steps that wrote ``history``.
+
+    Delayed scaling's scale is a function of the amax history: ``amax * 2**margin / fp8_max``
+    (or the recipe's ``scaling_factor_compute_algo``) with amax the history's maximum or its
+    newest entry, where ``fp8_max`` is that of the format the tensor ``name`` (a
+    ``*_amax_history`` or ``*_scale_inv`` variable's name) is quantized to: the gradient
+    format for ``grad*``, the forward format otherwise. Under ``"most_recent"`` a newest entry
+    of 0 kept the scale of the newest positive entry, and that is the one returned. Where the
+    history holds no amax the rule kept a scale older than the history, which it cannot tell:
+    ``saved_scale_inv`` is returned there.
+
+    Args:
+      name: the variable's name (its role, ``x``, ``kernel`` or ``grad``, picks the format).
+      history: ``[..., L]``, newest entry first; leading axes (scanned layers, groups) are
+        separate states.
+      saved_scale_inv: ``[..., 1]``, the scale kept where the history holds no amax.
+      recipe: the ``DelayedScaling`` recipe whose scale to compute.
+
+    Returns:
+      ``[..., 1]`` float32 scales.
+    """
+    dtype = recipe.fp8_format.value[1 if name.startswith("grad") else 0]
+    length = history.shape[-1]
+    rows = jax.vmap(lambda h, s: _scale_inv_of_history(h, s, dtype, recipe))(
+        jnp.asarray(history, jnp.float32).reshape(-1, length),
+        jnp.asarray(saved_scale_inv, jnp.float32).reshape(-1, 1),
+    )
+    return rows.reshape(jnp.shape(saved_scale_inv))
 
 
 def all_finite(tree: Any) -> Array:
@@ -294,6 +340,51 @@ def keep_unused(new_fp8: Any, old_fp8: Any) -> Any:
     return jax.tree.unflatten(tree, kept)
 
 
+# How far above the largest amax of its history a step's amax must be to count as a spike.
+SPIKE_FACTOR = 1e3
+
+
+def drop_step_amax_spikes(new_fp8: Any, old_fp8: Any, factor: float = SPIKE_FACTOR) -> Any:
+    """The new FP8 state with this step's amax left out where it is a spike: the training
+    helpers' guard (``apply_gradients`` and ``te_flax.nnx.train_step``, on by default).
+
+    A state whose newest amax is more than ``factor`` times the largest amax of the history
+    before it (a finite loss or activation spike that would make the scale that many times
+    coarser for ``amax_history_len`` steps) records 0 in its place, as a step with a
+    non-finite amax does, and keeps the previous step's ``scale_inv``; the next step computes
+    the scale from the history again. A state with no amax before this step (the first step,
+    ``amax_history_len=1``) has nothing to compare with and is kept as it came. Needs no recipe:
+    it reads only the states, newest entry first along the last axis (``[..., L]``, leading
+    axes of scanned layers or groups checked row by row), paired by name as in
+    ``keep_unused``. Cost: one maximum over each history per step
+    (``bench/RESULTS_fp8_state_guards.md``).
+    """
+    leaves, tree = jax.tree_util.tree_flatten_with_path(new_fp8)
+    old_leaves = jax.tree.leaves(old_fp8)
+    names = [jax.tree_util.keystr(path) for path, _ in leaves]
+    position = {name: i for i, name in enumerate(names)}
+    guarded = [leaf for _, leaf in leaves]
+    for i, name in enumerate(names):
+        if "_amax_history'" not in name:
+            continue
+        scale = position.get(name.replace("_amax_history'", "_scale_inv'"))
+        history = jnp.asarray(guarded[i])
+        if scale is None or history.shape[-1] < 2:
+            continue
+        newest = lax.index_in_dim(history, 0, axis=history.ndim - 1)  # [..., 1]
+        before = lax.slice_in_dim(history, 1, history.shape[-1], axis=history.ndim - 1)
+        largest = lax.reduce_max(before, (history.ndim - 1,)).reshape(newest.shape)
+        spike = lax.bitwise_and(largest > 0, newest > factor * largest)  # [..., 1]
+        # A select over the history, not a concatenation of a new first entry with the rest:
+        # XLA fuses the select, and the concatenation cost twice the bytes (a 4-layer model:
+        # +0.9% of a step's bytes accessed against +0.5%).
+        first = lax.broadcasted_iota(jnp.int32, history.shape, history.ndim - 1) == 0
+        guarded[i] = scaling.where(jnp.logical_and(first, spike), 0.0, history)
+        old_scale = jnp.asarray(old_leaves[scale])
+        guarded[scale] = scaling.where(spike.reshape(old_scale.shape), old_scale, guarded[scale])
+    return jax.tree.unflatten(tree, guarded)
+
+
 def _multi_steps_state(tx_state: optax.OptState) -> optax.MultiStepsState | None:
     def is_multi(node: Any) -> bool:
         return isinstance(node, optax.MultiStepsState)
@@ -332,13 +423,17 @@ def apply_gradients(
     opt_state: OptimizerState,
     *,
     skip_nonfinite: bool = False,
+    drop_amax_spikes: bool = True,
 ) -> tuple[Any, OptimizerState]:
     """One optimizer step on the parameters and the FP8-state overwrite.
 
     The new FP8 state is checked with ``te_flax.quantize.check_merged`` first: a state that
     came back summed over its uses (the loss was differentiated without ``merge_fp8_state``)
     raises, under ``jit`` too; a state no step has updated yet warns once
-    (``te_flax.quantize.check_calibrated``).
+    (``te_flax.quantize.check_calibrated``). By default a step's amax more than 1e3 times the
+    largest amax of its history (a finite loss spike) is left out of the history, so that one
+    spike does not zero the kernel gradients for ``amax_history_len`` steps
+    (``drop_step_amax_spikes``; its cost is in ``bench/RESULTS_fp8_state_guards.md``).
 
     Args:
       tx: the optax transform, the same one ``init_optimizer`` saw.
@@ -352,6 +447,14 @@ def apply_gradients(
         update is applied as it is, so non-finite gradients reach the parameters through the
         optimizer, while the FP8 state stays finite (a non-finite amax is recorded as 0 and the
         scale is kept).
+      drop_amax_spikes: leave a spike of this step out of the FP8 state: a state whose new
+        amax exceeds 1e3 times the largest amax of its history records 0 instead and keeps
+        the previous ``scale_inv`` (what a step with a non-finite amax does). Default True.
+        False records every amax as it is: one finite spike then makes that tensor's scale
+        as many times too coarse for ``amax_history_len`` steps (the behaviour before this
+        guard). A real jump of more than 1e3 in one step is treated as a spike too, and
+        saturates until the older entries leave the history: turn the guard off where such
+        jumps are expected.
 
     Returns:
       ``(new_variables, new_opt_state)``. Collections other than ``params`` and the FP8 state
@@ -359,6 +462,7 @@ def apply_gradients(
     """
     _check_variables(variables, "variables")
     _check_variables(grads, "grads")
+    check_bool(drop_amax_spikes, "drop_amax_spikes")
     if not isinstance(opt_state, OptimizerState):
         raise TypeError(
             "opt_state must come from te_flax.training.init_optimizer, got "
@@ -372,8 +476,10 @@ def apply_gradients(
     pending = opt_state.pending_fp8
     if OVERWRITE_WITH_GRADIENT in grads:
         new_fp8 = keep_unused(grads[OVERWRITE_WITH_GRADIENT], variables[OVERWRITE_WITH_GRADIENT])
-        # Checked after keep-unused: the kept history is the program's output, and the check
-        # reading it (not the gradient) lets XLA write it in one fusion.
+        if drop_amax_spikes:
+            new_fp8 = drop_step_amax_spikes(new_fp8, variables[OVERWRITE_WITH_GRADIENT])
+        # Checked after keep-unused and the guard: the kept history is the program's output,
+        # and the check reading it (not the gradient) lets XLA write it in one fusion.
         check_merged(variables[OVERWRITE_WITH_GRADIENT], new_fp8)
         check_calibrated(new_fp8)
         multi = _multi_steps_state(tx_state)

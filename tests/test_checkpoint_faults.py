@@ -31,7 +31,7 @@ import te_flax.linen as te_nn
 from examples.lm.config import DEFAULT_CONFIG, load_config
 from examples.lm.data import load_corpus
 from examples.lm.train import KILL_HOOK, train
-from te_flax.convert import migrate_fp8_state
+from te_flax.convert import RecomputedFp8ScalesWarning, migrate_fp8_state
 from te_flax.quantize import DelayedScaling, Float8CurrentScaling
 from te_flax.training import OVERWRITE_WITH_GRADIENT
 from tests.helpers import F32, TINY_LM, xla_flags
@@ -64,8 +64,9 @@ def _scanned(history_len: int, layers: int = 2) -> dict:
 
 
 def test_a_fitting_checkpoint_comes_back_unchanged():
-    _, _, variables = _layer_variables(DelayedScaling(amax_history_len=4))
-    fitted = migrate_fp8_state(variables, variables)
+    recipe = DelayedScaling(amax_history_len=4)
+    _, _, variables = _layer_variables(recipe)
+    fitted = migrate_fp8_state(variables, variables, recipe=recipe)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), fitted, dict(variables))
     assert jax.tree.structure(fitted) == jax.tree.structure(dict(variables))
 
@@ -73,7 +74,7 @@ def test_a_fitting_checkpoint_comes_back_unchanged():
 def test_another_history_length_is_named_and_refused():
     saved, target = _scanned(16), _scanned(1024)
     with pytest.raises(ValueError) as error:
-        migrate_fp8_state(saved, target)
+        migrate_fp8_state(saved, target, recipe=DelayedScaling())
     message = str(error.value)
     assert "block/x_amax_history has length 16 in the checkpoint" in message
     assert "amax_history_len=1024" in message
@@ -87,22 +88,28 @@ def test_resized_histories_keep_the_newest_entries(saved_len, target_len):
     history = jnp.arange(1, saved_len + 1, dtype=F32)
     saved[FP8]["block"]["x_amax_history"] = jnp.stack([history, 10 * history])
     saved[FP8]["block"]["x_scale_inv"] = jnp.array([[0.5], [0.25]], F32)
-    fitted = migrate_fp8_state(saved, target, resize_history=True)[FP8]["block"]
+    recipe = DelayedScaling(amax_history_len=target_len)
+    with pytest.warns(RecomputedFp8ScalesWarning, match="1 of 1 changed"):
+        fitted = migrate_fp8_state(saved, target, recipe=recipe, resize_history=True)
+    fitted = fitted[FP8]["block"]
     kept = min(saved_len, target_len)
     expected = np.zeros((2, target_len), np.float32)
     expected[0, :kept] = np.arange(1, kept + 1)
     expected[1, :kept] = 10 * np.arange(1, kept + 1)
     np.testing.assert_array_equal(fitted["x_amax_history"], expected)
-    np.testing.assert_array_equal(fitted["x_scale_inv"], [[0.5], [0.25]])
+    # Each scale is the recipe's of the kept window: its largest amax over e4m3's 448.
+    largest = np.array([[kept], [10 * kept]], np.float32)
+    np.testing.assert_array_equal(fitted["x_scale_inv"], largest * np.float32(1 / 448))
 
 
 def test_a_bf16_checkpoint_into_an_fp8_model_is_refused_or_initialised_fresh():
-    layer, x, fp8_variables = _layer_variables(DelayedScaling(amax_history_len=4))
+    recipe = DelayedScaling(amax_history_len=4)
+    layer, x, fp8_variables = _layer_variables(recipe)
     _, _, bf16_variables = _layer_variables(None)
     with pytest.raises(ValueError, match=r"keeps 6 FP8 variables the checkpoint lacks") as error:
-        migrate_fp8_state(bf16_variables, fp8_variables)
+        migrate_fp8_state(bf16_variables, fp8_variables, recipe=recipe)
     assert "init_missing=True" in str(error.value)
-    fitted = migrate_fp8_state(bf16_variables, fp8_variables, init_missing=True)
+    fitted = migrate_fp8_state(bf16_variables, fp8_variables, recipe=recipe, init_missing=True)
     # The parameters are the checkpoint's; the FP8 state is what a fresh init gives.
     np.testing.assert_array_equal(fitted["params"]["kernel"], bf16_variables["params"]["kernel"])
     jax.tree.map(np.testing.assert_array_equal, fitted[FP8], dict(fp8_variables[FP8]))
@@ -129,7 +136,8 @@ def test_each_migration_happens_only_when_asked():
     target = _scanned(8)
     target[FP8]["other"] = {"x_scale_inv": jnp.ones((2, 1), F32)}
     everything = dict(resize_history=True, init_missing=True, drop_extra=True)
-    for left_out in everything:
+    everything["recipe"] = DelayedScaling(amax_history_len=8)
+    for left_out in ("resize_history", "init_missing", "drop_extra"):
         with pytest.raises(ValueError, match=f"{left_out}=True"):
             migrate_fp8_state(saved, target, **{**everything, left_out: False})
     fitted = migrate_fp8_state(saved, target, **everything)[FP8]
@@ -155,7 +163,10 @@ def test_abstract_trees_are_checked_without_arrays():
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _scanned(4))
     with pytest.raises(ValueError, match="has length 16"):
         jax.eval_shape(lambda v: migrate_fp8_state(v, target), abstract)
-    fitted = jax.eval_shape(lambda v: migrate_fp8_state(v, target, resize_history=True), abstract)
+    recipe = DelayedScaling(amax_history_len=4)
+    fitted = jax.eval_shape(
+        lambda v: migrate_fp8_state(v, target, recipe=recipe, resize_history=True), abstract
+    )
     assert fitted[FP8]["block"]["x_amax_history"].shape == (2, 4)
 
 

@@ -12,6 +12,8 @@ accumulation.
 
 from __future__ import annotations
 
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -25,6 +27,7 @@ import te_flax.linen as te_nn
 import te_flax.nnx as te_nnx
 from te_flax._ops.kernels import pallas_kernels
 from te_flax.accumulate import combine_gradients
+from te_flax.convert import RecomputedFp8ScalesWarning, migrate_fp8_state
 from te_flax.dense import dense as te_dense
 from te_flax.layernorm import layernorm
 from te_flax.layernorm_dense import layernorm_dense
@@ -33,12 +36,14 @@ from te_flax.quantize import (
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,
+    Format,
     QuantizerFactory,
     UncalibratedFp8StateWarning,
     max_merge,
     noop_quantizer_set,
 )
 from te_flax.quantize.recipes import MAX_AMAX_HISTORY_LEN
+from te_flax.quantize.tensor_quantizers import DelayedScaleQuantizer
 from te_flax.training import (
     OVERWRITE_WITH_GRADIENT,
     accumulate_gradients,
@@ -367,6 +372,134 @@ def test_a_frozen_layer_with_current_scaling_is_calibrated_and_quiet():
     assert float(jnp.linalg.norm(quantized - exact) / jnp.linalg.norm(exact)) < 0.1
 
 
+# ----------------------------------------------------------------------------- checkpoints
+# across FP8 formats: a delayed-scaling scale is a function of its history and the recipe, so a
+# checkpoint of another format, margin, rule or history length is converted by recomputing it.
+
+E4M3_DELAYED = DelayedScaling(amax_history_len=8, fp8_format=Format.E4M3)
+
+
+def _input_grad_error(layer, variables, x) -> float:
+    """The layer's input gradient against the unquantized layer's, normwise."""
+
+    def input_grad(module, variables):
+        return jax.grad(lambda x: jnp.mean(jnp.square(module.apply(variables, x))))(x)
+
+    exact_layer = te_nn.DenseGeneral(features=HIDDEN, use_bias=False)
+    exact = input_grad(exact_layer, {"params": variables["params"]})
+    quantized = input_grad(layer, variables)
+    return float(jnp.linalg.norm(quantized - exact) / jnp.linalg.norm(exact))
+
+
+def test_a_hybrid_checkpoint_restored_into_an_e4m3_model_is_converted():
+    hybrid = _layer("dense_without_bias", DELAYED)  # Format.HYBRID: e5m2 gradients
+    variables = nn.unbox(hybrid.init(jax.random.key(0), _x()))
+    tx = optax.sgd(1e-2)
+    opt_state = init_optimizer(tx, variables)
+
+    @jax.jit
+    def step(variables, opt_state, x):
+        _, grads = value_and_grad(lambda v: jnp.mean(jnp.square(hybrid.apply(v, x))))(variables)
+        return apply_gradients(tx, variables, grads, opt_state)
+
+    for index in range(3):
+        variables, opt_state = step(variables, opt_state, _x(index))
+    e4m3 = _layer("dense_without_bias", E4M3_DELAYED)
+    target = jax.eval_shape(e4m3.init, jax.random.key(0), _x())
+    # A raw restore (the tree as saved) quantizes the first step's gradients with e5m2's
+    # scales in e4m3: 128x too small, nearly every gradient clips.
+    assert _input_grad_error(e4m3, variables, _x(5)) > 0.9
+    with pytest.raises(ValueError, match=r"128x too small.*recipe=DelayedScaling"):
+        migrate_fp8_state(variables, target)
+    with pytest.warns(RecomputedFp8ScalesWarning, match=r"grad_scale_inv x128"):
+        migrated = migrate_fp8_state(variables, target, recipe=E4M3_DELAYED)
+    error = _input_grad_error(e4m3, migrated, _x(5))
+    # As close as a model calibrated under E4M3 from the start: its state after the same steps.
+    calibrated = {**variables, FP8: _state_after(E4M3_DELAYED, variables[FP8])}
+    assert error < 0.1
+    assert error == pytest.approx(_input_grad_error(e4m3, calibrated, _x(5)), rel=1e-6)
+    # The NNX model takes the converted tree as it is.
+    model = te_nnx.DenseGeneral(HIDDEN, HIDDEN, use_bias=False, recipe=E4M3_DELAYED,
+                                rngs=nnx.Rngs(0))  # fmt: skip
+    te_nnx.load_linen_variables(model, migrated)
+    assert float(model.grad_scale_inv[...][0]) == float(migrated[FP8]["grad_scale_inv"][0])
+
+
+def _state_after(recipe, saved_state) -> dict:
+    """The state ``recipe``'s own update rule keeps after the amaxes of ``saved_state``'s
+    histories (oldest first), one step at a time."""
+    state = {}
+    for name, history in saved_state.items():
+        if not name.endswith("_amax_history"):
+            continue
+        stem = name.removesuffix("_amax_history")
+        q_dtype = recipe.fp8_format.value[1 if stem.startswith("grad") else 0]
+        quantizer = DelayedScaleQuantizer.fresh(q_dtype, recipe)
+        for amax in np.asarray(history)[::-1]:
+            quantizer = quantizer.update(jnp.asarray(amax, jnp.float32))
+        state[name], state[stem + "_scale_inv"] = quantizer.amax_history, quantizer.scale_inv
+    return state
+
+
+def _custom_scale(amax, scale, fp8_max, recipe):
+    del scale, recipe
+    return fp8_max / (2.0 * amax)
+
+
+# Each saved recipe against each model recipe that keeps delayed-scaling state.
+def _delayed(**fields) -> DelayedScaling:
+    return DelayedScaling(**{"amax_history_len": 8, **fields})
+
+
+FORMAT_PAIRS = {
+    "hybrid->e4m3": (DELAYED, E4M3_DELAYED),
+    "e4m3->hybrid": (E4M3_DELAYED, DELAYED),
+    "margin 0->3": (DELAYED, _delayed(margin=3)),
+    "margin 2->0": (_delayed(margin=2), DELAYED),
+    "max->most_recent": (DELAYED, _delayed(amax_compute_algo="most_recent")),
+    "most_recent->max": (_delayed(amax_compute_algo="most_recent"), DELAYED),
+    "history 8->4": (DELAYED, _delayed(amax_history_len=4)),
+    "custom scaling factor": (DELAYED, _delayed(scaling_factor_compute_algo=_custom_scale)),
+    "same recipe": (DELAYED, DELAYED),
+}
+
+
+@pytest.mark.parametrize("pair", list(FORMAT_PAIRS))
+def test_migrated_scales_are_those_the_model_recipe_keeps(pair):
+    saved_recipe, model_recipe = FORMAT_PAIRS[pair]
+    # Amaxes oldest first; the last step's was not finite (recorded as 0, the scale kept).
+    amaxes = np.array([0.0, 0.0, 3.0, 40.0, 0.5, 2.0, 0.25, 0.0], np.float32)[::-1]
+    saved = _state_after(saved_recipe, {"x_amax_history": amaxes, "grad_amax_history": amaxes})
+    expected = _state_after(model_recipe, saved)
+    target = jax.tree.map(jnp.zeros_like, expected)
+    tree = {"params": {}, FP8: saved}
+    resize = saved_recipe.amax_history_len != model_recipe.amax_history_len
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        migrated = migrate_fp8_state(
+            tree, {"params": {}, FP8: target}, recipe=model_recipe, resize_history=resize
+        )
+    jax.tree.map(np.testing.assert_array_equal, migrated[FP8], expected)
+    assert [type(w.message) for w in said] == (
+        [] if pair == "same recipe" else [RecomputedFp8ScalesWarning]
+    )
+
+
+def test_a_recipe_that_is_not_the_models_is_refused():
+    delayed = {"params": {}, FP8: _state_after(DELAYED, {"x_amax_history": np.ones(8, np.float32)})}
+    with pytest.raises(ValueError, match=r"Float8CurrentScaling\(\) keeps no FP8 state"):
+        migrate_fp8_state(delayed, delayed, recipe=Float8CurrentScaling())
+    with pytest.raises(ValueError, match=r"amax_history_len=4, but .* length 8"):
+        migrate_fp8_state(delayed, delayed, recipe=DelayedScaling(amax_history_len=4))
+    with pytest.raises(ValueError, match=r"keeps delayed-scaling state, but the model holds none"):
+        migrate_fp8_state({"params": {}}, {"params": {}}, recipe=DELAYED)
+    tx = optax.sgd(1e-2)
+    with pytest.raises(TypeError, match="drop_amax_spikes must be a bool"):
+        apply_gradients(tx, delayed, delayed, init_optimizer(tx, delayed), drop_amax_spikes=1)
+    with pytest.raises(TypeError, match="drop_amax_spikes must be a bool"):
+        te_nnx.value_and_grad(jnp.sum, drop_amax_spikes="yes")
+
+
 # ----------------------------------------------------------------------------- spikes
 
 
@@ -391,13 +524,89 @@ def test_drop_amax_spikes_brings_the_gradients_back_after_a_finite_spike():
     opt_state = init_optimizer(tx, variables)
     for step, weight in enumerate([1.0, 1.0, 1e12]):  # the last step a finite spike
         _, grads = grad(variables, _x(step), weight)
-        variables, opt_state = apply_gradients(tx, variables, grads, opt_state)
+        # The helpers' own guard off: the spike enters the history (the old behaviour).
+        options = {"drop_amax_spikes": False}
+        variables, opt_state = apply_gradients(tx, variables, grads, opt_state, **options)
     assert kernel_error(variables, _x(5)) == pytest.approx(1.0)  # every gradient is gone
     guarded = {**variables, FP8: drop_amax_spikes(variables[FP8], recipe)}
     assert kernel_error(guarded, _x(5)) < 0.2
     # Without a spike the guard changes nothing.
     again = drop_amax_spikes(guarded[FP8], recipe)
     jax.tree.map(np.testing.assert_array_equal, again, guarded[FP8])
+
+
+SPIKE_WEIGHTS = (1.0, 1.0, 1e12, 1.0, 1.0)  # step 2 a finite loss spike
+SPIKE_TX = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1e-2))
+
+
+def _linen_spike_run(options: dict) -> tuple[list[float], list[jax.Array]]:
+    """Each step's gradient scale after it, and its kernel gradient, through apply_gradients."""
+    layer = _layer("dense_without_bias", DELAYED)
+    variables = nn.unbox(layer.init(jax.random.key(0), _x()))
+    opt_state = init_optimizer(SPIKE_TX, variables)
+
+    def loss_fn(variables, x, weight):
+        return jnp.mean(jnp.square(layer.apply(variables, x))) * weight
+
+    @jax.jit
+    def step(variables, opt_state, x, weight):
+        _, grads = value_and_grad(loss_fn)(variables, x, weight)
+        new = apply_gradients(SPIKE_TX, variables, grads, opt_state, **options)
+        return new, grads["params"]["kernel"]
+
+    scales, kernel_grads = [], []
+    for index, weight in enumerate(SPIKE_WEIGHTS):
+        (variables, opt_state), kernel_grad = step(variables, opt_state, _x(index), weight)
+        scales.append(float(variables[FP8]["grad_scale_inv"][0]))
+        kernel_grads.append(kernel_grad)
+    return scales, kernel_grads
+
+
+def _nnx_spike_run(helper: str, options: dict) -> tuple[list[float], list]:
+    """The same through te_flax.nnx.train_step or value_and_grad(update_fp8_state=True)."""
+    model = te_nnx.DenseGeneral(HIDDEN, HIDDEN, use_bias=False, recipe=DELAYED,
+                                rngs=nnx.Rngs(0))  # fmt: skip
+    optimizer = nnx.Optimizer(model, SPIKE_TX, wrt=nnx.Param)
+
+    def loss_fn(model, x, weight):
+        return jnp.mean(jnp.square(model(x))) * weight
+
+    @nnx.jit
+    def step(model, optimizer, x, weight):
+        if helper == "train_step":
+            te_nnx.train_step(model, optimizer, loss_fn, x, weight, **options)
+            return None  # train_step gives no gradients back
+        grad_fn = te_nnx.value_and_grad(loss_fn, update_fp8_state=True, **options)
+        _, grads = grad_fn(model, x, weight)
+        with jax.numpy_dtype_promotion("standard"):
+            optimizer.update(model, grads)
+        return grads["kernel"][...]
+
+    scales, kernel_grads = [], []
+    for index, weight in enumerate(SPIKE_WEIGHTS):
+        kernel_grads.append(step(model, optimizer, _x(index), weight))
+        scales.append(float(model.grad_scale_inv[...][0]))
+    return scales, kernel_grads
+
+
+@pytest.mark.parametrize("helper", ["apply_gradients", "nnx.train_step", "nnx.value_and_grad"])
+def test_the_training_helpers_leave_a_finite_spike_out_by_default(helper):
+    def run(options):
+        if helper == "apply_gradients":
+            return _linen_spike_run(options)
+        return _nnx_spike_run(helper.removeprefix("nnx."), options)
+
+    scales, kernel_grads = run({})
+    # The spike's step keeps the scale it had; the steps after it train.
+    assert scales[2] == scales[1]
+    assert max(scales) / min(scales) < 10
+    for kernel_grad in kernel_grads[3:]:
+        assert kernel_grad is None or bool(jnp.any(kernel_grad != 0))
+    # Opted out: the old behaviour, a scale 1e12 too coarse and no kernel gradient after it.
+    scales, kernel_grads = run({"drop_amax_spikes": False})
+    assert scales[2] > 1e9 * scales[1] and scales[4] == scales[2]
+    for kernel_grad in kernel_grads[3:]:
+        assert kernel_grad is None or not bool(jnp.any(kernel_grad != 0))
 
 
 def test_drop_amax_spikes_refuses_what_cannot_work():

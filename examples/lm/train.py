@@ -9,7 +9,8 @@ Checkpoints are orbax's: a save is written into a temporary directory that is re
 step's only once complete, so a run killed during a save resumes from the previous one (the
 unfinished directory is deleted when the next run opens the checkpoints). A resumed run whose
 recipe keeps other FP8 state than the checkpoint's is refused with the difference named, or
-migrated when ``resume_migrate_fp8`` is set (``te_flax.convert.migrate_fp8_state``).
+migrated when ``resume_migrate_fp8`` is set (``te_flax.convert.migrate_fp8_state``); delayed
+scaling's scales are always recomputed from the saved amax histories under this run's recipe.
 """
 
 from __future__ import annotations
@@ -298,6 +299,9 @@ def _restore(
     migrate = functools.partial(
         migrate_fp8_state,
         target=abstract["variables"],
+        # Delayed scaling's scales are recomputed from the saved histories under this run's
+        # recipe: a checkpoint of another format or margin is converted, never used as saved.
+        recipe=make_recipe(config),
         resize_history=config.resume_migrate_fp8,
         init_missing=config.resume_migrate_fp8,
         drop_extra=config.resume_migrate_fp8,

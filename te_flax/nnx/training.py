@@ -42,15 +42,20 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from te_flax._base.checks import check_bool
 from te_flax.nnx._fp8_meta import Fp8Meta
 from te_flax.quantize import check_calibrated, check_merged, merge_by_max
-from te_flax.training import all_finite, keep_unused, select_tree
+from te_flax.training import all_finite, drop_step_amax_spikes, keep_unused, select_tree
 
 __all__ = ["train_step", "update_fp8_state", "value_and_grad"]
 
 
 def value_and_grad(
-    loss_fn: Callable[..., Any], *, has_aux: bool = False, update_fp8_state: bool = False
+    loss_fn: Callable[..., Any],
+    *,
+    has_aux: bool = False,
+    update_fp8_state: bool = False,
+    drop_amax_spikes: bool = True,
 ) -> Callable[..., Any]:
     """``loss_fn(model, *args)`` -> ``(value, grads)`` over ``nnx.Param`` and ``Fp8Meta``.
 
@@ -65,7 +70,9 @@ def value_and_grad(
     the parameter gradients only, ready for ``nnx.Optimizer(model, tx,
     wrt=nnx.Param).update(model, grads)``. Leave it False to inspect the new state without
     applying it (then apply it with ``update_fp8_state`` or use ``train_step``).
+    ``drop_amax_spikes`` is ``update_fp8_state``'s, for the state written into the model.
     """
+    check_bool(drop_amax_spikes, "drop_amax_spikes")
 
     def wrapped(model: nnx.Module, *args: Any, **kwargs: Any) -> Any:
         graphdef, *states = nnx.split(model, nnx.Param, Fp8Meta, ...)
@@ -89,7 +96,7 @@ def value_and_grad(
         (value, (aux, new_rest)), (param_grads, fp8_grads) = grad_fn(params, fp8, rest, *args)
         nnx.update(model, new_rest)
         if update_fp8_state:
-            _overwrite_fp8_state(model, fp8_grads)
+            _overwrite_fp8_state(model, fp8_grads, drop_amax_spikes)
             grads = param_grads
         else:
             grads = nnx.merge_state(param_grads, fp8_grads)
@@ -98,13 +105,24 @@ def value_and_grad(
     return wrapped
 
 
-def update_fp8_state(model: nnx.Module, grads: nnx.State[Any, Any]) -> None:
+def update_fp8_state(
+    model: nnx.Module, grads: nnx.State[Any, Any], *, drop_amax_spikes: bool = True
+) -> None:
     """Overwrites the model's ``Fp8Meta`` variables with their gradients (their new values).
 
     A state that no op read in the step has a zero gradient; it keeps its value. A state that
     came back summed over its uses raises (``te_flax.quantize.check_merged``), under ``jit``
     too; a state no step has updated yet warns once (``check_calibrated``).
+
+    By default (``drop_amax_spikes=True``) a new amax more than 1e3 times the largest amax of
+    its history (a finite loss spike) is recorded as 0 and the state keeps its previous
+    ``scale_inv`` (``te_flax.training.drop_step_amax_spikes``), so one spike does not zero the
+    kernel gradients for ``amax_history_len`` steps; a real jump of more than 1e3 in one step
+    saturates until the older entries leave the history. ``False`` records every amax as it
+    is (the behaviour before this guard). The cost is one maximum over each history per step
+    (``bench/RESULTS_fp8_state_guards.md``).
     """
+    check_bool(drop_amax_spikes, "drop_amax_spikes")
     new = nnx.state(grads, Fp8Meta)
     if nnx.state(model, Fp8Meta) and not new:
         raise ValueError(
@@ -113,13 +131,17 @@ def update_fp8_state(model: nnx.Module, grads: nnx.State[Any, Any]) -> None:
             "differentiates the Fp8Meta variables too), or let it apply the state itself with "
             "te_flax.nnx.value_and_grad(loss_fn, update_fp8_state=True)"
         )
-    _overwrite_fp8_state(model, new)
+    _overwrite_fp8_state(model, new, drop_amax_spikes)
 
 
-def _overwrite_fp8_state(model: nnx.Module, new: nnx.State[Any, Any]) -> None:
+def _overwrite_fp8_state(
+    model: nnx.Module, new: nnx.State[Any, Any], drop_amax_spikes: bool
+) -> None:
     old = nnx.state(model, Fp8Meta)
     kept = keep_unused(new, old)
-    check_merged(old, kept)  # on the kept state, as te_flax.training.apply_gradients
+    if drop_amax_spikes:
+        kept = drop_step_amax_spikes(kept, old)
+    check_merged(old, kept)  # on the state written, as te_flax.training.apply_gradients
     check_calibrated(kept)
     nnx.update(model, kept)
 
@@ -130,6 +152,7 @@ def train_step(
     loss_fn: Callable[..., Any],
     *args: Any,
     skip_nonfinite: bool = False,
+    drop_amax_spikes: bool = True,
     **kwargs: Any,
 ) -> Any:
     """One step: gradients, ``optimizer.update`` on the parameters, FP8-state overwrite.
@@ -147,6 +170,9 @@ def train_step(
         FP8 state as they were. Default False: the update is applied as it is (non-finite
         gradients reach the parameters; the FP8 state stays finite, as a non-finite amax is
         recorded as 0 and the scale is kept).
+      drop_amax_spikes: leave a finite spike of this step out of the FP8 state (default True;
+        see ``update_fp8_state``). False records every amax, so one spike makes that tensor's
+        scale as many times too coarse for ``amax_history_len`` steps.
       **kwargs: passed to ``loss_fn``.
 
     Returns:
@@ -170,7 +196,7 @@ def train_step(
     )
     with jax.numpy_dtype_promotion("standard"):  # optax mixes its int32 count with floats
         optimizer.update(model, grads)
-    update_fp8_state(model, grads)
+    update_fp8_state(model, grads, drop_amax_spikes=drop_amax_spikes)
     if not skip_nonfinite:
         return loss
     finite = all_finite(nnx.state(grads, nnx.Param)) & all_finite(nnx.state(grads, Fp8Meta))
