@@ -13,6 +13,7 @@ accumulation.
 from __future__ import annotations
 
 import warnings
+from functools import partial
 
 import flax.linen as nn
 import jax
@@ -25,10 +26,12 @@ from flax.training import train_state
 
 import te_flax.linen as te_nn
 import te_flax.nnx as te_nnx
+from te_flax._ops import custom_op
 from te_flax._ops.kernels import pallas_kernels
 from te_flax.accumulate import combine_gradients
 from te_flax.convert import RecomputedFp8ScalesWarning, migrate_fp8_state
 from te_flax.dense import dense as te_dense
+from te_flax.dense import grouped_dense, grouped_quantizer_set
 from te_flax.layernorm import layernorm
 from te_flax.layernorm_dense import layernorm_dense
 from te_flax.layernorm_mlp import layernorm_mlp
@@ -50,6 +53,7 @@ from te_flax.training import (
     all_finite,
     apply_gradients,
     drop_amax_spikes,
+    hold_fp8_state,
     init_optimizer,
     merge_fp8_state,
     value_and_grad,
@@ -370,6 +374,214 @@ def test_a_frozen_layer_with_current_scaling_is_calibrated_and_quiet():
         {"params": variables["params"]["backbone"]}, x
     )
     assert float(jnp.linalg.norm(quantized - exact) / jnp.linalg.norm(exact)) < 0.1
+
+
+# ----------------------------------------------------------------------------- never-updated state
+
+LOUD = 1e3  # far from 1: with the fresh state's scale 1, e4m3 (max 448) clips such values
+LAYERS = ["DenseGeneral", "LayerNormDenseGeneral", "LayerNormMLP"]
+
+
+def _loud_x(seed: int = 7) -> jax.Array:
+    return LOUD * jax.random.normal(jax.random.key(seed), (2, 8, 64), jnp.float32)
+
+
+def _fresh_layer(kind: str, recipe=DELAYED, front_end: str = "linen"):
+    """A layer whose first GEMM reads values near LOUD (the input, or a norm scaled by it)."""
+    modules = te_nn if front_end == "linen" else te_nnx
+    # NNX layers take their input features and rngs at construction.
+    args, nnx_args = ((), {}) if front_end == "linen" else ((64,), {"rngs": nnx.Rngs(0)})
+    loud_scale = nn.initializers.constant(LOUD)
+    if kind == "DenseGeneral":
+        return modules.DenseGeneral(*args, features=64, recipe=recipe, **nnx_args)
+    if kind == "LayerNormDenseGeneral":
+        return modules.LayerNormDenseGeneral(
+            *args, features=64, scale_init=loud_scale, recipe=recipe, **nnx_args
+        )
+    return modules.LayerNormMLP(
+        *args, intermediate_dim=64, scale_init=loud_scale, recipe=recipe, **nnx_args
+    )
+
+
+def _relative_error(y, exact) -> float:
+    y = _output(y)
+    return float(jnp.linalg.norm(y - exact) / jnp.linalg.norm(exact))
+
+
+class _Scanned(nn.Module):
+    """The layer over a leading axis of its input, by ``nn.scan`` of an ``nn.remat`` body."""
+
+    kind: str
+    recipe: object = DELAYED
+
+    @nn.compact
+    def __call__(self, xs):
+        class Body(nn.Module):
+            @nn.compact
+            def __call__(body, carry, x):
+                return carry, _output(_fresh_layer(self.kind, self.recipe)(x))
+
+        scan = nn.scan(
+            nn.remat(Body),
+            variable_broadcast=["params", FP8],
+            split_rngs={"params": False},
+            in_axes=0,
+            out_axes=0,
+        )
+        return scan(name="scan")(jnp.zeros(()), xs)[1]
+
+
+def _linen_outputs(kind: str, loop: str):
+    """The output of a layer with a fresh (never-updated) delayed-scaling state under ``loop``,
+    and the unquantized output of the same parameters."""
+    x = _loud_x()
+    if loop == "scan_remat_grad":
+        model, exact_model, x = _Scanned(kind), _Scanned(kind, None), jnp.stack([x, -x])
+    else:
+        model, exact_model = _fresh_layer(kind), _fresh_layer(kind, None)
+    variables = nn.unbox(model.init(jax.random.key(0), x))
+    exact = _output(exact_model.apply({"params": variables["params"]}, x))
+
+    def apply(variables, x):
+        return _output(model.apply(variables, x))
+
+    if loop == "apply":
+        return apply(variables, x), exact
+    if loop == "jit":
+        return jax.jit(apply)(variables, x), exact
+    if loop == "frozen_backbone":  # jax.grad of a Flax head over the frozen layer
+        head = nn.Dense(4)
+        head_params = head.init(jax.random.key(1), exact)["params"]
+
+        def loss(head_params):
+            features = apply(variables, x)
+            return jnp.mean(head.apply({"params": head_params}, features)), features
+
+        return jax.grad(loss, has_aux=True)(head_params)[1], exact
+    if loop == "params_held":  # a gradient of the parameters alone, the state held
+
+        def loss(params):
+            y = apply({**variables, "params": params}, x)
+            return jnp.mean(y), y
+
+        with hold_fp8_state():
+            return jax.jit(jax.grad(loss, has_aux=True))(variables["params"])[1], exact
+    # grad_of_input, scan_remat_grad: a gradient of the input only
+
+    def input_loss(x):
+        y = apply(variables, x)
+        return jnp.mean(y), y
+
+    return jax.grad(input_loss, has_aux=True)(x)[1], exact
+
+
+# The module shells' watch on the FP8 state (te_flax._layers.fp8_state.watch_fp8_state) returns
+# the state from a custom_vjp: when the parameters are differentiated the ops see it perturbed.
+_WATCHED = pytest.mark.xfail(strict=True, reason="the shells' watch perturbs the FP8 state")
+LOOPS = ["apply", "jit", "frozen_backbone", "grad_of_input", "scan_remat_grad"]
+
+
+@pytest.mark.parametrize("loop", [*LOOPS, pytest.param("params_held", marks=_WATCHED)])
+@pytest.mark.parametrize("kind", LAYERS)
+def test_a_never_updated_state_computes_right_in_any_loop(kind, loop):
+    # Its update cannot leave these steps: the layer scales just in time while its state is
+    # fresh. It computed with scale 1 before, 68% off for DenseGeneral.
+    y, exact = _linen_outputs(kind, loop)
+    assert _relative_error(y, exact) < 0.1
+
+
+@pytest.mark.parametrize("loop", ["call", "jit", "frozen_backbone"])
+@pytest.mark.parametrize("kind", LAYERS)
+def test_a_never_updated_nnx_layer_computes_right_in_any_loop(kind, loop):
+    layer, exact_layer = _fresh_layer(kind, front_end="nnx"), _fresh_layer(kind, None, "nnx")
+    nnx.update(exact_layer, nnx.state(layer, nnx.Param))
+    x = _loud_x()
+    exact = _output(exact_layer(x))
+    if loop == "call":
+        y = layer(x)
+    elif loop == "jit":
+        y = nnx.jit(lambda layer, x: _output(layer(x)))(layer, x)
+    else:  # nnx.grad of a head over the frozen layer (only the head is differentiated)
+        head = nnx.Linear(64, 4, rngs=nnx.Rngs(1))
+
+        def loss(head, backbone):
+            features = _output(backbone(x))
+            return jnp.mean(head(features)), features
+
+        _, y = nnx.grad(loss, has_aux=True)(head, layer)
+    assert _relative_error(y, exact) < 0.1
+
+
+@pytest.mark.parametrize("kernels", ["0", "1"])  # "1": the Pallas kernels, interpreted on a CPU
+def test_the_ops_scale_a_never_updated_state_just_in_time_for_a_gradient_of_their_kernels(
+    kernels,
+):
+    # The quantizer sets are not differentiated, so their update cannot leave the step: the
+    # norm output and the activation (near 1e3 here) and the output and activation gradients
+    # (near 1e-6) are quantized with their own scales, in the forward and in the backward.
+    x = _loud_x()
+    gamma = jnp.full((64,), LOUD)
+    keys = jax.random.split(jax.random.key(3), 2)
+    weights = [jax.random.normal(keys[0], (64, 2, 64)), jax.random.normal(keys[1], (64, 64))]
+    weights = [0.1 * weight for weight in weights]
+
+    @jax.jit
+    def gradients(weights, quantizer_sets):
+        def loss(weights):
+            y = layernorm_mlp(
+                x, gamma, None, weights, [None, None], "rmsnorm",
+                activation_type=("gelu", "linear"), quantizer_sets=quantizer_sets,
+            )  # fmt: skip
+            return jnp.sum(y.astype(jnp.float32)) / LOUD**2, y
+
+        return jax.grad(loss, has_aux=True)(weights)
+
+    with pallas_kernels(kernels):
+        d_weights, y = gradients(weights, QuantizerFactory.create_set(2, fp8_recipe=DELAYED))
+        exact_d_weights, exact = gradients(weights, (noop_quantizer_set, noop_quantizer_set))
+    assert _relative_error(y, exact) < 0.1
+    for d_weight, exact_d_weight in zip(d_weights, exact_d_weights, strict=True):
+        assert _relative_error(d_weight, exact_d_weight) < 0.1
+
+
+@pytest.mark.parametrize("lowering", ["ragged", "capacity"])
+def test_a_never_updated_grouped_state_scales_each_group_just_in_time(lowering):
+    # Evaluation of a grouped GEMM (the experts of a mixture of experts): one scale per group.
+    x = _loud_x().reshape(16, 64) * jnp.repeat(jnp.array([1.0, 1e-3]), 8)[:, None]
+    kernel = 0.1 * jax.random.normal(jax.random.key(3), (2, 64, 32))
+    sizes = jnp.array([8, 8], jnp.int32)
+    fresh = grouped_quantizer_set(QuantizerFactory.create_set(fp8_recipe=DELAYED), 2)
+    y = jax.jit(partial(grouped_dense, lowering=lowering))(x, kernel, sizes, quantizer_set=fresh)
+    exact = grouped_dense(x, kernel, sizes, lowering=lowering)
+    for rows in (slice(0, 8), slice(8, 16)):  # near 1e3 and near 1: each group right
+        assert _relative_error(y[rows], exact[rows]) < 0.1
+
+
+def _programs() -> tuple[str, str, str]:
+    """The StableHLO of LayerNormMLP's training steps that differentiate the FP8 state
+    (te_flax's ``value_and_grad``; ``jax.grad`` of the whole variable dict, as under Flax's
+    ``TrainState``) and of its evaluation."""
+    layer = _fresh_layer("LayerNormMLP")
+    x = _loud_x()
+    variables = nn.unbox(layer.init(jax.random.key(0), x))
+
+    def loss_fn(variables, x):
+        return jnp.mean(jnp.square(_output(layer.apply(variables, x))))
+
+    te_flax_step = jax.jit(value_and_grad(loss_fn)).lower(variables, x).as_text()
+    flax_step = jax.jit(jax.grad(loss_fn)).lower(variables, x).as_text()
+    evaluate = jax.jit(partial(layer.apply, variables)).lower(x).as_text()
+    return te_flax_step, flax_step, evaluate
+
+
+def test_scaling_just_in_time_leaves_the_training_step_unchanged(monkeypatch):
+    te_flax_step, flax_step, evaluate = _programs()
+    # Every quantizer as before (the stored scale, one pass over each tensor):
+    monkeypatch.setattr(custom_op, "_in_mode", lambda quantizer, just_in_time: quantizer)
+    stored_te_flax_step, stored_flax_step, stored_evaluate = _programs()
+    assert te_flax_step == stored_te_flax_step
+    assert flax_step == stored_flax_step
+    assert evaluate != stored_evaluate  # evaluation scales just in time
 
 
 # ----------------------------------------------------------------------------- checkpoints
