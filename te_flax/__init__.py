@@ -7,6 +7,8 @@ The functional ops live in ``te_flax.layernorm``, ``te_flax.dense`` and
 
 import importlib.metadata
 
+from te_flax._explain import explain
+from te_flax._tools.explain import CollectiveInfo, ExplainReport, GemmInfo
 from te_flax._tools.show_config import show_config
 from te_flax.inject import DEFAULT_RULES, QuantizeModelNote, QuantizeRule, quantize_model
 from te_flax.quantize.autocast import autocast, fp8_autocast
@@ -20,11 +22,15 @@ except importlib.metadata.PackageNotFoundError:  # imported from a source tree, 
 
 __all__ = [
     "DEFAULT_RULES",
+    "CollectiveInfo",
+    "ExplainReport",
+    "GemmInfo",
     "MeshResource",
     "QuantizeModelNote",
     "QuantizeRule",
     "__version__",
     "autocast",
+    "explain",
     "fp8_autocast",
     "quantize_model",
     "show_config",

@@ -1,5 +1,93 @@
-"""``python -m te_flax``: prints what ``te_flax.show_config()`` prints."""
+"""``python -m te_flax``: prints what ``te_flax.show_config()`` prints.
 
+``python -m te_flax explain MODULE:FUNCTION [--target h100]`` prints ``te_flax.explain``'s
+report of a program: ``FUNCTION`` (in the module ``MODULE``, or in the file ``MODULE`` when it
+ends in ``.py``) takes no arguments and returns ``(fn, args)`` or ``(fn, args, kwargs)``, the
+function to compile and its example arguments (arrays or ``jax.ShapeDtypeStruct``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from te_flax._explain import TARGETS, explain
 from te_flax._tools.show_config import show_config
 
-show_config()
+_USAGE = "python -m te_flax [explain MODULE:FUNCTION [--target TARGET]]"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m te_flax",
+        usage=_USAGE,
+        description="Without a command: the versions, backend and devices (show_config).",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    explained = commands.add_parser(
+        "explain",
+        usage="python -m te_flax explain MODULE:FUNCTION [--target TARGET]",
+        help="which GEMMs of a compiled program run in FP8, and where",
+        description="Prints te_flax.explain's report of the program FUNCTION gives: a "
+        "function of no arguments that returns (fn, args) or (fn, args, kwargs).",
+    )
+    explained.add_argument(
+        "program", metavar="MODULE:FUNCTION", help="e.g. my_model:train_step or model.py:step"
+    )
+    explained.add_argument("--target", default="h100", choices=TARGETS, help="default: h100")
+    return parser
+
+
+def _load(spec: str) -> Callable[[], Any]:
+    """The function ``FUNCTION`` of ``MODULE:FUNCTION`` (a module name or a ``.py`` file)."""
+    module_name, _, function_name = spec.rpartition(":")
+    if not module_name or not function_name:
+        raise SystemExit(
+            f"{_USAGE}\nexpected MODULE:FUNCTION (e.g. my_model:train_step), got {spec!r}"
+        )
+    if module_name.endswith(".py"):
+        path = Path(module_name)
+        file_spec = importlib.util.spec_from_file_location(path.stem, path)
+        if file_spec is None or file_spec.loader is None or not path.is_file():
+            raise SystemExit(f"{_USAGE}\nno Python file {module_name!r}")
+        module = importlib.util.module_from_spec(file_spec)
+        sys.modules[path.stem] = module
+        file_spec.loader.exec_module(module)
+    else:
+        sys.path.insert(0, "")  # the working folder, as ``python -m`` and ``python`` have it
+        module = importlib.import_module(module_name)
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise SystemExit(f"{_USAGE}\n{module_name} has no function {function_name!r}")
+    return function
+
+
+def _program(function: Callable[[], Any], spec: str) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    made = function()
+    if not (isinstance(made, tuple) and len(made) in (2, 3) and callable(made[0])):
+        raise SystemExit(
+            f"{_USAGE}\n{spec} must return (fn, args) or (fn, args, kwargs): the function to "
+            f"compile and its arguments; it returned {type(made).__name__}"
+        )
+    fn, args, *rest = made
+    return fn, tuple(args), dict(rest[0]) if rest else {}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line; returns the exit status."""
+    options = _parser().parse_args(argv)
+    if options.command is None:
+        show_config()
+        return 0
+    fn, args, kwargs = _program(_load(options.program), options.program)
+    print(explain(fn, *args, target=options.target, **kwargs))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

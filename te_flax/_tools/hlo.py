@@ -11,7 +11,11 @@ each instruction is one line, ``%name = type opcode(operands), attributes``:
   ``gemm_backend_config`` of its ``backend_config`` JSON;
 * a GEMM left to a fusion is a ``dot`` or a Triton / cuDNN GEMM fusion;
 * a Pallas kernel is a ``__gpu$xla.gpu.triton`` (Triton) or ``mosaic_gpu_v2`` (Mosaic GPU)
-  custom call; te_flax's kernels carry their name (``te_flax_...``) in the op name.
+  custom call; te_flax's kernels carry their name (``te_flax_...``) in the op name;
+* an instruction's ``metadata`` names the JAX op (``op_name``) and the Python lines that traced
+  it: a ``stack_frame_id`` into the module's ``FileNames`` / ``FunctionNames`` /
+  ``FileLocations`` / ``StackFrames`` tables (``stack_frames``), or, from older XLA, one
+  ``source_file`` and ``source_line``.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ __all__ = [
     "TRITON_CALL",
     "Collective",
     "Gemm",
+    "Instruction",
+    "SourceFrame",
     "computation_rows",
     "count_gemms",
     "custom_call_targets",
@@ -37,11 +43,15 @@ __all__ = [
     "entry_rows",
     "fused_attention_calls",
     "gemms_left_to_fusions",
+    "instructions",
     "kernel_names",
+    "moved_bytes",
     "native_fp8_gemm",
     "parse_collectives",
     "parse_gemms",
     "shape_bytes",
+    "source_of",
+    "stack_frames",
     "value_types",
 ]
 
@@ -282,6 +292,25 @@ def _describe(opcode: str, line: str) -> str:
     return described + (f" {backend.group(1)}" if backend else "")
 
 
+def _without_workspace(opcode: str, line: str, result: str) -> str:
+    """A cuBLAS call's result without its workspace (the last value of its tuple)."""
+    if opcode == "custom-call" and "__cublas$" in line:
+        return result.split(", s8[")[0]
+    return result
+
+
+def moved_bytes(opcode: str, line: str, result: str, operand_types: Iterable[str]) -> float:
+    """The bytes one instruction moves: each distinct operand read once (``operand_types``, one
+    type text per distinct operand) and its result written once, as XLA's cost analysis counts
+    a fusion; a cuBLAS GEMM's workspace is left out, and an async start whose result tuple
+    repeats its operands writes only its outputs."""
+    read = sum(shape_bytes(text) for text in operand_types)
+    written = shape_bytes(_without_workspace(opcode, line, result))
+    if opcode in _ALIASING_STARTS:
+        written -= read
+    return read + written
+
+
 def computation_rows(lines: Iterable[str]) -> list[dict[str, Any]]:
     """One row per instruction of one computation that moves data: its bytes (operands +
     result), what it is, its result type, its pass and the JAX op it comes from.
@@ -303,19 +332,15 @@ def computation_rows(lines: Iterable[str]) -> list[dict[str, Any]]:
         types[name] = result
         if opcode in _FREE or opcode.endswith("-done"):
             continue
-        if opcode == "custom-call" and "__cublas$" in line:
-            result = result.split(", s8[")[0]  # without the cuBLAS workspace
+        result = _without_workspace(opcode, line, result)
         operand_names = dict.fromkeys(_OPERAND_NAME.findall(operands))
-        read = sum(shape_bytes(types.get(operand, "")) for operand in operand_names)
-        written = shape_bytes(result)
-        if opcode in _ALIASING_STARTS:
-            written -= read
+        moved = moved_bytes(opcode, line, result, [types.get(name, "") for name in operand_names])
         op_name = _OP_NAME.search(line)
         source = op_name.group(1) if op_name else ""
         rows.append(
             {
                 "name": name,
-                "bytes": read + written,
+                "bytes": moved,
                 "instruction": _describe(opcode, line),
                 "result": re.sub(r"\{[^}]*\}", "", result).strip("()"),
                 "pass": "backward" if "transpose(" in source else "forward",
@@ -331,3 +356,158 @@ def entry_rows(hlo_text: str) -> list[dict[str, Any]]:
     return computation_rows(
         entry[: next(i for i, line in enumerate(entry) if line.startswith("}"))]
     )
+
+
+# ----------------------------------------------------------------------------- every instruction
+
+# A computation's first line: ``%fused_computation.3 (param_0: f32[8]) -> bf16[8] {`` or
+# ``ENTRY %main.12 (...) -> ... {``.
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%(\S+)\s")
+_PARAMETER_NUMBER = re.compile(r"\sparameter\((\d+)\)")
+_STACK_FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
+_SOURCE_LINE = re.compile(r'source_file="([^"]*)"\s+source_line=(\d+)')
+_TABLE_ENTRY = re.compile(r"^(\d+)\s+(.*)$")
+_FIELD = re.compile(r"(\w+)=(\d+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceFrame:
+    """One Python frame that traced an instruction: its file, function and line."""
+
+    file: str
+    function: str
+    line: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One instruction of an optimized HLO module, in any of its computations."""
+
+    name: str
+    result: str  # its type: one array type, or a tuple of them
+    opcode: str
+    operands: tuple[str, ...]  # the names of the values it reads
+    computation: str  # the computation it belongs to
+    root: bool  # whether it is that computation's ROOT
+    line: str  # its text, for the attributes (without ``/*index=N*/`` comments)
+
+    @property
+    def element_type(self) -> str:
+        """The element type of its result (a tuple's first value)."""
+        match = _SHAPE.search(self.result)
+        return match.group(1) if match else ""
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """The dims of its result (a tuple's first value)."""
+        match = _SHAPE.search(self.result)
+        return _dims(match.group(2)) if match else ()
+
+    @property
+    def op_name(self) -> str:
+        """The JAX op it comes from (``jit(step)/transpose(jvp())/dot_general``)."""
+        match = _OP_NAME.search(self.line)
+        return match.group(1) if match else ""
+
+    @property
+    def parameter_number(self) -> int | None:
+        match = _PARAMETER_NUMBER.search(self.line)
+        return int(match.group(1)) if match and self.opcode == "parameter" else None
+
+    @property
+    def custom_call_target(self) -> str:
+        match = _TARGET.search(self.line)
+        return match.group(1) if match else ""
+
+
+def instructions(hlo_text: str) -> dict[str, Instruction]:
+    """Every instruction of every computation by name (names are unique in a module), in
+    program order; ``Instruction.computation`` says where each one is."""
+    found: dict[str, Instruction] = {}
+    computation = ""
+    for line in _INDEX_COMMENT.sub("", hlo_text).splitlines():
+        if header := _COMPUTATION.match(line):
+            computation = header.group(2)
+            continue
+        match = _INSTRUCTION.match(line)
+        if match is None:
+            continue
+        name, result, opcode, operands = match.groups()
+        found[name] = Instruction(
+            name=name,
+            result=result,
+            opcode=opcode,
+            operands=tuple(_OPERAND_NAME.findall(operands)),
+            computation=computation,
+            root=line.lstrip().startswith("ROOT"),
+            line=line,
+        )
+    return found
+
+
+# ----------------------------------------------------------------------------- source lines
+
+
+def _tables(hlo_text: str) -> dict[str, dict[int, str]]:
+    """The module's tables of file names, function names, file locations and stack frames,
+    each ``id -> text`` (printed before the first computation)."""
+    tables: dict[str, dict[int, str]] = {}
+    current: dict[int, str] | None = None
+    for line in hlo_text.splitlines():
+        if line.startswith(("%", "ENTRY")):
+            break
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            current = tables.setdefault(line, {})
+        elif current is not None and (entry := _TABLE_ENTRY.match(line)):
+            current[int(entry.group(1))] = entry.group(2)
+        else:
+            current = None
+    return tables
+
+
+def stack_frames(hlo_text: str) -> dict[int, tuple[SourceFrame, ...]]:
+    """Each ``stack_frame_id`` of the module's metadata -> its Python frames, innermost first.
+
+    XLA prints a frame's parent one above its id (``parent_frame_id=1`` for a frame without a
+    parent; a frame never is its own parent): where a frame names itself, every parent is read
+    one lower.
+    """
+    tables = _tables(hlo_text)
+    files = {i: text.strip('"') for i, text in tables.get("FileNames", {}).items()}
+    functions = {i: text.strip('"') for i, text in tables.get("FunctionNames", {}).items()}
+    locations = {}
+    for i, text in tables.get("FileLocations", {}).items():
+        fields = {key: int(value) for key, value in _FIELD.findall(text)}
+        locations[i] = SourceFrame(
+            files.get(fields.get("file_name_id", 0), "?"),
+            functions.get(fields.get("function_name_id", 0), "?"),
+            fields.get("line", 0),
+        )
+    links = {}
+    for i, text in tables.get("StackFrames", {}).items():
+        fields = {key: int(value) for key, value in _FIELD.findall(text)}
+        links[i] = (fields.get("file_location_id", 0), fields.get("parent_frame_id", 0))
+    shift = 1 if any(parent == i for i, (_, parent) in links.items()) else 0
+    frames: dict[int, tuple[SourceFrame, ...]] = {}
+    for i in links:
+        chain: list[SourceFrame] = []
+        frame = i
+        while frame in links and len(chain) <= len(links):  # bounded: a malformed table ends
+            location, parent = links[frame]
+            if location in locations:
+                chain.append(locations[location])
+            frame = parent - shift
+        frames[i] = tuple(chain)
+    return frames
+
+
+def source_of(
+    instruction: Instruction, frames: dict[int, tuple[SourceFrame, ...]]
+) -> tuple[SourceFrame, ...]:
+    """The Python frames that traced ``instruction``, innermost first (none when its metadata
+    names no source)."""
+    if match := _STACK_FRAME_ID.search(instruction.line):
+        return frames.get(int(match.group(1)), ())
+    if match := _SOURCE_LINE.search(instruction.line):
+        return (SourceFrame(match.group(1), "", int(match.group(2))),)
+    return ()
