@@ -22,6 +22,10 @@ from te_flax._tools.show_config import show_config
 _USAGE = "python -m te_flax [explain MODULE:FUNCTION [--target TARGET]]"
 
 
+class _UsageError(Exception):
+    """A command line that names no program ``explain`` can compile."""
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m te_flax",
@@ -47,44 +51,55 @@ def _load(spec: str) -> Callable[[], Any]:
     """The function ``FUNCTION`` of ``MODULE:FUNCTION`` (a module name or a ``.py`` file)."""
     module_name, _, function_name = spec.rpartition(":")
     if not module_name or not function_name:
-        raise SystemExit(
-            f"{_USAGE}\nexpected MODULE:FUNCTION (e.g. my_model:train_step), got {spec!r}"
-        )
+        raise _UsageError(f"expected MODULE:FUNCTION (e.g. my_model:train_step), got {spec!r}")
     if module_name.endswith(".py"):
         path = Path(module_name)
         file_spec = importlib.util.spec_from_file_location(path.stem, path)
         if file_spec is None or file_spec.loader is None or not path.is_file():
-            raise SystemExit(f"{_USAGE}\nno Python file {module_name!r}")
+            raise _UsageError(f"no Python file {module_name!r}")
         module = importlib.util.module_from_spec(file_spec)
         sys.modules[path.stem] = module
         file_spec.loader.exec_module(module)
     else:
-        sys.path.insert(0, "")  # the working folder, as ``python -m`` and ``python`` have it
-        module = importlib.import_module(module_name)
+        if "" not in sys.path:  # the working folder, as ``python`` has it
+            sys.path.insert(0, "")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            if error.name is None or not module_name.startswith(error.name):
+                raise  # the module imports something missing: its own traceback says what
+            raise _UsageError(
+                f"no module {module_name!r} here: run from the folder that holds it, or name "
+                "its file (path/to/model.py:FUNCTION)"
+            ) from error
     function = getattr(module, function_name, None)
     if not callable(function):
-        raise SystemExit(f"{_USAGE}\n{module_name} has no function {function_name!r}")
+        raise _UsageError(f"{module_name} has no function {function_name!r}")
     return function
 
 
 def _program(function: Callable[[], Any], spec: str) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
     made = function()
     if not (isinstance(made, tuple) and len(made) in (2, 3) and callable(made[0])):
-        raise SystemExit(
-            f"{_USAGE}\n{spec} must return (fn, args) or (fn, args, kwargs): the function to "
-            f"compile and its arguments; it returned {type(made).__name__}"
+        raise _UsageError(
+            f"{spec} must return (fn, args) or (fn, args, kwargs): the function to compile and "
+            f"its arguments; it returned {type(made).__name__}"
         )
     fn, args, *rest = made
     return fn, tuple(args), dict(rest[0]) if rest else {}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the command line; returns the exit status."""
-    options = _parser().parse_args(argv)
+    """Runs the command line; returns the exit status (2 for a wrong command line)."""
+    parser = _parser()
+    options = parser.parse_args(argv)
     if options.command is None:
         show_config()
         return 0
-    fn, args, kwargs = _program(_load(options.program), options.program)
+    try:
+        fn, args, kwargs = _program(_load(options.program), options.program)
+    except _UsageError as error:
+        parser.error(str(error))  # the usage and the error on stderr, exit status 2
     print(explain(fn, *args, target=options.target, **kwargs))
     return 0
 

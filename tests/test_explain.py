@@ -192,6 +192,14 @@ def test_a_scanned_gemm_runs_once_per_iteration():
     assert report.gemms[0].source.endswith(f"{_line('scanned dot')} (layer)")
 
 
+def test_host_target_is_the_default_backend_with_its_own_fp8_lowering():
+    step, args = dense_step()
+    report = te_flax.explain(step, *args, target="host")
+    assert report.target == f"host ({jax.default_backend()})"
+    # This backend (the suite's CPU) has no FP8 GEMM: the dense's GEMMs are emulated FP8.
+    assert [gemm.emulated for gemm in report.gemms if gemm.fp8] == [True] * 3, report
+
+
 def test_a_jitted_function_keeps_its_static_arguments():
     scaled = jax.jit(lambda x, k, n: jnp.dot(x, k) * n, static_argnums=2)
     report = te_flax.explain(scaled, jnp.ones((8, 16)), jnp.ones((16, 4)), 3, target="cpu")
@@ -331,14 +339,18 @@ def test_python_m_te_flax_explain_runs_a_file():
     [
         (["explain", "no_colon"], "expected MODULE:FUNCTION"),
         (["explain", "tests.test_explain:missing"], "has no function 'missing'"),
+        (["explain", "tests.no_such_module:step"], "no module 'tests.no_such_module' here"),
+        (["explain", "no_such_file.py:step"], "no Python file 'no_such_file.py'"),
         (["explain", "tests.test_explain:E4M3"], "has no function 'E4M3'"),
         (["explain", "tests.test_explain:_quantizer_set"], "must return (fn, args)"),
     ],
 )
-def test_command_line_errors_say_what_is_expected(argv, message):
+def test_command_line_errors_say_what_is_expected(argv, message, capsys):
     with pytest.raises(SystemExit) as raised:
         main([*argv, "--target", "cpu"])
-    assert message in str(raised.value) and "python -m te_flax" in str(raised.value)
+    assert raised.value.code == 2  # argparse's status for a wrong command line
+    printed = capsys.readouterr().err
+    assert printed.startswith("usage: python -m te_flax") and message in printed, printed
 
 
 # ----------------------------------------------------------------------------- errors
