@@ -136,12 +136,15 @@ def test_layernorm_dense_general_is_the_op(recipe):
     def op(variables, x, qs=qs):
         p = variables["params"]
         return layernorm_dense(
-            x, p["kernel"], p["scale"], p["ln_bias"], p["bias"], quantizer_set=qs
-        )
+            x, p["kernel"], p["scale"], p["ln_bias"], p["bias"],
+            quantizer_set=variables.get("qs", qs),
+        )  # fmt: skip
 
     value, (grads, dx) = _loss_and_grads(layer.apply, variables, x, cotangent)
+    # The quantizer set differentiated as the module's FP8 state is (a set that is not would
+    # scale its fresh state just in time).
     expected_value, (expected_grads, expected_dx) = _loss_and_grads(
-        op, {"params": params}, x, cotangent
+        op, {"params": params, "qs": qs}, x, cotangent
     )
     np.testing.assert_array_equal(value, expected_value)
     np.testing.assert_array_equal(dx, expected_dx)
@@ -168,7 +171,7 @@ def test_layernorm_mlp_is_the_op(recipe):
 
     def op(variables, x):
         p = variables["params"]
-        kwargs = {} if sets is None else {"quantizer_sets": sets}
+        kwargs = {} if sets is None else {"quantizer_sets": variables["sets"]}
         return layernorm_mlp(
             x,
             p["scale"],
@@ -183,8 +186,9 @@ def test_layernorm_mlp_is_the_op(recipe):
     value, (grads, dx) = _loss_and_grads(
         lambda v, x: mlp.apply(v, x, deterministic=True), variables, x, cotangent
     )
+    # The quantizer sets differentiated as the module's FP8 state is.
     expected_value, (expected_grads, expected_dx) = _loss_and_grads(
-        op, {"params": params}, x, cotangent
+        op, {"params": params, "sets": sets}, x, cotangent
     )
     np.testing.assert_array_equal(value, expected_value)
     np.testing.assert_array_equal(dx, expected_dx)

@@ -151,6 +151,10 @@ def test_linen_and_nnx_agree_bit_for_bit_over_fp8_training_steps(name, recipe):
     def nnx_loss(model, x, target):
         return _mse(_first(model(x)), target)
 
+    def nnx_loss_and_out(model, x, target):
+        out = model(x)
+        return _mse(_first(out), target), out
+
     tx = optax.sgd(0.1)
     opt_state = init_optimizer(tx, variables)
     optimizer = nnx.Optimizer(module, tx, wrt=nnx.Param)
@@ -163,9 +167,11 @@ def test_linen_and_nnx_agree_bit_for_bit_over_fp8_training_steps(name, recipe):
 
     @nnx.jit
     def nnx_step(model, optimizer, x, target):
-        out = model(x)
-        # The gradients the train step applies, to compare; they do not change the model.
-        value, grads = te_nnx.value_and_grad(nnx_loss)(model, x, target)
+        # The output and gradients the train step computes, to compare; they do not change the
+        # model.
+        (value, out), grads = te_nnx.value_and_grad(nnx_loss_and_out, has_aux=True)(
+            model, x, target
+        )
         loss = te_nnx.train_step(model, optimizer, nnx_loss, x, target)
         return value, out, grads, loss
 
@@ -389,6 +395,17 @@ class _Regressor(nnx.Module):
         return self.dense(x)
 
 
+def _step_output(model, x):
+    """``model(x)`` as a training step computes it, the FP8 state differentiated: with the
+    stored scales (elsewhere a never-updated state is scaled just in time)."""
+
+    def loss_and_out(model):
+        out = model(x)
+        return jnp.sum(out), out
+
+    return te_nnx.value_and_grad(loss_and_out, has_aux=True)(model)[0][1]
+
+
 def test_fp8_training_loop_lowers_the_loss_and_follows_the_recipe():
     n_steps = 10
     rng = np.random.default_rng(1)
@@ -409,7 +426,7 @@ def test_fp8_training_loop_lowers_the_loss_and_follows_the_recipe():
         return te_nnx.train_step(model, optimizer, loss_fn, x, target)
 
     evaluate = nnx.jit(loss_fn)
-    forward = nnx.jit(lambda model, x: model(x))
+    forward = nnx.jit(_step_output)
     initial_eval_loss = float(evaluate(model, x_eval, target_eval))
     fp8 = _fp8(model.dense)
     for step, (x, target) in enumerate(zip(xs, targets, strict=True)):
