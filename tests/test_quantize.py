@@ -1,12 +1,14 @@
 """Recipes, the scale math, quantizer state updates, the factory and autocast."""
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import te_flax
 from te_flax.quantize import (
     CurrentScaleQuantizer,
     DelayedScaleQuantizer,
@@ -324,3 +326,15 @@ def test_create_set_starts_delayed_state_from_a_quantize_meta_set():
 def test_create_set_refuses(kwargs, error, message):
     with pytest.raises(error, match=message):
         QuantizerFactory.create_set(**kwargs)
+
+
+def test_autocast_with_a_recipe_but_not_enabled_says_that_it_quantizes_nothing():
+    # enabled defaults to False (TE's default): a recipe alone used to run in high precision
+    # without a word.
+    warns = pytest.warns(UserWarning, match=r"with enabled=False quantizes nothing")
+    with warns, te_flax.autocast(recipe=DelayedScaling()):
+        assert te_flax.quantize.get_autocast_recipe() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with te_flax.autocast(enabled=False), te_flax.autocast(enabled=True):
+            pass

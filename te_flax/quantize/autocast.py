@@ -32,7 +32,8 @@ def autocast(
 
     Args:
       enabled: whether FP8 is on inside the context (default False, as in TransformerEngine).
-      recipe: the recipe to use when enabled; None means ``DelayedScaling()``.
+      recipe: the recipe to use when enabled; None means ``DelayedScaling()``. A recipe with
+        ``enabled=False`` is ignored, with a ``UserWarning`` that says so.
       mesh_resource: TransformerEngine's names of the mesh axes (``te_flax.sharding``), active
         inside the context as under ``global_shard_guard``; None keeps the active one.
 
@@ -52,6 +53,16 @@ def autocast(
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"autocast(enabled=...) must be a bool, got {enabled!r}")
+    if not enabled and recipe is not None:
+        # TE ignores the recipe too; here that is said, since nothing else would show it.
+        warnings.warn(
+            f"te_flax.autocast(recipe={type(recipe).__name__}(...)) with enabled=False quantizes "
+            "nothing: enabled defaults to False, as in TransformerEngine, and the recipe is "
+            "ignored. Pass enabled=True to use the recipe, or leave the recipe out to run in "
+            "high precision",
+            UserWarning,
+            stacklevel=3,
+        )
     if enabled:
         recipe = DelayedScaling() if recipe is None else recipe
         check_recipe(recipe, "autocast(recipe=...)")
