@@ -314,6 +314,15 @@ def main(argv: list[str] | None = None) -> None:
         if case.layer == "LayerNormDenseGeneral":
             log(f"norm cost: {case.name}")
             results["norm_cost"].append(run_norm_cost(case, args.repeats, args.warmup))
+    if not h100_reason:
+        # The XLA stages against their recorded bytes (bench/xla_stages.py): flagged here too.
+        from bench import xla_stages
+
+        configurations = xla_stages.CONFIGURATIONS
+        check = xla_stages.check(configurations[:-1] if args.quick else configurations, log)
+        results["xla_stages"] = {"jax": check["jax"], "regressed": check["regressed"]}
+        if check["regressed"]:
+            log("REGRESSED: the XLA stages' bytes, see above (python -m bench.xla_stages)")
     results["environment"]["load_average_end"] = list(os.getloadavg())
     results["environment"]["wall_time_s"] = time.perf_counter() - start
     paths = report.write(results, args.out)

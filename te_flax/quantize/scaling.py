@@ -241,22 +241,30 @@ def quantize(x: Array, dtype: DTypeLike, scale_inv: Array) -> Array:
 
     The division runs in float32 whatever ``x``'s dtype is, so the scale is not rounded to
     bfloat16 first. The clip saturates a finite value instead of producing NaN (e4m3fn has no
-    infinity), and ``convert(clamp(divide(x, scale)))`` is the form XLA's collective quantizer
-    recognises, so an FSDP all-gather of a quantized kernel moves float8. An infinity would
-    saturate too, and the step that saw it would give finite products that look normal to
-    ``skip_nonfinite``, ``optax.apply_if_finite`` and any finiteness check; it becomes NaN,
-    which float8 keeps, so every GEMM that reads it gives NaN. Elementwise, so a GEMM never
-    waits for a reduction (an amax's all-reduce under data parallelism) it did not need.
+    infinity), and ``convert(clamp(divide(x, scale)))`` is the form XLA's fusions and
+    collective quantizer recognise, so an FSDP all-gather of a quantized kernel moves float8.
+    An infinity would saturate too, and the step that saw it would give finite products that
+    look normal to ``skip_nonfinite``, ``optax.apply_if_finite`` and any finiteness check; it
+    becomes NaN, which float8 keeps, so every GEMM that reads it gives NaN. Both stay inside
+    that form: the dividend is ``x - (x - x)``, which is ``x`` for a finite value (a negative
+    zero too) and NaN for an infinity, and a NaN passes the clamp because XLA's ``min`` and
+    ``max`` propagate NaN. A ``select`` on ``is_finite(x)`` around the clamp gives the same
+    values but broke the form: XLA then wrote a float32 copy of each large operand and its
+    finiteness mask to memory and read them back for the transposed layout, and the XLA
+    stages' FP8 step of two hidden-8192 layers moved 1.64x the BF16 step's bytes instead of
+    1.23x (``bench/RESULTS_xla_stages.md``). Elementwise, so a GEMM never waits for a
+    reduction (an amax's all-reduce under data parallelism) it did not need.
     """
     limit = fp8_max(dtype)
     x32 = lax.convert_element_type(x, jnp.float32)
-    scaled = lax.div(x32, _full(scale_inv, jnp.float32, x32.shape))
+    # x - x: NaN exactly where x is not finite, 0 elsewhere, sharded as x is (on Explicit
+    # mesh axes too); subtracted rather than added so that -0.0 stays -0.0.
+    kept = lax.sub(x32, lax.sub(x32, x32))
+    scaled = lax.div(kept, _full(scale_inv, jnp.float32, x32.shape))
     clipped = lax.min(
         _full(limit, jnp.float32, x.shape), lax.max(_full(-limit, jnp.float32, x.shape), scaled)
     )
-    # x - x: NaN exactly where x is not finite, sharded as x is (on Explicit mesh axes too).
-    kept = lax.select(lax.is_finite(x32), clipped, lax.sub(x32, x32))
-    return lax.convert_element_type(kept, dtype)
+    return lax.convert_element_type(clipped, dtype)
 
 
 def dequantize(q: Array, scale_inv: Array, dtype: DTypeLike = jnp.float32) -> Array:
