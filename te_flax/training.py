@@ -9,11 +9,14 @@ Differentiate with ``value_and_grad(loss_fn)`` (this module's, a drop-in for
 ``jax.value_and_grad`` over the variable dict): it marks the FP8 collection so that every reuse
 of a state in the step merges by elementwise max (a module applied twice, state shared by the
 layers of an ``nn.scan`` with ``variable_broadcast``, a loop or ``lax.scan`` over
-microbatches). Without the mark autodiff adds up the updates of the uses. A module applied
-twice within one ``apply`` marks its own reads (the same module reads the same arrays), so
-weight tying and shared blocks merge under any loop; uses it cannot see (one ``apply`` per
-microbatch, a state broadcast over ``nn.scan``) need the mark where the variables enter the
-step: with ``jax.grad`` directly, call ``merge_fp8_state(variables)`` first thing in the loss.
+microbatches). Without the mark autodiff adds up the updates of the uses. Every layer marks
+its own reads, and reads of the very same arrays share one mark, so weight tying, shared
+blocks and one variable dict in several ``apply`` calls merge under any loop, with or without
+``jit``; the uses a loop of JAX's own makes (a ``lax.scan`` over microbatches, a state
+broadcast over ``nn.scan``) read the loop body's one input and need the mark where the
+variables enter the step: with ``jax.grad`` directly, call ``merge_fp8_state(variables)``
+first thing in the loss. Gradients of several calls combined by hand take
+``combine_gradients`` (``te_flax.accumulate``), which merges their FP8 state by max.
 ``apply_gradients`` checks every new state (``te_flax.quantize.check_merged``): a summed one
 raises, under ``jit`` too (there as a runtime error from the check's host callback). A
 gradient of ``variables["params"]`` alone, the FP8 collection passed through as a constant,
@@ -70,7 +73,7 @@ from jax import Array, lax
 
 from te_flax._base.checks import check_bool
 from te_flax._layers.fp8_state import hold_fp8_state
-from te_flax.accumulate import accumulate_gradients, split_microbatches
+from te_flax.accumulate import accumulate_gradients, combine_gradients, split_microbatches
 from te_flax.quantize import (
     DelayedScaling,
     check_calibrated,
@@ -86,7 +89,9 @@ __all__ = [
     "accumulate_gradients",
     "all_finite",
     "apply_gradients",
+    "combine_gradients",
     "drop_amax_spikes",
+    "drop_step_amax_spikes",
     "hold_fp8_state",
     "init_optimizer",
     "merge_fp8_state",
@@ -112,8 +117,8 @@ class OptimizerState(NamedTuple):
 def merge_fp8_state(variables: Variables) -> Variables:
     """``variables`` with the FP8 collection marked for max-merging (see the module docstring).
 
-    Call it first thing inside the differentiated (and jitted) loss; the gradient with respect
-    to the original float32 state is then the max-merged new state.
+    Call it first thing inside the differentiated loss; the gradient with respect to the
+    original float32 state is then the max-merged new state.
     """
     _check_variables(variables, "variables")
     if OVERWRITE_WITH_GRADIENT not in variables:
@@ -130,9 +135,8 @@ def value_and_grad(
 
     The returned function takes the variable dict first, marks its FP8 collection with
     ``merge_fp8_state`` before ``loss_fn`` sees it, and differentiates with respect to the
-    whole dict: the ``params`` gradients and, for the FP8 state, its new value. Call it under
-    ``jax.jit`` (max-merging needs a trace). With ``has_aux`` the loss returns
-    ``(value, aux)`` and the result is ``((value, aux), grads)``.
+    whole dict: the ``params`` gradients and, for the FP8 state, its new value. With
+    ``has_aux`` the loss returns ``(value, aux)`` and the result is ``((value, aux), grads)``.
     """
 
     def wrapped(variables: Variables, *args: Any, **kwargs: Any) -> tuple[Any, Variables]:
