@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import re
 import warnings
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the gpu-compile extr
 from te_flax._base.jax_compat import mixed_fp8_wgmma
 from te_flax._ops.grouped import RaggedOnGpuWarning
 from te_flax._ops.kernels import pallas_kernels
+from te_flax._ops.kernels.grouped_gemm import Accumulation, Tiles, group_gemm, rows_gemm
 from te_flax.dense import grouped_dense, grouped_quantizer_set
 from te_flax.quantize import (
     DelayedScaling,
@@ -167,3 +169,38 @@ def test_bf16_capacity_lowering_keeps_batched_cublas_gemms():
     hlo = _compiled("bf16", "capacity", kernels="auto")
     assert _kernel_calls(hlo) == []
     assert len(parse_gemms(hlo)) == 3
+
+
+@functools.cache
+def _kernel_program(gemm: str, split: bool) -> str:
+    """One grouped GEMM kernel (e4m3 operands, the default tiles) lowered for the H100: its
+    Mosaic GPU call, with or without split accumulation."""
+    sharding = h100_sharding()
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    e4m3, accumulation = jnp.float8_e4m3fn, Accumulation(split=split)
+    if gemm == "rows_gemm":
+        step = jax.jit(partial(rows_gemm, out_dtype=jnp.bfloat16, tiles=Tiles(),
+                               accumulation=accumulation))  # fmt: skip
+        operands = (spec((ROWS, HIDDEN), e4m3), spec((GROUPS, FEATURES, HIDDEN), e4m3))
+        tables = (spec((GROUPS,), jnp.int32), spec((GROUPS,), jnp.float32))
+    else:
+        step = jax.jit(partial(group_gemm, out_dtype=jnp.float32, tiles=Tiles(),
+                               accumulation=accumulation))  # fmt: skip
+        operands = (spec((HIDDEN, ROWS), e4m3), spec((FEATURES, ROWS), e4m3))
+        tables = (spec((GROUPS + 1,), jnp.int32), spec((GROUPS,), jnp.float32))
+    return step.lower(*operands, *tables).compile().as_text()
+
+
+@pytest.mark.parametrize("gemm", ["rows_gemm", "group_gemm"])
+def test_split_accumulation_lowers_for_the_h100(gemm):
+    """The kernels that promote their float8 partial sums every 128 elements compile for the
+    H100 on every JAX of the range (e4m3 operands: jax 0.10's Mosaic GPU takes them), and are
+    another program than the kernels that leave the sum to the tensor cores."""
+    split, whole = _kernel_program(gemm, True), _kernel_program(gemm, False)
+    for hlo in (split, whole):
+        assert f"te_flax_{gemm}" in hlo and "mosaic_gpu_v2" in hlo
+    kernel = re.compile(r'custom_call_target="mosaic_gpu_v2".*')
+    assert kernel.findall(split) != kernel.findall(whole)

@@ -23,6 +23,7 @@ from te_flax._base.jax_compat import mixed_fp8_wgmma, mosaic_gpu_interpreted
 from te_flax._ops.grouped import RaggedOnGpuWarning, capacity_on_kernels
 from te_flax._ops.kernels import pallas_kernels
 from te_flax._ops.kernels.grouped_gemm import (
+    Accumulation,
     Tiles,
     aligned_columns,
     group_gemm,
@@ -35,6 +36,8 @@ from te_flax.quantize import (
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,
+    Format,
+    MMParams,
     MXFP8BlockScaling,
     NVFP4BlockScaling,
     QuantizerFactory,
@@ -121,6 +124,57 @@ def test_group_gemm_matches_ragged_dot(sizes, lhs_dtype, rhs_dtype):
     out = group_gemm(aligned(lhs), aligned(rhs), first_tile, scale, jnp.float32, tiles, True)
     expected = _ragged(lhs, rhs, sizes, (0, 0), ()) * scale[:, None, None]
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-4)
+
+
+# Hopper's float8 wgmma keeps about 14 significant bits of its accumulator (DeepSeek-V3,
+# section 3.3.2); interpret mode emulates it (Accumulation.emulated_bits). Positive operands, so
+# that the rounding errors of a long contraction add up instead of cancelling: 24 steps of 128.
+TENSOR_CORE_BITS, LONG_DEPTH = 14, 24 * 128
+
+
+def _positive(key, shape):
+    return jax.random.uniform(key, shape, minval=0.5, maxval=1.0).astype(E4M3)
+
+
+def _relative_error(out, lhs, rhs_t):
+    exact = np.asarray(lhs, np.float64) @ np.asarray(rhs_t, np.float64).T
+    return float(np.max(np.abs(np.asarray(out, np.float64) - exact) / exact))
+
+
+def _long_contraction(gemm: str, split: bool) -> float:
+    """The largest relative error of a float8 GEMM over ``LONG_DEPTH`` on the kernel whose
+    tensor cores keep ``TENSOR_CORE_BITS`` bits, promoting its partial sums or not."""
+    keys = jax.random.split(jax.random.key(3), 2)
+    accumulation = Accumulation(split=split, emulated_bits=TENSOR_CORE_BITS)
+    tiles = Tiles(rows=64, cols=64, depth=128, stages=2)
+    if gemm == "rows_gemm":  # one group of 64 rows, [64, C] x [1, 64, C]
+        lhs, rhs = _positive(keys[0], (64, LONG_DEPTH)), _positive(keys[1], (1, 64, LONG_DEPTH))
+        sizes = jnp.array([64], jnp.int32)
+        out = rows_gemm(lhs, rhs, sizes, None, jnp.float32, tiles, True, accumulation)
+        return _relative_error(out, lhs, rhs[0])
+    # group_gemm: one group of LONG_DEPTH rows contracted, [C, 64] x [C, 64] -> [64, 64]
+    lhs, rhs = _positive(keys[0], (LONG_DEPTH, 64)), _positive(keys[1], (LONG_DEPTH, 64))
+    _, first_tile, _ = aligned_columns(jnp.array([LONG_DEPTH], jnp.int32), LONG_DEPTH, 128)
+    out = group_gemm(lhs.T, rhs.T, first_tile, None, jnp.float32, tiles, True, accumulation)
+    return _relative_error(out[0], lhs.T, rhs.T)
+
+
+@interpreted
+@pytest.mark.parametrize("gemm", ["rows_gemm", "group_gemm"])
+def test_split_accumulation_promotes_every_128_float8_elements(gemm):
+    # Promoted every step, each partial sum of 128 products loses at most 2**-13 of itself: the
+    # whole contraction stays within 2**-13 (1.2e-4). Left to the tensor cores the running sum
+    # is rounded at every step and the error grows with the contraction (7.7e-4 here).
+    promoted = _long_contraction(gemm, split=True)
+    assert promoted < 2**-13, promoted
+    assert _long_contraction(gemm, split=False) > 4 * promoted
+
+
+def test_split_accumulation_takes_steps_of_at_most_128_elements():
+    with pytest.raises(ValueError, match="at most 128 elements"):
+        Accumulation(split=True).check(Tiles(depth=256), E4M3, interpret=False)
+    with pytest.raises(ValueError, match="interpret=True"):
+        Accumulation(emulated_bits=14).check(Tiles(), E4M3, interpret=False)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -235,6 +289,57 @@ def test_grouped_dense_on_the_kernels_matches_xla(recipe, sizes):
         strict=True,
     ):
         np.testing.assert_allclose(actual, want, rtol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def _kernel_accumulation(recipe, monkeypatch):
+    """How each GEMM of a grouped_dense training step asks the kernels to accumulate: traced
+    for a GPU with float8 e4m3 operands throughout, ``{"forward" | "dgrad" | "wgrad": split}``."""
+    from te_flax._ops import grouped
+
+    seen = {}
+
+    def recorded(name, gemm):
+        def call(*args, **kwargs):
+            lhs, rhs, accumulation = args[0], args[1], args[7]
+            if name == "wgrad":
+                seen[name] = accumulation.split
+            else:  # [M, C] x [G, N, C]: the forward's N is the kernel's features (N), dgrad's K
+                seen["forward" if rhs.shape[1] == N else "dgrad"] = accumulation.split
+            assert lhs.dtype == E4M3, lhs.dtype
+            return gemm(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(grouped, "rows_gemm", recorded("rows", grouped.rows_gemm))
+    monkeypatch.setattr(grouped, "group_gemm", recorded("wgrad", grouped.group_gemm))
+    state = grouped_quantizer_set(QuantizerFactory.create_set(fp8_recipe=recipe), GROUPS)
+    x, kernel, _, _ = _inputs()
+
+    def loss(x, kernel, state):
+        out = grouped_dense(x, kernel, jnp.array([50, 0, 70], jnp.int32), quantizer_set=state)
+        return jnp.sum(out.astype(jnp.float32))
+
+    with pallas_kernels("auto", assume_gpu=True):
+        jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(x, kernel, state)
+    return seen
+
+
+def test_the_kernels_split_accumulation_as_delayed_scaling_asks(monkeypatch):
+    # Fast accumulation forward (as cuBLASLt's with Precision.DEFAULT), split backward.
+    seen = _kernel_accumulation(DelayedScaling(fp8_format=Format.E4M3), monkeypatch)
+    assert seen == {"forward": False, "dgrad": True, "wgrad": True}
+
+
+@pytest.mark.parametrize(("fprop", "dgrad", "wgrad"), [(True, True, True), (False, False, True)])
+def test_the_kernels_split_accumulation_as_the_recipe_asks(fprop, dgrad, wgrad, monkeypatch):
+    recipe = Float8CurrentScaling(
+        fp8_format=Format.E4M3,  # e4m3 gradients: no mixed float8 wgmma needed (jax 0.10)
+        fp8_gemm_fprop=MMParams(use_split_accumulator=fprop),
+        fp8_gemm_dgrad=MMParams(use_split_accumulator=dgrad),
+        fp8_gemm_wgrad=MMParams(use_split_accumulator=wgrad),
+    )
+    seen = _kernel_accumulation(recipe, monkeypatch)
+    assert seen == {"forward": fprop, "dgrad": dgrad, "wgrad": wgrad}
 
 
 def _traced_on_a_gpu(x):

@@ -31,6 +31,7 @@ from jax.typing import DTypeLike
 from te_flax._base.checks import check_positive_int
 from te_flax._ops.custom_op import fused_op
 from te_flax._ops.kernels.grouped_gemm import (
+    Accumulation,
     Tiles,
     aligned_columns,
     group_gemm,
@@ -289,12 +290,18 @@ def _grouped_gemm(
         out_dtype=out_dtype,
         precision=precision,
     )
+    accumulation = Accumulation(split=_split_accumulation(lhs_data.dtype, precision))
     kernel: Callable[..., Array]
     if rhs_group_dims:
-        kernel = partial(_rows_kernel, forward=contract == (1, 1), out_dtype=out_dtype)
+        kernel = partial(
+            _rows_kernel,
+            forward=contract == (1, 1),
+            out_dtype=out_dtype,
+            accumulation=accumulation,
+        )
     else:
-        kernel = partial(_wgrad_kernel, out_dtype=out_dtype)
-    # 16-bit and float8 operands: every precision is the tensor cores' (float32 accumulation).
+        kernel = partial(_wgrad_kernel, out_dtype=out_dtype, accumulation=accumulation)
+    # 16-bit and float8 operands; float8 ones split their accumulation where the recipe asks.
     fits = _kernel_tiles(lhs_data, rhs_data, contract) is not None and supported_dtypes(
         lhs_data.dtype, rhs_data.dtype
     )
@@ -310,6 +317,15 @@ def _grouped_gemm(
             stacklevel=2,
         )
     return dispatch("grouped_gemm", kernel, xla, *operands, supported=fits)
+
+
+def _split_accumulation(dtype: DTypeLike, precision: lax.Precision | None) -> bool:
+    """Whether a kernel GEMM promotes its partial sums to float32 every contraction step:
+    float8 operands where the recipe asks for split accumulation (``use_split_accumulator``,
+    ``Precision.HIGHEST``; XLA's cuBLASLt GEMMs turn off fast accumulation for any precision
+    above DEFAULT). 16-bit products accumulate in float32 on the tensor cores already."""
+    split = precision not in (None, lax.Precision.DEFAULT)
+    return jnp.dtype(dtype).itemsize == 1 and split
 
 
 def _kernel_tiles(lhs: Array, rhs: Array, contract: tuple[int, int]) -> Tiles | None:
@@ -360,6 +376,7 @@ def _rows_kernel(
     *,
     forward: bool,
     out_dtype: DTypeLike,
+    accumulation: Accumulation,
     interpret: bool,
 ) -> Array:
     """The forward GEMM (``forward``) or dgrad on the kernel; rows_gemm's rhs is ``[G, N, C]``,
@@ -369,7 +386,7 @@ def _rows_kernel(
     tiles = _kernel_tiles(lhs, rhs, (1, 1) if forward else (1, 2))
     assert tiles is not None
     rhs = jnp.swapaxes(rhs, 1, 2) if forward else rhs
-    return rows_gemm(lhs, rhs, group_sizes, scale, out_dtype, tiles, interpret)
+    return rows_gemm(lhs, rhs, group_sizes, scale, out_dtype, tiles, interpret, accumulation)
 
 
 def _wgrad_kernel(
@@ -380,6 +397,7 @@ def _wgrad_kernel(
     scale: Array | None,
     *,
     out_dtype: DTypeLike,
+    accumulation: Accumulation,
     interpret: bool,
 ) -> Array:
     """wgrad on the kernel: both operands gathered into the group-aligned layout, transposed
@@ -392,7 +410,9 @@ def _wgrad_kernel(
     def aligned(x: Array) -> Array:
         return jnp.take(x, source, axis=0, mode="fill", fill_value=0).T
 
-    return group_gemm(aligned(lhs), aligned(rhs), first_tile, scale, out_dtype, tiles, interpret)
+    return group_gemm(
+        aligned(lhs), aligned(rhs), first_tile, scale, out_dtype, tiles, interpret, accumulation
+    )
 
 
 def _xla_grouped_gemm(

@@ -39,6 +39,8 @@ from te_flax._base.jax_compat import mixed_fp8_wgmma
 from te_flax._ops.kernels import mosaic
 
 __all__ = [
+    "PROMOTION_INTERVAL",
+    "Accumulation",
     "Tiles",
     "aligned_columns",
     "group_gemm",
@@ -68,6 +70,43 @@ class Tiles:
                 f"Tiles(rows={self.rows}, cols={self.cols}, stages={self.stages}): rows must be "
                 "a multiple of 64 (one warpgroup instruction), cols a multiple of 8 up to 256, "
                 "stages at least 2"
+            )
+
+
+# The most contraction elements Hopper's float8 tensor cores sum before a kernel that splits
+# its accumulation adds their partial sum to float32 registers (DeepGEMM's interval).
+PROMOTION_INTERVAL = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Accumulation:
+    """How a kernel sums its contraction.
+
+    Hopper's float8 ``wgmma`` accumulates with reduced precision (about 14 significant bits
+    retained, DeepSeek-V3 technical report, section 3.3.2), over a whole contraction when
+    left to it. ``split`` (a recipe's ``use_split_accumulator``, the split accumulation XLA's
+    cuBLASLt GEMMs get from ``Precision.HIGHEST``) promotes the tensor cores' partial sum to a
+    float32 sum in registers every contraction step, at most ``PROMOTION_INTERVAL`` elements.
+    ``emulated_bits`` (interpret mode only, for tests): the tensor cores' accumulator keeps
+    that many significant bits after each step (rounded toward zero), as on the hardware,
+    where the interpreter sums in float32.
+    """
+
+    split: bool = False
+    emulated_bits: int | None = None
+
+    def check(self, tiles: Tiles, dtype: DTypeLike, interpret: bool) -> None:
+        elements = tiles.depth
+        if self.split and elements > PROMOTION_INTERVAL:
+            raise ValueError(
+                f"split accumulation promotes every contraction step, which must be at most "
+                f"{PROMOTION_INTERVAL} elements; got Tiles(depth={elements}) for {dtype} "
+                "operands: use tiles_for's depth (128 bytes)"
+            )
+        if self.emulated_bits is not None and not interpret:
+            raise ValueError(
+                "Accumulation(emulated_bits=...) emulates the tensor cores' accumulator in "
+                "interpret mode; a GPU has its own: pass interpret=True or emulated_bits=None"
             )
 
 
@@ -141,12 +180,21 @@ def _launch(
     return call
 
 
-def _contract(acc: Any, lhs_tile: Any, rhs_tile: Any, steps: Any, buffers: tuple[Any, ...]) -> None:
-    """``acc += sum_i lhs_tile(i) @ rhs_tile(i).T`` over ``steps`` contraction steps.
+def _contract(
+    tile: tuple[int, int],
+    lhs_tile: Any,
+    rhs_tile: Any,
+    steps: Any,
+    buffers: tuple[Any, ...],
+    accumulation: Accumulation,
+) -> Array:
+    """The float32 tile ``sum_i lhs_tile(i) @ rhs_tile(i).T`` over ``steps`` contraction steps.
 
     ``lhs_tile(i)`` / ``rhs_tile(i)``: the global-memory tiles of step ``i``. Step ``i + stages -
     1`` is copied while step ``i`` multiplies; its stage was last read by step ``i - 1``, whose
-    ``wgmma`` the wait for all but the newest one has finished.
+    ``wgmma`` has finished by then (waited for, or its product read). The tensor cores
+    accumulate the whole contraction, or with ``accumulation.split`` one step at a time
+    (``_stepwise_sum``).
     """
     lhs_smem, rhs_smem, barriers = buffers
     stages = lhs_smem.shape[0]
@@ -159,17 +207,64 @@ def _contract(acc: Any, lhs_tile: Any, rhs_tile: Any, steps: Any, buffers: tuple
     for first in range(stages - 1):
         pl.when(first < steps)(partial(fetch, jnp.int32(first)))
 
-    def body(step: Any, carry: Any) -> Any:
+    def multiply(step: Any, acc: Any) -> None:
+        """Step ``step``'s ``wgmma`` into ``acc``, then the copy ``stages - 1`` steps ahead."""
         slot = lax.rem(step, stages)
         plgpu.barrier_wait(barriers.at[slot])
         plgpu.wgmma(acc, lhs_smem.at[slot], rhs_smem.at[slot].T)
-        plgpu.wgmma_wait(1)
+        plgpu.wgmma_wait(1)  # step - 1's wgmma, the last reader of the stage fetched next
         ahead = step + stages - 1
         pl.when(ahead < steps)(partial(fetch, ahead))
-        return carry
 
-    lax.fori_loop(jnp.int32(0), jnp.asarray(steps, jnp.int32), body, ())
-    plgpu.wgmma_wait(0)
+    if accumulation.split or accumulation.emulated_bits is not None:
+        return _stepwise_sum(tile, multiply, steps, accumulation)
+
+    def accumulate(acc: Any) -> Any:
+        def body(step: Any, carry: Any) -> Any:
+            multiply(step, acc)
+            return carry
+
+        lax.fori_loop(jnp.int32(0), jnp.asarray(steps, jnp.int32), body, ())
+        plgpu.wgmma_wait(0)
+        return acc[...]
+
+    return pl.run_scoped(accumulate, plgpu.WGMMAAccumulatorRef(tile))
+
+
+def _stepwise_sum(
+    tile: tuple[int, int], multiply: Any, steps: Any, accumulation: Accumulation
+) -> Array:
+    """``sum_i product(i)`` in float32 registers, each step's product from an accumulator of
+    its own: with ``accumulation.split``, the tensor cores sum ``PROMOTION_INTERVAL``
+    contraction elements at most (one step, at most 128 float8 elements) before their partial
+    sum is promoted, as DeepGEMM promotes Hopper's float8 partial sums.
+
+    With ``accumulation.emulated_bits`` (interpret mode) the tensor cores' accumulator keeps
+    that many bits: each step's product, and without ``split`` the running sum too, which the
+    accumulator of a whole contraction holds."""
+    bits = accumulation.emulated_bits
+
+    def body(step: Any, total: Array) -> Array:
+        def product(acc: Any) -> Any:
+            multiply(step, acc)
+            return acc[...]  # waits for this step's wgmma
+
+        partial_sum = pl.run_scoped(product, plgpu.WGMMAAccumulatorRef(tile))
+        if bits is None:
+            return total + partial_sum
+        if accumulation.split:
+            return total + _truncated(partial_sum, bits)
+        return _truncated(total + partial_sum, bits)
+
+    total = jnp.zeros(tile, jnp.float32)
+    return lax.fori_loop(jnp.int32(0), jnp.asarray(steps, jnp.int32), body, total)
+
+
+def _truncated(x: Array, bits: int) -> Array:
+    """``x`` (float32) rounded toward zero to ``bits`` significant bits."""
+    dropped = jnp.uint32((1 << (24 - bits)) - 1)
+    kept = lax.bitcast_convert_type(x, jnp.uint32) & ~dropped
+    return lax.bitcast_convert_type(kept, jnp.float32)
 
 
 def _store_rows(out_smem: Any, out_rows: Any, first: Any, count: Any, height: int) -> None:
@@ -225,6 +320,7 @@ def rows_gemm(
     out_dtype: DTypeLike,
     tiles: Tiles,
     interpret: bool = False,
+    accumulation: Accumulation = Accumulation(),
 ) -> Array:
     """``out[r] = scale[g] * lhs[r] @ rhs[g].T`` for the rows ``r`` of group ``g``.
 
@@ -236,7 +332,9 @@ def rows_gemm(
         out_dtype: float32, bfloat16 or float16.
         tiles: the tile shape.
         interpret: run in Mosaic GPU's interpret mode (any platform; for tests).
+        accumulation: how float8 products are summed (default: by the tensor cores alone).
     """
+    accumulation.check(tiles, lhs.dtype, interpret)
     (m, c), (g, n, _) = lhs.shape, rhs.shape
     scale = jnp.ones((g,), jnp.float32) if scale is None else scale.astype(jnp.float32)
     table = row_tiles(group_sizes, m, tiles.rows)
@@ -251,22 +349,19 @@ def rows_gemm(
         first, count = table_ref[item, 2], table_ref[item, 3]
         real = group < g
 
-        def accumulate(acc: Any) -> Any:
+        @pl.when(count > 0)
+        def _() -> None:
             rows = pl.ds(tile * tiles.rows, tiles.rows)
             cols = pl.ds(col * tiles.cols, tiles.cols)
             kernel = rhs_ref.at[jnp.minimum(group, g - 1)]
-            _contract(
-                acc,
+            acc = _contract(
+                (tiles.rows, tiles.cols),
                 lambda s: lhs_ref.at[rows, pl.ds(s * tiles.depth, tiles.depth)],
                 lambda s: kernel.at[cols, pl.ds(s * tiles.depth, tiles.depth)],
-                jnp.where(real & (count > 0), steps, 0),
+                jnp.where(real, steps, 0),
                 tuple(buffers),
+                accumulation,
             )
-            return acc[...]
-
-        @pl.when(count > 0)
-        def _() -> None:
-            acc = pl.run_scoped(accumulate, plgpu.WGMMAAccumulatorRef((tiles.rows, tiles.cols)))
             factor = jnp.where(real, scale_ref[jnp.minimum(group, g - 1)], 0.0)
             out_smem[...] = (acc * factor).astype(out_smem.dtype)
             plgpu.commit_smem()
@@ -312,6 +407,7 @@ def group_gemm(
     out_dtype: DTypeLike,
     tiles: Tiles,
     interpret: bool = False,
+    accumulation: Accumulation = Accumulation(),
 ) -> Array:
     """``out[g] = scale[g] * lhs_t[:, group g] @ rhs_t[:, group g].T``: ``[G, C, N]``.
 
@@ -324,7 +420,9 @@ def group_gemm(
         out_dtype: float32, bfloat16 or float16.
         tiles: the tile shape.
         interpret: run in Mosaic GPU's interpret mode (any platform; for tests).
+        accumulation: how float8 products are summed (default: by the tensor cores alone).
     """
+    accumulation.check(tiles, lhs_t.dtype, interpret)
     (c, _), (n, _) = lhs_t.shape, rhs_t.shape
     g = first_tile.shape[0] - 1
     scale = jnp.ones((g,), jnp.float32) if scale is None else scale.astype(jnp.float32)
@@ -341,18 +439,14 @@ def group_gemm(
         def depth(s: Any) -> Any:
             return pl.ds((start + s) * tiles.depth, tiles.depth)
 
-        def accumulate(acc: Any) -> Any:
-            steps = first_ref[group + 1] - start
-            _contract(
-                acc,
-                lambda s: lhs_ref.at[rows, depth(s)],
-                lambda s: rhs_ref.at[cols, depth(s)],
-                steps,
-                tuple(buffers),
-            )
-            return acc[...]
-
-        acc = pl.run_scoped(accumulate, plgpu.WGMMAAccumulatorRef((tiles.rows, tiles.cols)))
+        acc = _contract(
+            (tiles.rows, tiles.cols),
+            lambda s: lhs_ref.at[rows, depth(s)],
+            lambda s: rhs_ref.at[cols, depth(s)],
+            first_ref[group + 1] - start,
+            tuple(buffers),
+            accumulation,
+        )
         out_smem[...] = (acc * scale_ref[group]).astype(out_smem.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_smem, out_ref.at[group, rows, cols])
