@@ -28,6 +28,7 @@ from te_flax.dense import grouped_dense, grouped_quantizer_set
 from te_flax.quantize import (
     DelayedScaling,
     Float8CurrentScaling,
+    Format,
     QuantizerFactory,
     noop_quantizer_set,
 )
@@ -204,3 +205,37 @@ def test_split_accumulation_lowers_for_the_h100(gemm):
         assert f"te_flax_{gemm}" in hlo and "mosaic_gpu_v2" in hlo
     kernel = re.compile(r'custom_call_target="mosaic_gpu_v2".*')
     assert kernel.findall(split) != kernel.findall(whole)
+
+
+def test_rows_off_the_tile_and_a_float8_contraction_of_192_run_the_kernels():
+    """200 rows (not a multiple of 64) and hidden 192 (a float8 contraction of 64-byte steps):
+    three grouped kernel calls for the H100, no GEMM left to cuBLAS or to ragged_dot's
+    expansion over every expert (e4m3 throughout: every JAX of the range takes it)."""
+    sharding = h100_sharding()
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    recipe = DelayedScaling(fp8_format=Format.E4M3)
+    state = grouped_quantizer_set(QuantizerFactory.create_set(fp8_recipe=recipe), GROUPS)
+    state = jax.tree.map(lambda leaf: spec(leaf.shape, leaf.dtype), state)
+    rows, hidden, features = 200, 192, 256
+
+    def loss(kernel, state, x, sizes):
+        out = grouped_dense(x, kernel, sizes, quantizer_set=state)
+        return jnp.mean(jnp.square(out.astype(jnp.float32)))
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    with pallas_kernels("auto", assume_gpu=True), warnings.catch_warnings():
+        warnings.simplefilter("error", RaggedOnGpuWarning)
+        lowered = step.lower(
+            spec((GROUPS, hidden, features), jnp.float32),
+            state,
+            spec((rows, hidden), jnp.bfloat16),
+            spec((GROUPS,), jnp.int32),
+        )
+    hlo = lowered.compile().as_text()
+    assert parse_gemms(hlo) == [], "a grouped GEMM was left to cuBLAS"
+    results = sorted(result.split("{")[0] for result, _ in _kernel_calls(hlo))
+    expected = [f"bf16[{rows},{features}]", f"bf16[{rows},{hidden}]"]
+    assert results == sorted([*expected, f"f32[{GROUPS},{hidden},{features}]"]), results

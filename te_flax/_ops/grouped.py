@@ -310,8 +310,8 @@ def _grouped_gemm(
         warnings.warn(
             "grouped_dense's ragged lowering runs XLA's ragged_dot on this GPU, which XLA "
             "expands over every group (about G times the routed FLOPs): te_flax's grouped GEMM "
-            "kernel takes float8 or 16-bit operands whose feature axes are multiples of 64 (the "
-            "contraction of 128 bytes), one device or shard_map, and TE_FLAX_PALLAS auto or 1. "
+            "kernel takes float8 or 16-bit operands whose feature axes are multiples of 64 (any "
+            "number of rows), one device or shard_map, and TE_FLAX_PALLAS auto or 1. "
             "Otherwise pass lowering='capacity' (docs/moe.md)",
             RaggedOnGpuWarning,
             stacklevel=2,
@@ -334,7 +334,7 @@ def _kernel_tiles(lhs: Array, rhs: Array, contract: tuple[int, int]) -> Tiles | 
     if contract == (0, 0):
         return tiles_for(lhs.dtype, lhs.shape[1], rhs.shape[1], 0)
     cols = rhs.shape[1 if contract == (1, 2) else 2]
-    return tiles_for(lhs.dtype, lhs.shape[0], cols, lhs.shape[1])
+    return tiles_for(lhs.dtype, lhs.shape[0], cols, lhs.shape[1], ragged_rows=True)
 
 
 def capacity_on_kernels(
@@ -354,10 +354,10 @@ def capacity_on_kernels(
     fp8_x, fp8_kernel, fp8_grad = (q.q_dtype for q in quantizers if q is not None)
     groups, hidden, features = kernel.shape
     rows = groups * capacity
-    gemms = [
-        (fp8_x, fp8_kernel, tiles_for(fp8_x, rows, features, hidden)),  # forward
-        (fp8_grad, fp8_kernel, tiles_for(fp8_grad, rows, hidden, features)),  # dgrad
-        (fp8_x, fp8_grad, tiles_for(fp8_x, hidden, features, 0)),  # wgrad
+    gemms = [  # forward, dgrad (rows_gemm: any number of rows), wgrad
+        (fp8_x, fp8_kernel, tiles_for(fp8_x, rows, features, hidden, ragged_rows=True)),
+        (fp8_grad, fp8_kernel, tiles_for(fp8_grad, rows, hidden, features, ragged_rows=True)),
+        (fp8_x, fp8_grad, tiles_for(fp8_x, hidden, features, 0)),
     ]
     fits = all(t is not None and supported_dtypes(a, b) for a, b, t in gemms)
     return takes_kernel("grouped_gemm", x, kernel, supported=fits)

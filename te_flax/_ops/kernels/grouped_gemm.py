@@ -110,18 +110,24 @@ class Accumulation:
             )
 
 
-def tiles_for(dtype: DTypeLike, rows: int, cols: int, depth: int) -> Tiles | None:
+def tiles_for(
+    dtype: DTypeLike, rows: int, cols: int, depth: int, ragged_rows: bool = False
+) -> Tiles | None:
     """The tiles for an output of ``rows x cols`` (per group) contracted over ``depth``, with
     operands of ``dtype``; None where the kernels cannot tile it.
 
-    128 x 128 output tiles where the axes allow, else 64; 128 bytes of contraction per step
-    (``depth`` a multiple of it, the ragged contraction of wgrad excepted: pass 0).
+    128 x 128 output tiles where the axes allow, else 64. ``ragged_rows``: the rows are
+    ``rows_gemm``'s, any number of them (it writes only its groups' rows; the last row tile
+    reads past them, and the rows it computes there are not written). 128 bytes of
+    contraction per step where ``depth`` is a multiple of them, else 64 bytes (a float8
+    contraction of 64 or 192); the ragged contraction of wgrad: pass 0.
     """
-    step = 128 // jnp.dtype(dtype).itemsize
-    if rows % 64 or cols % 64 or depth % step:
+    itemsize = jnp.dtype(dtype).itemsize
+    steps = [size // itemsize for size in (128, 64) if depth % (size // itemsize) == 0]
+    if not steps or cols % 64 or (rows % 64 and not ragged_rows):
         return None
     rows, cols = (128 if size % 128 == 0 else 64 for size in (rows, cols))
-    return Tiles(rows=rows, cols=cols, depth=step)
+    return Tiles(rows=rows, cols=cols, depth=steps[0])
 
 
 def supported_dtypes(lhs: DTypeLike, rhs: DTypeLike) -> bool:
@@ -325,7 +331,8 @@ def rows_gemm(
     """``out[r] = scale[g] * lhs[r] @ rhs[g].T`` for the rows ``r`` of group ``g``.
 
     Args:
-        lhs: ``[M, C]``, rows sorted by group; ``M`` a multiple of ``tiles.rows``.
+        lhs: ``[M, C]``, rows sorted by group; any ``M`` (the last row tile reads past it:
+            those rows are computed and not written).
         rhs: ``[G, N, C]``; ``N`` a multiple of ``tiles.cols``, ``C`` of ``tiles.depth``.
         group_sizes: int32 ``[G]``; rows past their sum give zeros.
         scale: float32 ``[G]``, or None for none.
