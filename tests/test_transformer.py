@@ -743,7 +743,9 @@ def test_scanned_layers_equal_the_layers_applied_in_turn_with_their_fp8_state():
     stacked = {"params": layers, OVERWRITE_WITH_GRADIENT: fp8}
     for i in range(2):
         y = layer.apply(jax.tree.map(lambda v, i=i: v[i], stacked), y, deterministic=True)
-    np.testing.assert_array_equal(stack.apply(variables, x), y)
+    # Within a few ulps: evaluation scales the fresh state just in time, and the two programs
+    # fuse the scale products differently.
+    np.testing.assert_allclose(stack.apply(variables, x), y, rtol=1e-6, atol=1e-5)
     # One training step: each layer's FP8 state moves on its own.
     grads = jax.grad(lambda v: jnp.sum(stack.apply(merge_fp8_state(v), x) ** 2))(variables)
     history = grads[OVERWRITE_WITH_GRADIENT]["layers"]["attention"]["qkv"]["x_amax_history"]
