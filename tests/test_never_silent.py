@@ -364,6 +364,30 @@ def test_a_frozen_layer_that_never_calibrates_warns_with_the_fix(jit, monkeypatc
         jax.effects_barrier()
 
 
+class _FrozenBackboneNnx(nnx.Module):
+    def __init__(self):
+        self.backbone = te_nnx.DenseGeneral(HIDDEN, HIDDEN, recipe=DELAYED, rngs=nnx.Rngs(0))
+        self.head = te_nnx.DenseGeneral(HIDDEN, 8, recipe=DELAYED, rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+        return self.head(jax.lax.stop_gradient(self.backbone(x)))
+
+
+def test_a_frozen_nnx_layer_that_never_calibrates_warns_too(monkeypatch):
+    # check_calibrated matched names ending in "_amax_history']"; NNX state paths end in
+    # ".value" after the name, so the NNX warning never fired.
+    monkeypatch.setattr(max_merge, "_WARNED", set())
+    model = _FrozenBackboneNnx()
+    optimizer = nnx.Optimizer(model, optax.sgd(1e-3), wrt=nnx.Param)
+
+    def loss_fn(model, x):
+        return jnp.mean(jnp.square(model(x)))
+
+    with pytest.warns(UncalibratedFp8StateWarning, match=r"backbone.*Float8CurrentScaling"):
+        te_nnx.train_step(model, optimizer, loss_fn, _x(scale=1e3))
+        jax.effects_barrier()
+
+
 def test_a_frozen_layer_with_current_scaling_is_calibrated_and_quiet():
     step, variables, opt_state, x = _frozen_step(Float8CurrentScaling())
     jax.block_until_ready(jax.jit(step)(variables, opt_state, x))  # no warning

@@ -309,17 +309,37 @@ def _warn_uncalibrated(names: tuple[str, ...], flags: np.ndarray) -> None:
         return
     message = (
         f"FP8 state still uncalibrated after a training step: {', '.join(stale)} (the amax "
-        "histories of each such GEMM's input and kernel are empty, its scales still 1). Those "
-        "layers were not differentiated in the step (a frozen backbone, a layer used for "
-        "features only, a layer the step did not run), and delayed scaling updates its state "
-        "only through the gradient, so they quantize with scale 1 for good: inputs far from 1 "
-        "clip or underflow. To fix it, give the frozen layers Float8CurrentScaling() (scales "
-        "from each tensor, no state), or differentiate their FP8 state and hold only their "
-        "parameters (see docs/training_loops.md, 'Frozen layers')."
+        "histories of each such GEMM's input and kernel are empty, its scales still 1). The "
+        "step differentiated that state, but no gradient reached those layers (a frozen "
+        "backbone under stop_gradient, a layer the step did not run), and delayed scaling "
+        "updates its state only through the gradient: they run with the stored scale of 1 and "
+        "their update is lost, every step; inputs far from 1 clip or underflow. To fix it, "
+        "give the frozen layers Float8CurrentScaling() (scales from each tensor, no state), "
+        "or leave their state out of the differentiated arguments (a gradient of the trained "
+        "part only scales a never-updated state just in time), or let the gradient reach them "
+        "and hold only their parameters (see docs/training_loops.md, 'Frozen layers')."
     )
     if message not in _WARNED:
         _WARNED.add(message)
         warnings.warn(message, UncalibratedFp8StateWarning, stacklevel=2)
+
+
+def _flat(state: Any) -> list[tuple[Any, Any]]:
+    return jax.tree_util.tree_flatten_with_path(state)[0]  # type: ignore[no-any-return]
+
+
+def _named_path(path: tuple[Any, ...]) -> tuple[tuple[Any, ...], str]:
+    """``(the path up to the variable's name, the name)``: the name is the path's last string
+    key (a dict key of Linen's collections, of ``nnx.State`` and of pure dicts)."""
+    for i in range(len(path) - 1, -1, -1):
+        key = getattr(path[i], "key", None)
+        if isinstance(key, str):
+            return tuple(path[:i]), key
+    return tuple(path), ""
+
+
+def _keystr(head: tuple[Any, ...], name: str) -> str:
+    return f"{jax.tree_util.keystr(head)}['{name}']"
 
 
 def check_calibrated(state: Any) -> None:
@@ -332,18 +352,15 @@ def check_calibrated(state: Any) -> None:
     warns. A step whose input was not finite records an empty input amax but still its
     kernel's, so it is not mistaken for a frozen layer.
     """
-    leaves = {
-        jax.tree_util.keystr(path): jnp.asarray(leaf)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
-    }
+    # Keyed by the path up to the variable's name and the name: NNX state paths end in
+    # ``.value`` after it, Linen's at it.
+    leaves = {_named_path(path): jnp.asarray(leaf) for path, leaf in _flat(state)}
     pairs = []
-    for path, leaf in leaves.items():
-        head, _, name = path.rpartition("[")
-        name = name.strip("]'\"")
+    for (head, name), leaf in leaves.items():
         if name.startswith("x") and name.endswith("_amax_history"):
-            kernel = leaves.get(f"{head}['kernel{name[1:]}']")
+            kernel = leaves.get((head, f"kernel{name[1:]}"))
             if kernel is not None:
-                pairs.append((path, leaf, kernel))
+                pairs.append((_keystr(head, name), leaf, kernel))
     if not pairs:
         return
     names = tuple(path for path, _, _ in pairs)
