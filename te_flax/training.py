@@ -20,8 +20,8 @@ first thing in the loss. Gradients of several calls combined by hand take
 ``apply_gradients`` checks every new state (``te_flax.quantize.check_merged``): a summed one
 raises, under ``jit`` too (there as a runtime error from the check's host callback). A
 gradient of ``variables["params"]`` alone, the FP8 collection passed through as a constant,
-would drop the new state: the layers refuse it with a ``ValueError`` while the step is traced,
-unless it runs inside ``hold_fp8_state()``.
+would drop the new state: a fresh state then scales just in time and the layers warn once
+(``UncalibratedFp8StateWarning``), unless it runs inside ``hold_fp8_state()``.
 
 Applying the gradients, two ways, one rule:
 

@@ -125,17 +125,6 @@ def _rules_file(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def _nnx_gradient_of_params_only() -> None:
-    model = te_nnx.DenseGeneral(32, 8, recipe=q.DelayedScaling(), rngs=_rngs())
-    nnx.value_and_grad(lambda m: jnp.sum(m(X)))(model)  # the loop of Flax's guides, eagerly
-
-
-def _linen_gradient_of_params_only() -> None:
-    module = te_nn.DenseGeneral(features=8, recipe=q.DelayedScaling())
-    variables = module.init(KEY, X)
-    jax.grad(lambda p: jnp.sum(module.apply({**variables, "params": p}, X)))(variables["params"])
-
-
 def _linen_bf16_apply_of_fp8_variables() -> None:
     module = te_nn.DenseGeneral(features=8, recipe=q.DelayedScaling())
     variables = module.init(KEY, X)
@@ -623,12 +612,6 @@ CASES = [
     case("nnx-train-step-wrt",
          lambda: _nnx_train_step(lambda model: nnx.Optimizer(model, TX, wrt=nnx.Variable)),
          ValueError, r"optimizer must be built with wrt=nnx\.Param", r"got wrt="),
-    case("nnx-stale-fp8-state", _nnx_gradient_of_params_only, ValueError,
-         r"^DenseGeneral's parameters are differentiated but its FP8 state",
-         r"te_flax\.nnx\.value_and_grad\(loss_fn, update_fp8_state=True\)"),
-    case("linen-stale-fp8-state", _linen_gradient_of_params_only, ValueError,
-         r"^DenseGeneral's parameters are differentiated but its FP8 state",
-         r"differentiate the whole variable dict"),
     # ------------------------------------------------------------------ sharding
     case("sharding-rule-set-name", lambda: sharding.load_axis_rules("dp_tp_xx"),
          FileNotFoundError, r"no rule set 'dp_tp_xx'", r"the shipped ones are \[.*'dp'"),

@@ -210,9 +210,20 @@ def _loop_over_microbatches(model):
     return loss
 
 
+def _scan_over_microbatches(model):
+    def loss(variables, xs):
+        def body(total, x):  # the body reads the state once; the scan adds the iterations'
+            return total + model.apply(variables, [x]), None
+
+        return jax.lax.scan(body, jnp.zeros(()), jnp.stack(xs))[0]
+
+    return loss
+
+
 REUSES = {
     "applied_twice": (_Twice, lambda model: lambda v, xs: model.apply(v, xs)),
     "microbatch_loop": (_Twice, _loop_over_microbatches),
+    "microbatch_scan": (_Twice, _scan_over_microbatches),
     "scan_broadcast": (_ScannedBroadcast, lambda model: lambda v, xs: model.apply(v, xs)),
 }
 
@@ -230,10 +241,12 @@ def _after_one_step(name):
     return variables, loss, xs, tx
 
 
-def test_a_layer_applied_twice_merges_by_max_under_plain_jax_grad_and_train_state():
-    # The module reads its state twice within one apply: it marks the reads itself, so Flax's
-    # TrainState with jax.grad (no te_flax helper) gets the max-merged state.
-    variables, loss, xs, _ = _after_one_step("applied_twice")
+@pytest.mark.parametrize("name", ["applied_twice", "microbatch_loop"])
+def test_a_state_read_twice_merges_by_max_under_plain_jax_grad_and_train_state(name):
+    # The same arrays read twice, within one apply or in one apply per microbatch: the reads
+    # share one mark, so Flax's TrainState with jax.grad (no te_flax helper) gets the
+    # max-merged state.
+    variables, loss, xs, _ = _after_one_step(name)
     plain = jax.jit(jax.grad(loss))(variables, xs)
     _, merged = jax.jit(value_and_grad(loss))(variables, xs)
     check_merged(variables[FP8], plain[FP8])
@@ -245,7 +258,7 @@ def test_a_layer_applied_twice_merges_by_max_under_plain_jax_grad_and_train_stat
     np.testing.assert_array_equal(history[1:], variables[FP8]["dense"]["x_amax_history"][:-1])
 
 
-UNSEEN = ["microbatch_loop", "scan_broadcast"]  # reuses a module cannot see
+UNSEEN = ["microbatch_scan", "scan_broadcast"]  # loops of JAX's own: one read per body
 
 
 @pytest.mark.parametrize("name", UNSEEN)
@@ -269,7 +282,7 @@ def test_a_reuse_without_the_merge_is_refused_where_the_state_is_applied(name):
 
 
 def test_under_jit_a_summed_state_is_refused_as_outside_it():
-    variables, loss, xs, tx = _after_one_step("microbatch_loop")
+    variables, loss, xs, tx = _after_one_step("microbatch_scan")
     opt_state = init_optimizer(tx, variables)
 
     @jax.jit
@@ -285,7 +298,7 @@ def test_under_jit_a_summed_state_is_refused_as_outside_it():
 
 def test_a_transformer_engine_style_loop_is_covered_by_check_merged():
     """TE's examples keep the FP8 collection of the gradients as the next variables."""
-    variables, loss, xs, _ = _after_one_step("microbatch_loop")
+    variables, loss, xs, _ = _after_one_step("microbatch_scan")
     grads = jax.jit(jax.grad(loss))(variables, xs)
     next_variables = {
         "params": jax.tree.map(lambda p, g: p - 1e-3 * g, variables["params"], grads["params"]),

@@ -1,11 +1,13 @@
-"""FP8 state in modules: a state read twice in one step merges by max, a state that was never
-updated or is stale is refused. Both the Linen and the NNX shells go through here; the state's
-names, fresh values and quantizer sets are ``te_flax.quantize.state``'s.
+"""FP8 state in modules: a state read twice in one step merges by max, a state that does not fit
+the recipe is refused, and a step that can never update a fresh state says so. Both the Linen
+and the NNX shells go through here; the state's names, fresh values and quantizer sets are
+``te_flax.quantize.state``'s.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any, TypeVar
@@ -22,7 +24,7 @@ from te_flax.quantize import (
     float32_state,
     merge_by_max,
 )
-from te_flax.quantize.max_merge import on_host
+from te_flax.quantize.max_merge import UncalibratedFp8StateWarning, on_host
 from te_flax.quantize.state import OVERWRITE_WITH_GRADIENT
 
 __all__ = [
@@ -67,8 +69,8 @@ def merge_reuse(states: S) -> S:
             return marked
     marked = merge_by_max(states)
 
-    def forget(_: object) -> None:
-        _READS.pop(key, None)
+    def forget(_: object, reads: dict[Any, Any] = _READS) -> None:
+        reads.pop(key, None)  # the dict bound here: at interpreter exit the global is gone
 
     refs = [weakref.ref(leaves[0], forget)] + [weakref.ref(leaf) for leaf in leaves[1:]]
     _READS[key] = (trace, refs, marked)
@@ -107,17 +109,19 @@ _HOLD: ScopedSetting[bool] = ScopedSetting("hold_fp8_state", False)
 
 @contextlib.contextmanager
 def hold_fp8_state() -> Iterator[None]:
-    """Allows gradients of a layer's parameters alone while JAX traces them: the FP8 state
-    is held as it is, for steps that update it another way (TransformerEngine's layer tests
-    update it in a separate call), or not at all (a deliberately frozen scale).
+    """Allows gradients of a layer's parameters alone, quietly, while JAX traces them: the FP8
+    state is held as it is, for steps that update it another way (TransformerEngine's layer
+    tests update it in a separate call) or not at all (LoRA adapters over a frozen layer, a
+    deliberately held scale).
 
-    Outside it such a gradient is refused with a ``ValueError`` naming the fix, with and
-    without ``jit``, while the state has never been updated: the state's update leaves a step
-    as its gradient, so a loop that differentiates the parameters only would keep the initial
-    scales for good. (A state updated before is kept as it is without the context.) The
-    context is read when the step is traced and is part of ``jax.jit``'s cache key: enter it
-    around the calls of a jitted step (a step traced outside it is traced again inside it), or
-    around ``jax.grad`` itself.
+    Outside it such a gradient warns once (``UncalibratedFp8StateWarning``), with and without
+    ``jit``, while the state has never been updated: the state's update leaves a step as its
+    gradient, so a loop that differentiates the parameters only never moves it, and the layer
+    scales each tensor just in time (as ``Float8CurrentScaling``, one more pass over it) in
+    place of delayed scaling's stored scales. The numbers are right either way; a state updated
+    before, or a scale set by hand, is kept as it is. The context is read when the step is
+    traced and is part of ``jax.jit``'s cache key: enter it around the calls of a jitted step,
+    or around ``jax.grad`` itself.
 
     Example usage::
 
@@ -163,10 +167,11 @@ def _stale_message(module: str, front_end: str) -> str:
     return (
         f"{module}'s parameters are differentiated but its FP8 state ({collection}) is not, "
         "and that state has never been updated: the new FP8 state leaves a step as the "
-        "gradient of that state, so this step drops it and the amax history and scales never "
-        "change. To fix it, "
-        f"{_STALE_FIX[front_end]}. (Evaluation and gradients of the inputs only are fine; a "
-        "deliberate gradient of the parameters alone runs inside "
+        "gradient of that state, so this step drops it and the state never moves. The layer "
+        "computes right (it scales each tensor just in time, as Float8CurrentScaling does, "
+        "one more pass over each tensor) but never uses delayed scaling's stored scales. To "
+        f"train it with delayed scaling, {_STALE_FIX[front_end]}. (A deliberate gradient of "
+        "the parameters alone, LoRA adapters over a frozen layer, runs quiet inside "
         "te_flax.training.hold_fp8_state().)"
     )
 
@@ -181,30 +186,38 @@ def _never_updated(state: Any) -> Array:
     return jnp.all(jnp.stack(histories)) if histories else jnp.asarray(False)
 
 
-def _refuse_if_never_updated(module: str, front_end: str, state: Any) -> None:
-    """Refuses a gradient of the parameters alone while the FP8 state has never been updated
-    (a loop that drops the update keeps it so for good); a state updated before (by a step
-    that differentiated it, a separate update call as TransformerEngine's tests make, or a
-    checkpoint) is kept as it is. Concrete values are checked here; traced ones by the step
-    itself (a host callback raises the same message), so ``jit`` changes nothing."""
+def _warn_if_never_updated(module: str, front_end: str, state: Any) -> None:
+    """Warns once per module type when a gradient of the parameters alone meets an FP8 state
+    that has never been updated (a loop that drops the update keeps it so for good, scaled just
+    in time); a state updated before is kept as it is and says nothing. Concrete values are
+    checked here; traced ones by the step itself (a host callback), so ``jit`` changes
+    nothing."""
     message = _stale_message(module, front_end)
 
-    def refuse(fresh: Any) -> None:
-        if bool(fresh):
-            raise ValueError(message)
+    def warn(fresh: Any) -> None:
+        if bool(fresh) and message not in _STALE_WARNED:
+            _STALE_WARNED.add(message)
+            warnings.warn(message, UncalibratedFp8StateWarning, stacklevel=2)
 
-    on_host(refuse, _never_updated(state))
+    on_host(warn, _never_updated(state))
+
+
+# Messages already given: each is said once per process.
+_STALE_WARNED: set[str] = set()
 
 
 def watch_fp8_state(module: str, front_end: str, params: P, state: S) -> tuple[P, S]:
-    """``(params, state)`` unchanged, refusing a gradient that drops the FP8 state's update.
+    """``(params, state)`` unchanged, saying once when a gradient drops the FP8 state's update.
 
-    An identity with a custom VJP: JAX tells its forward rule which inputs are differentiated
-    (``symbolic_zeros``), also inside ``scan``, ``remat`` and ``vmap``, and only when the step
-    is differentiated at all. When some parameter is and no FP8 state is, the update would be
-    lost for good while the state has never been updated (all its amax histories are zero):
-    that raises a ``ValueError``, under ``jit`` as outside it (there from the step, through a
-    host callback); ``hold_fp8_state`` allows it. A state updated before is kept as it is.
+    The parameters pass through an identity with a custom VJP that also reads the state: JAX
+    tells its forward rule which inputs are differentiated (``symbolic_zeros``), also inside
+    ``scan``, ``remat`` and ``vmap``, and only when the step is differentiated at all. When
+    some parameter is and no FP8 state is, the update is lost for good while the state has
+    never been updated (all its amax histories are zero): that warns once
+    (``UncalibratedFp8StateWarning``), under ``jit`` as outside it (there from the step,
+    through a host callback); ``hold_fp8_state`` keeps it quiet. The state itself is returned
+    as it came, not through the identity, so that the ops see whether it is differentiated and
+    scale a never-updated state just in time where it is not.
 
     ``front_end`` is ``"linen"`` or ``"nnx"``: which fix the message names.
     """
@@ -212,27 +225,28 @@ def watch_fp8_state(module: str, front_end: str, params: P, state: S) -> tuple[P
         return params, state
 
     @jax.custom_vjp
-    def identity(params: Any, state: Any) -> tuple[Any, Any]:
-        return params, state
+    def identity(params: Any, state: Any) -> Any:
+        return params
 
-    def forward(params: Any, state: Any) -> tuple[tuple[Any, Any], None]:
+    def forward(params: Any, state: Any) -> tuple[Any, None]:
         # With symbolic_zeros each leaf is a CustomVJPPrimal(value, perturbed).
         params_perturbed = any(leaf.perturbed for leaf in jax.tree.leaves(params))
         state_perturbed = any(leaf.perturbed for leaf in jax.tree.leaves(state))
         unwrap = lambda leaf: leaf.value  # noqa: E731
-        state = jax.tree.map(unwrap, state)
         if params_perturbed and not state_perturbed and not _HOLD.value:
-            _refuse_if_never_updated(module, front_end, state)
-        return (jax.tree.map(unwrap, params), state), None
+            _warn_if_never_updated(module, front_end, jax.tree.map(unwrap, state))
+        return jax.tree.map(unwrap, params), None
 
-    def backward(_: None, cotangents: Any) -> Any:
-        # A cotangent that is a symbolic zero goes back as None (a zero).
-        return jax.tree.map(
+    def backward(_: None, cotangents: Any) -> tuple[Any, None]:
+        # A cotangent that is a symbolic zero goes back as None (a zero); the state reaches
+        # the ops directly, and its update comes back that way.
+        params_cotangents = jax.tree.map(
             lambda c: None if isinstance(c, SymbolicZero) else c,
             cotangents,
             is_leaf=lambda c: isinstance(c, SymbolicZero),
         )
+        return params_cotangents, None
 
     identity.defvjp(forward, backward, symbolic_zeros=True)
-    watched: tuple[P, S] = identity(params, state)
-    return watched
+    watched: P = identity(params, state)
+    return watched, state

@@ -13,8 +13,8 @@ The training loop of Flax's guides needs one change: ``value_and_grad(loss_fn,
 update_fp8_state=True)`` in place of ``nnx.value_and_grad`` writes the new FP8 state into the
 model and returns the parameter gradients, for a plain ``nnx.Optimizer(model, tx,
 wrt=nnx.Param).update(model, grads)``. A plain ``nnx.value_and_grad`` would differentiate the
-parameters only and drop the new state; the layers refuse that with a ``ValueError`` while the
-step is traced (``te_flax.training.hold_fp8_state()`` allows it deliberately).
+parameters only and drop the new state: a fresh state then scales just in time and the layers
+warn once (``te_flax.training.hold_fp8_state()`` keeps a deliberate one quiet).
 
 Example usage::
 
