@@ -19,7 +19,14 @@ from examples.lm.__main__ import main as lm_main
 from examples.lm.config import DEFAULT_CONFIG, ConfigError, load_config
 from examples.lm.data import load_corpus
 from examples.lm.report import loss_ratios
-from examples.lm.train import RunResult, _linen_frontend, _nnx_frontend, eval_interval, train
+from examples.lm.train import (
+    ResumeError,
+    RunResult,
+    _linen_frontend,
+    _nnx_frontend,
+    eval_interval,
+    train,
+)
 from te_flax.sharding import load_axis_rules
 from tests.helpers import TINY_LM, relative_error, xla_flags
 
@@ -176,6 +183,33 @@ def test_resume_with_another_seed_is_refused(tmp_path, corpus):
             corpus=corpus,
             progress=False,
         )
+
+
+def test_checkpoints_belong_to_one_run_and_every_resume_says_what_it_does(tmp_path, corpus, capsys):
+    base = ["train.steps=2", "checkpoint_every=2", "train.recipe=none", "model.layers=1"]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    quiet = {"corpus": corpus, "progress": False}
+    train(_config(tmp_path, *base), "run", **quiet)
+    assert f"run: checkpoints of steps 2 in {checkpoints}" in capsys.readouterr().out
+    # A fresh run again: the earlier run's checkpoints move aside (orbax would skip the steps
+    # that exist, and a later --resume would continue the wrong run).
+    train(_config(tmp_path, *base, "train.seed=1"), "run", **quiet)
+    out = capsys.readouterr().out
+    assert "run: a fresh run; the earlier run's checkpoints (steps 2) moved to" in out
+    assert (tmp_path / "run" / "checkpoints.previous" / "2").is_dir()
+    resumed = train(_config(tmp_path, *base, "train.seed=1", "train.steps=3"), "run",
+                    resume=True, **quiet)  # fmt: skip
+    assert resumed.steps == [3]
+    assert f"run: resuming from step 2 of {checkpoints}" in capsys.readouterr().out
+    # A run with nothing of its own to resume names the runs that have checkpoints.
+    train(_config(tmp_path, *base), "other", resume=True, **quiet)
+    out = capsys.readouterr().out
+    assert "other: nothing to resume in" in out and "checkpoints of other runs there: run" in out
+    # Another front end's checkpoint: the parameter trees differ, not the FP8 state.
+    with pytest.raises(ResumeError, match=r"model\.frontend=nnx") as raised:
+        train(_config(tmp_path, *base, "train.seed=1", "train.steps=4", "model.frontend=nnx"),
+              "run", resume=True, **quiet)  # fmt: skip
+    assert "resume_migrate_fp8" not in str(raised.value)
 
 
 def test_compare_mode_writes_the_report(tmp_path, corpus, monkeypatch):

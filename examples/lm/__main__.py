@@ -14,7 +14,7 @@ import sys
 from .config import DEFAULT_CONFIG, ConfigError, load_config
 from .data import load_corpus
 from .report import write_report
-from .train import train
+from .train import ResumeError, train
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,5 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _main_or_error() -> int:
+    try:
+        return main()
+    except ResumeError as error:  # one line, as for a configuration error
+        print(f"python -m examples.lm: error: {error}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_main_or_error())

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -55,7 +56,7 @@ from . import model_linen, model_nnx
 from .config import Config
 from .data import Corpus, load_corpus
 
-__all__ = ["KILL_HOOK", "RunResult", "train"]
+__all__ = ["KILL_HOOK", "ResumeError", "RunResult", "train"]
 
 # A test hook (tests/test_checkpoint_faults.py) that SIGKILLs the run at a chosen point:
 # "step:N" after step N, once the saves started before are complete (a kill between saves);
@@ -250,6 +251,47 @@ def _killed_before_commit(step: int) -> type:
     return KilledBeforeCommit
 
 
+class ResumeError(ValueError):
+    """A checkpoint this run cannot continue: one line that says what differs."""
+
+
+def _saved_steps(directory: Path) -> list[int]:
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+def _set_aside_earlier_run(directory: Path, name: str) -> None:
+    """A fresh run starts a fresh checkpoint directory: an earlier run's checkpoints are moved
+    to ``checkpoints.previous`` (replacing what was there), saying so, so that a later
+    ``--resume`` continues this run and not that one."""
+    steps = _saved_steps(directory)
+    if not directory.exists():
+        return
+    previous = directory.with_name(directory.name + ".previous")
+    shutil.rmtree(previous, ignore_errors=True)
+    directory.rename(previous)
+    if steps:
+        print(
+            f"{name}: a fresh run; the earlier run's checkpoints (steps "
+            f"{', '.join(map(str, steps))}) moved to {previous} (pass --resume to continue a "
+            "run instead)"
+        )
+
+
+def _nothing_to_resume(directory: Path, name: str) -> str:
+    """What a ``--resume`` with no checkpoint of its run says: where it looked, and the runs
+    that have checkpoints beside it."""
+    others = sorted(
+        p.parent.name
+        for p in directory.parent.parent.glob("*/checkpoints")
+        if p != directory and _saved_steps(p)
+    )
+    where = f"; checkpoints of other runs there: {', '.join(others)}" if others else ""
+    hint = " (`compare --resume` continues the fp8 and bf16 runs)" if others else ""
+    return f"{name}: nothing to resume in {directory}{where}{hint}; starting from step 0"
+
+
 def _checkpoint_manager(directory: Path) -> ocp.CheckpointManager:
     kill = _kill_point()
     options = ocp.CheckpointManagerOptions(
@@ -321,10 +363,19 @@ def _restore(
     try:
         jax.eval_shape(migrate, saved)  # refuses a mismatch before anything is read
     except ValueError as error:
-        hint = ""
-        if not config.resume_migrate_fp8:
+        if "parameters do not fit" in str(error):
+            # Not an FP8 matter: another architecture wrote the checkpoint.
+            hint = (
+                "; the parameter trees differ, so the checkpoint was written by another model "
+                f"configuration (this run: model.frontend={config.model.frontend}, "
+                f"model.block={config.model.block}, model.layers={config.model.layers}); "
+                "resume with the configuration that wrote it, or start a fresh run"
+            )
+        elif not config.resume_migrate_fp8:
             hint = "; this trainer migrates FP8 state when resumed with resume_migrate_fp8=true"
-        raise ValueError(
+        else:
+            hint = ""
+        raise ResumeError(
             f"cannot resume from step {step} in {manager.directory}: {error}{hint}"
         ) from error
     restored = manager.restore(
@@ -391,16 +442,23 @@ def train(
         manager = None
         kill = _kill_point()
         if config.checkpoint_every:
-            manager = _checkpoint_manager(Path(config.output_dir) / name / "checkpoints")
+            directory = Path(config.output_dir) / name / "checkpoints"
+            if not resume:
+                _set_aside_earlier_run(directory, name)
+            manager = _checkpoint_manager(directory)
             if resume and manager.latest_step() is not None:
-                restored = _restore(manager, manager.latest_step(), state, config, replicated)
+                latest = manager.latest_step()
+                print(f"{name}: resuming from step {latest} of {manager.directory}")
+                restored = _restore(manager, latest, state, config, replicated)
                 if not np.array_equal(restored["rng"], abstract_rng(t.seed)):
-                    raise ValueError(
+                    raise ResumeError(
                         f"the checkpoint in {manager.directory} was made with another seed; "
                         f"resume with the same train.seed (now {t.seed})"
                     )
                 start = int(restored["data_position"])
                 state = {"variables": restored["variables"], "opt_state": restored["opt_state"]}
+            elif resume:
+                print(_nothing_to_resume(directory, name))
 
         train_step = jax.jit(make_train_step(frontend, tx))
 
@@ -452,6 +510,8 @@ def train(
                 _kill_self()
         if manager is not None:
             manager.wait_until_finished()
+            steps = ", ".join(map(str, manager.all_steps()))
+            print(f"{name}: checkpoints of steps {steps} in {manager.directory}")
             manager.close()
         result.first_step_s = times[0] if times else 0.0
         steady = times[1:] or times
