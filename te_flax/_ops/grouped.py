@@ -39,6 +39,7 @@ from te_flax._ops.kernels.grouped_gemm import (
     supported_dtypes,
     tiles_for,
 )
+from te_flax._ops.kernels.probes import grouped_gemm_probe
 from te_flax._ops.kernels.switch import dispatch, gpu_host, takes_kernel
 from te_flax.quantize import (
     LEADING,
@@ -316,7 +317,8 @@ def _grouped_gemm(
             RaggedOnGpuWarning,
             stacklevel=2,
         )
-    return dispatch("grouped_gemm", kernel, xla, *operands, supported=fits)
+    probe = grouped_gemm_probe(kernel, xla, operands, contract) if fits else None
+    return dispatch("grouped_gemm", kernel, xla, *operands, supported=fits, probe=probe)
 
 
 def _split_accumulation(dtype: DTypeLike, precision: lax.Precision | None) -> bool:

@@ -11,8 +11,12 @@ through Pallas' Triton lowering, and anywhere in interpret mode (tests).
 - ``activation_grad``: LayerNormMLP's activation backward quantized in both layouts, with its
   amax and bias gradient (kernel 2 with its producer);
 - ``norm_backward``: dx, dgamma and dbeta of the norm (kernel 3).
+
+On a GPU each kernel configuration is checked against its XLA stage on its first use in a
+process (``first_use``; ``TE_FLAX_KERNEL_CHECK=0`` or ``kernel_checks("0")`` turn it off).
 """
 
+from te_flax._ops.kernels.first_use import KernelCheckWarning, kernel_checks
 from te_flax._ops.kernels.operands import (
     GradOperand,
     activation_grad_operand,
@@ -26,9 +30,11 @@ from te_flax._ops.kernels.switch import ENV_VAR, dispatch, mode, pallas_kernels,
 __all__ = [
     "ENV_VAR",
     "GradOperand",
+    "KernelCheckWarning",
     "activation_grad_operand",
     "activation_quantize_operand",
     "dispatch",
+    "kernel_checks",
     "mode",
     "norm_backward_grads",
     "norm_quantize_operand",

@@ -40,7 +40,7 @@ from te_flax._ops.kernels.mosaic import (
     write_layouts,
 )
 
-__all__ = ["activation_grad_tiles"]
+__all__ = ["activation_grad_tiles", "by_xla"]
 
 # ``store`` with a register layout (typed loosely: jax 0.10, which runs the Triton version, has
 # none).
@@ -137,7 +137,7 @@ def _body(
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _xla(
+def by_xla(
     pre_activation: Array, grad: Array, scale_inv: Array, activation_type: tuple[str, ...],
     q_dtype: DTypeLike | None, with_bias: bool,
 ) -> _Results:  # fmt: skip
@@ -186,7 +186,7 @@ def activation_grad_tiles(
     rows, intermediate = grad.shape
     n_act, width = len(activation_type), pre_activation.shape[1]
     if not tileable(rows, intermediate):
-        return _xla(pre_activation, grad, scale_inv, activation_type, q_dtype, with_bias)
+        return by_xla(pre_activation, grad, scale_inv, activation_type, q_dtype, with_bias)
     dtype = pre_activation.dtype
     grid = (rows // TILE, intermediate // TILE)
     out_type = []

@@ -38,7 +38,7 @@ from te_flax._ops.kernels.mosaic import (
     write_layouts,
 )
 
-__all__ = ["activation_quantize_tiles"]
+__all__ = ["activation_quantize_tiles", "by_xla"]
 
 
 def _activated(slices: list[Array], activation_type: tuple[str, ...], dtype: Any) -> Array:
@@ -46,6 +46,22 @@ def _activated(slices: list[Array], activation_type: tuple[str, ...], dtype: Any
     arithmetic), as float32."""
     activated = activation_of_slices([part.astype(jnp.float32) for part in slices], activation_type)
     return activated.astype(dtype).astype(jnp.float32)
+
+
+def by_xla(
+    pre_activation: Array,
+    scale_inv: Array,
+    activation_type: tuple[str, ...],
+    q_dtype: DTypeLike | None,
+    layouts: tuple[bool, bool],
+) -> tuple[Array | None, Array | None, Array]:
+    """The kernel's results by the XLA stage's arithmetic, for a block it does not tile (the
+    amax as one partial)."""
+    n_act = len(activation_type)
+    intermediate = pre_activation.shape[1] // n_act
+    slices = [pre_activation[:, k * intermediate : (k + 1) * intermediate] for k in range(n_act)]
+    activated = _activated(slices, activation_type, pre_activation.dtype)
+    return layouts_by_xla(activated, scale_inv, q_dtype, layouts)
 
 
 def _body(
@@ -116,11 +132,7 @@ def activation_quantize_tiles(
     layouts = layouts if q_dtype is not None else (False, False)
     dtype = pre_activation.dtype
     if not tileable(rows, intermediate):
-        slices = [
-            pre_activation[:, k * intermediate : (k + 1) * intermediate] for k in range(n_act)
-        ]
-        activated = _activated(slices, activation_type, dtype)
-        return layouts_by_xla(activated, scale_inv, q_dtype, layouts)
+        return by_xla(pre_activation, scale_inv, activation_type, q_dtype, layouts)
     out_type, buffers = layout_outputs(rows, intermediate, q_dtype, layouts)
     if layouts[1]:  # the transposed read's 16-bit buffer (``transposed_tile``)
         staged = (2, TILE, TILE) if dtype.itemsize == 4 else (TILE, TILE)

@@ -32,7 +32,7 @@ from jax.typing import DTypeLike
 from te_flax._ops.kernels import mosaic
 from te_flax._ops.kernels.common import MAX_HIDDEN, RowBlocks, lowered_once
 
-__all__ = ["fits", "norm_backward"]
+__all__ = ["by_xla", "fits", "norm_backward"]
 
 # ``load`` and ``store`` with a register layout (typed loosely: jax 0.10, which runs the Triton
 # version, has neither).
@@ -180,7 +180,7 @@ def _body(
     plgpu.wait_smem_to_gmem(0)
 
 
-def _xla(
+def by_xla(
     d_out: Array, x: Array, mean: Array | None, rsigma: Array, gamma: Array, with_beta: bool,
     dx_dtype: DTypeLike,
 ) -> tuple[Array, Array, Array | None]:  # fmt: skip
@@ -229,7 +229,7 @@ def norm_backward(
     """
     rows, hidden = blocks.rows, blocks.hidden
     if not fits(hidden) or jnp.dtype(dx_dtype) != x.dtype:
-        return _xla(d_out, x, mean, rsigma, gamma, with_beta, dx_dtype)
+        return by_xla(d_out, x, mean, rsigma, gamma, with_beta, dx_dtype)
     per_program = pl.cdiv(rows, _PROGRAMS)
     programs = pl.cdiv(rows, per_program)
     slots = _slots(hidden, d_out.dtype.itemsize + x.dtype.itemsize, with_beta)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple, TypeVar
 
 import jax.numpy as jnp
 from jax import Array
 from jax.typing import DTypeLike
 
+from te_flax._ops.kernels import probes
 from te_flax._ops.kernels.activation_grad import KERNEL_ACTIVATIONS, activation_grad_tiles
 from te_flax._ops.kernels.activation_grad_mosaic import (
     activation_grad_tiles as activation_grad_tiles_mosaic,
@@ -220,11 +222,13 @@ def _layouts_by_kernel(
     dims: tuple[tuple[str, ...], tuple[tuple[str, ...], tuple[str, ...]]],
     tiles: _Tiles,
     fallback: Callable[[], _Quantized],
+    probe: Callable[[tuple[bool, bool]], probes.Probe | None],
     replicated: tuple[str, ...] = (),
 ) -> _Quantized:
     """A per-tensor float8 operand with ``split`` leading (token) axes, written in the layouts
     of ``uses`` by the kernel ``name`` running ``tiles`` on each device's block, or
-    ``fallback`` (the XLA stage, called without arguments).
+    ``fallback`` (the XLA stage, called without arguments); ``probe(layouts)`` checks the
+    kernel on its first use.
 
     ``dims``: the tensor's axis names, and those of the two layouts (``TRAILING``: the
     operand's ``data``; ``LEADING``: its ``transposed``), for ``per_shard``.
@@ -271,8 +275,9 @@ def _layouts_by_kernel(
 
     with_transposed = _with_transposed(split, layouts[1] and not one_layout)
     return dispatch(
-        name, kernel, xla, tensor, quantizer, supported=supported, as_kernel_result=with_transposed
-    )
+        name, kernel, xla, tensor, quantizer, supported=supported, as_kernel_result=with_transposed,
+        probe=probe((True, False) if one_layout else layouts),
+    )  # fmt: skip
 
 
 def tiled_quantize_operand(
@@ -318,9 +323,11 @@ def tiled_quantize_operand(
             partials,
         )
 
+    probe = partial(probes.quantize_probe, quantize, x.dtype, quantizer)
     return _layouts_by_kernel(
-        "quantize", x, quantizer, supported, uses, split, (dims, layout_dims), tiles, fallback
-    )
+        "quantize", x, quantizer, supported, uses, split, (dims, layout_dims), tiles, fallback,
+        probe,
+    )  # fmt: skip
 
 
 def activation_quantize_operand(
@@ -375,9 +382,10 @@ def activation_quantize_operand(
             partials,
         )
 
+    probe = partial(probes.activation_quantize_probe, quantize, pre_activation.dtype)
     return _layouts_by_kernel(
         "activation_quantize", pre_activation, quantizer, supported, uses, n_batch, dims,
-        tiles, fallback, replicated=("act",),
+        tiles, fallback, partial(probe, activation_type, quantizer), replicated=("act",),
     )  # fmt: skip
 
 
@@ -497,16 +505,12 @@ def activation_grad_operand(
         transposed = jnp.transpose(operand.data, order)
         return prepared._replace(operand=operand._replace(transposed=transposed))
 
+    dtypes = (pre_activation.dtype, grad.dtype)
+    probe = probes.activation_grad_probe(grad_tiles, dtypes, activation_type, quantizer, with_bias)
     return dispatch(
-        "activation_grad",
-        kernel,
-        xla,
-        grad,
-        pre_activation,
-        quantizer,
-        supported=supported,
-        as_kernel_result=as_kernel_result,
-    )
+        "activation_grad", kernel, xla, grad, pre_activation, quantizer, supported=supported,
+        as_kernel_result=as_kernel_result, probe=probe,
+    )  # fmt: skip
 
 
 _NormGrads = tuple[Array, Array, Array | None]
@@ -590,4 +594,7 @@ def norm_backward_grads(
         return fallback()
 
     operands = (d_out, x, mean, rsigma, gamma, d_out_scale)
-    return dispatch("norm_backward", kernel, xla, *operands, supported=blocks is not None)
+    dtypes, with_beta = (d_out.dtype, x.dtype), beta_dtype is not None
+    probe = probes.norm_backward_probe(backward, dtypes, hidden, mean is not None, with_beta)
+    return dispatch("norm_backward", kernel, xla, *operands, supported=blocks is not None,
+                    probe=probe)  # fmt: skip

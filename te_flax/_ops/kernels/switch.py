@@ -30,7 +30,6 @@ call and would gather its operands.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any, TypeVar
@@ -45,7 +44,9 @@ from te_flax._base.jax_compat import (
     traced_for_scan,
 )
 from te_flax._base.settings import ScopedSetting
+from te_flax._ops.kernels.first_use import MODES, Probe, active_mode, agrees, parsed_mode
 from te_flax._ops.kernels.partition import mesh_partitioned
+from te_flax._ops.kernels.probes import PROBES
 
 __all__ = [
     "AUTO",
@@ -61,8 +62,6 @@ __all__ = [
 ]
 
 ENV_VAR = "TE_FLAX_PALLAS"
-MODES = ("auto", "0", "1")
-_ALIASES = {"on": "1", "true": "1", "off": "0", "false": "0"}
 T = TypeVar("T")
 # The kernels "auto" uses (see ``dispatch``); "1" uses every kernel. The norm-quantize kernel
 # is left out: it moves as many bytes as the XLA fusion it replaces (XLA already fuses
@@ -93,22 +92,13 @@ MOSAIC = frozenset({"grouped_gemm", *(_PORTED if mosaic_gpu_interpreted() else (
 _SELECTED: ScopedSetting[tuple[str, bool] | None] = ScopedSetting("pallas_kernels", None)
 
 
-def _checked(value: str, source: str) -> str:
-    normalized = _ALIASES.get(value.strip().lower(), value.strip().lower())
-    if normalized not in MODES:
-        raise ValueError(
-            f"{source} must be one of {', '.join(MODES)} (Pallas kernels on GPUs, everywhere, "
-            f"or nowhere), got {value!r}"
-        )
-    return normalized
+_MEANING = "Pallas kernels on GPUs, everywhere, or nowhere"
 
 
 def mode() -> str:
     """The active mode: the innermost ``pallas_kernels`` context, else ``TE_FLAX_PALLAS``."""
     selected = _SELECTED.value
-    if selected is not None:
-        return selected[0]
-    return _checked(os.environ.get(ENV_VAR, "auto"), ENV_VAR)
+    return active_mode(None if selected is None else selected[0], ENV_VAR, _MEANING)
 
 
 @contextlib.contextmanager
@@ -129,7 +119,7 @@ def pallas_kernels(value: str, assume_gpu: bool = False) -> Iterator[None]:
             f"pallas_kernels(assume_gpu=...) must be a bool, got {assume_gpu!r}; pass True only "
             "for a deviceless compile for a GPU from a CPU host"
         )
-    with _SELECTED.scope((_checked(value, "pallas_kernels(value)"), assume_gpu)):
+    with _SELECTED.scope((parsed_mode(value, "pallas_kernels(value)", _MEANING), assume_gpu)):
         yield
 
 
@@ -211,6 +201,7 @@ def dispatch(
     *args: Any,
     supported: bool = True,
     as_kernel_result: Callable[[T], T] | None = None,
+    probe: Probe | None = None,
 ) -> T:
     """``kernel(*args, interpret=...)`` where the switch selects it, else ``fallback(*args)``.
 
@@ -221,8 +212,15 @@ def dispatch(
     cannot take these operands (shapes, dtypes); the fallback runs then whatever the switch
     says. Under ``"auto"`` only the kernels named in ``AUTO`` are used: those that move fewer bytes
     than the XLA fusions they replace in a whole training step.
+
+    ``probe``: the small problem that checks this kernel configuration on its first use on a
+    GPU (``first_use``; without one, the kernel's entry in ``probes.PROBES`` makes it from
+    ``kernel``, ``fallback`` and ``args``). A configuration that disagrees with its XLA stage
+    gets ``fallback`` for the rest of the process.
     """
     if not takes_kernel(name, *args, supported=supported) or _has_empty_operand(args):
+        return fallback(*args)
+    if not _checked_on_first_use(name, kernel, fallback, args, probe):
         return fallback(*args)
     on_gpu = partial(kernel, interpret=False)
     elsewhere: Callable[..., T] = fallback
@@ -231,6 +229,24 @@ def dispatch(
     elif as_kernel_result is not None:
         elsewhere = _composed(as_kernel_result, fallback)
     return lax.platform_dependent(*args, cuda=on_gpu, default=elsewhere)
+
+
+def _checked_on_first_use(
+    name: str,
+    kernel: Callable[..., Any],
+    fallback: Callable[..., Any],
+    args: tuple[Any, ...],
+    probe: Probe | None,
+) -> bool:
+    """Whether this configuration of kernel ``name`` agrees with its XLA stage, checked on
+    its first use (``first_use.agrees``): on this process's GPU, or off one where ``"1"`` runs
+    the kernel in interpret mode."""
+    on_gpu = _cuda_devices() > 0
+    if not on_gpu and not (mode() == "1" and (name not in MOSAIC or _mosaic_interpretable(args))):
+        return True  # a program for another host's GPU (a deviceless compile): nothing to run
+    if probe is None and name in PROBES:
+        probe = PROBES[name](kernel, fallback, args)
+    return agrees(name, probe, on_gpu)
 
 
 def _has_empty_operand(args: tuple[Any, ...]) -> bool:
