@@ -325,7 +325,7 @@ def _warn_uncalibrated(names: tuple[str, ...], flags: np.ndarray) -> None:
 
 
 def _flat(state: Any) -> list[tuple[Any, Any]]:
-    return jax.tree_util.tree_flatten_with_path(state)[0]  # type: ignore[no-any-return]
+    return jax.tree_util.tree_flatten_with_path(state)[0]
 
 
 def _named_path(path: tuple[Any, ...]) -> tuple[tuple[Any, ...], str]:
