@@ -31,6 +31,7 @@ from te_flax._ops.kernels.grouped_gemm import (
     rows_gemm,
     tiles_for,
 )
+from te_flax._ops.kernels.tile_order import H100_SMS, band_for, tile_at
 from te_flax.dense import grouped_dense, grouped_quantizer_set
 from te_flax.quantize import (
     DelayedScaling,
@@ -98,7 +99,10 @@ def test_rows_gemm_matches_ragged_dot(sizes, lhs_dtype, rhs_dtype):
     rhs = _operand(keys[1], (GROUPS, COLS, DEPTH), rhs_dtype)  # [G, N, C]
     sizes = jnp.array(sizes, jnp.int32)
     scale = jnp.array([0.5, 2.0, 3.0], jnp.float32)
-    tiles = Tiles(rows=64, cols=64, depth=128 // jnp.dtype(lhs_dtype).itemsize, stages=2)
+    # 3 persistent blocks: each takes several of the 4 x 2 + 3 tiles, in bands of 3 rows.
+    tiles = Tiles(
+        rows=64, cols=64, depth=128 // jnp.dtype(lhs_dtype).itemsize, stages=2, programs=3, band=3
+    )
     out = rows_gemm(lhs, rhs, sizes, scale, jnp.float32, tiles, interpret=True)
     expected = _ragged(lhs, rhs, sizes, (1, 2), (0,))
     group = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(ROWS), side="right")
@@ -115,7 +119,7 @@ def test_rows_gemm_takes_any_rows_and_a_float8_contraction_of_192(split):
     rhs = _operand(keys[1], (GROUPS, COLS, depth), E4M3)
     sizes = jnp.array([70, 0, 120], jnp.int32)  # and 10 rows past the groups
     tiles = tiles_for(E4M3, rows, COLS, depth, ragged_rows=True)
-    assert tiles == Tiles(rows=64, cols=128, depth=64)
+    assert (tiles.rows, tiles.cols, tiles.depth) == (64, 128, 64)
     out = rows_gemm(lhs, rhs, sizes, None, jnp.float32, tiles, True, Accumulation(split=split))
     np.testing.assert_allclose(out, _ragged(lhs, rhs, sizes, (1, 2), (0,)), rtol=1e-5, atol=1e-4)
 
@@ -129,7 +133,10 @@ def test_group_gemm_matches_ragged_dot(sizes, lhs_dtype, rhs_dtype):
     rhs = _operand(keys[1], (ROWS, COLS), rhs_dtype)  # the gradient [M, N]
     sizes = jnp.array(sizes, jnp.int32)
     scale = jnp.array([0.5, 2.0, 3.0], jnp.float32)
-    tiles = Tiles(rows=64, cols=64, depth=128 // jnp.dtype(lhs_dtype).itemsize, stages=3)
+    # 2 persistent blocks over the 3 x 2 x 2 tiles, in bands of one row tile.
+    tiles = Tiles(
+        rows=64, cols=64, depth=128 // jnp.dtype(lhs_dtype).itemsize, stages=3, programs=2, band=1
+    )
     source, first_tile, _ = aligned_columns(sizes, ROWS, tiles.depth)
 
     def aligned(x):
@@ -223,18 +230,59 @@ def test_aligned_columns_start_each_group_on_a_tile():
     np.testing.assert_array_equal(source[321:], 256)
 
 
+def _shape(tiles):
+    return None if tiles is None else (tiles.rows, tiles.cols, tiles.depth)
+
+
 def test_tiles_for_the_shapes_the_kernels_take():
-    assert tiles_for(E4M3, 256, 384, 256) == Tiles(rows=128, cols=128, depth=128)
-    assert tiles_for(BF16, 192, 64, 64) == Tiles(rows=64, cols=64, depth=64)
+    assert _shape(tiles_for(E4M3, 256, 384, 256)) == (128, 128, 128)
+    assert _shape(tiles_for(BF16, 192, 64, 64)) == (64, 64, 64)
     assert tiles_for(E4M3, 256, 96, 256) is None  # columns not a multiple of 64
     # A contraction of 64 or 192 float8 elements: steps of 64 bytes.
-    assert tiles_for(E4M3, 256, 128, 192) == Tiles(rows=128, cols=128, depth=64)
+    assert _shape(tiles_for(E4M3, 256, 128, 192)) == (128, 128, 64)
     assert tiles_for(E4M3, 256, 128, 96) is None  # not a multiple of 64 bytes
     # rows_gemm's rows are any number; group_gemm writes whole row tiles.
-    assert tiles_for(E4M3, 200, 128, 128, ragged_rows=True) == Tiles(rows=64, depth=128)
+    assert _shape(tiles_for(E4M3, 200, 128, 128, ragged_rows=True)) == (64, 128, 128)
     assert tiles_for(E4M3, 200, 128, 128) is None
     with pytest.raises(ValueError, match="multiple of 64"):
         Tiles(rows=32)
+    with pytest.raises(ValueError, match="at least 1"):
+        Tiles(programs=0)
+
+
+def test_tiles_for_bands_by_what_the_l2_holds():
+    """The band of row tiles: wide where a wave's strips fit half the L2 (the Mixtral wi
+    forward: 512 KiB float8 strips), 8 where no band fits (its dgrad: 3.5 MiB strips), at
+    most the row tiles there are; wgrad's strips span a group's rows."""
+    forward = tiles_for(E4M3, 16384, 28672, 4096, ragged_rows=True)
+    dgrad = tiles_for(E5M2, 16384, 4096, 28672, ragged_rows=True)
+    assert (forward.band, dgrad.band) == (32, 8)
+    assert forward.programs == dgrad.programs == H100_SMS
+    assert tiles_for(E4M3, 4096, 28672, 0, span=2048).band == 32  # all 32 row tiles
+    assert tiles_for(E4M3, 256, 128, 128).band == 2  # two row tiles in all
+
+
+def test_tile_at_takes_every_tile_once_in_bands_that_snake():
+    rows, cols, band = 7, 5, 3
+    row, col = tile_at(jnp.arange(rows * cols), rows, cols, band)
+    row, col = np.asarray(row), np.asarray(col)
+    tiles = sorted(zip(row.tolist(), col.tolist(), strict=True))
+    assert tiles == [(r, c) for r in range(rows) for c in range(cols)]
+    # The first band: rows 0-2 fastest, the columns forward; the second backward; the last
+    # band has the one row left.
+    np.testing.assert_array_equal(row[:6], [0, 1, 2, 0, 1, 2])
+    np.testing.assert_array_equal(col[:6], [0, 0, 0, 1, 1, 1])
+    np.testing.assert_array_equal(col[15:18], [4, 4, 4])
+    np.testing.assert_array_equal(row[30:], [6] * 5)
+    np.testing.assert_array_equal(col[30:], [0, 1, 2, 3, 4])
+
+
+def test_band_for_fits_a_wave_in_half_the_l2():
+    mib = 2**20
+    assert band_for(mib // 2, 128) == 32  # (32 + 132 / 32) strips of 512 KiB <= 25 MiB
+    assert band_for(mib // 2, 8) == 8  # no more than the rows
+    assert band_for(4 * mib, 128) == 8  # no band fits: near sqrt(132)
+    assert band_for(4 * mib, 3) == 3
 
 
 # ----------------------------------------------------------------------------- grouped_dense

@@ -303,7 +303,8 @@ def _grouped_gemm(
     else:
         kernel = partial(_wgrad_kernel, out_dtype=out_dtype, accumulation=accumulation)
     # 16-bit and float8 operands; float8 ones split their accumulation where the recipe asks.
-    fits = _kernel_tiles(lhs_data, rhs_data, contract) is not None and supported_dtypes(
+    groups = group_sizes.shape[0]
+    fits = _kernel_tiles(lhs_data, rhs_data, contract, groups) is not None and supported_dtypes(
         lhs_data.dtype, rhs_data.dtype
     )
     operands = (lhs_data, rhs_data, group_sizes, ids, scale)
@@ -330,13 +331,21 @@ def _split_accumulation(dtype: DTypeLike, precision: lax.Precision | None) -> bo
     return jnp.dtype(dtype).itemsize == 1 and split
 
 
-def _kernel_tiles(lhs: Array, rhs: Array, contract: tuple[int, int]) -> Tiles | None:
+def _kernel_tiles(
+    lhs: Array, rhs: Array, contract: tuple[int, int], groups: int, programs: int | None = None
+) -> Tiles | None:
     """The kernel's tiles for the forward GEMM (``contract`` (1, 1): ``[M, K] x [G, K, N]``),
-    dgrad ((1, 2): ``[M, N] x [G, K, N]``) or wgrad ((0, 0): ``[M, K] x [M, N]``)."""
-    if contract == (0, 0):
-        return tiles_for(lhs.dtype, lhs.shape[1], rhs.shape[1], 0)
-    cols = rhs.shape[1 if contract == (1, 2) else 2]
-    return tiles_for(lhs.dtype, lhs.shape[0], cols, lhs.shape[1], ragged_rows=True)
+    dgrad ((1, 2): ``[M, N] x [G, K, N]``) or wgrad ((0, 0): ``[M, K] x [M, N]``), over
+    ``groups`` groups; ``programs``: the persistent grid's blocks (None: one per H100 SM)."""
+    if contract == (0, 0):  # a band's strips span a group's rows, M / G on average
+        span = max(lhs.shape[0] // max(groups, 1), 1)
+        tiles = tiles_for(lhs.dtype, lhs.shape[1], rhs.shape[1], 0, span=span)
+    else:
+        cols = rhs.shape[1 if contract == (1, 2) else 2]
+        tiles = tiles_for(lhs.dtype, lhs.shape[0], cols, lhs.shape[1], ragged_rows=True)
+    if tiles is None or programs is None:
+        return tiles
+    return dataclasses.replace(tiles, programs=programs)
 
 
 def capacity_on_kernels(
@@ -380,12 +389,14 @@ def _rows_kernel(
     out_dtype: DTypeLike,
     accumulation: Accumulation,
     interpret: bool,
+    programs: int | None = None,
 ) -> Array:
     """The forward GEMM (``forward``) or dgrad on the kernel; rows_gemm's rhs is ``[G, N, C]``,
     so the forward's kernel ``[G, K, N]`` is transposed (float8 tensor cores take the
-    contraction last)."""
+    contraction last). ``programs``: the persistent grid's blocks (None: the H100's SMs)."""
     del ids
-    tiles = _kernel_tiles(lhs, rhs, (1, 1) if forward else (1, 2))
+    contract = (1, 1) if forward else (1, 2)
+    tiles = _kernel_tiles(lhs, rhs, contract, group_sizes.shape[0], programs)
     assert tiles is not None
     rhs = jnp.swapaxes(rhs, 1, 2) if forward else rhs
     return rows_gemm(lhs, rhs, group_sizes, scale, out_dtype, tiles, interpret, accumulation)
@@ -401,11 +412,12 @@ def _wgrad_kernel(
     out_dtype: DTypeLike,
     accumulation: Accumulation,
     interpret: bool,
+    programs: int | None = None,
 ) -> Array:
     """wgrad on the kernel: both operands gathered into the group-aligned layout, transposed
     (the contraction last, as float8 tensor cores take it); padding columns are zeros."""
     del ids
-    tiles = _kernel_tiles(lhs, rhs, (0, 0))
+    tiles = _kernel_tiles(lhs, rhs, (0, 0), group_sizes.shape[0], programs)
     assert tiles is not None
     source, first_tile, _ = aligned_columns(group_sizes, lhs.shape[0], tiles.depth)
 

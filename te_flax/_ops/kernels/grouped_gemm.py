@@ -9,9 +9,12 @@ multiplies the float32 accumulator before it is written, so a per-group scale co
 an output or a gradient. Group sizes stay on the device: the tables that map a kernel block to
 its group are a few small XLA ops over ``group_sizes`` (``row_tiles``, ``aligned_columns``).
 
-Each block of the kernel grid owns one output tile. Its loop over the contraction copies
+The grid is persistent: ``Tiles.programs`` blocks (one per SM of an H100), each looping over
+output tiles in the L2-aware order of ``tile_order.tile_at`` (bands of ``Tiles.band`` row tiles
+sweeping the columns, every other band backward). Each tile's loop over the contraction copies
 operand tiles into shared memory ``stages - 1`` steps ahead (TMA copies, one barrier per stage)
-while the tensor cores work on the current one. The copies are written out rather than with
+while the tensor cores work on the current one; the barriers and buffers carry over from one
+tile to the next. The copies are written out rather than with
 ``plgpu.emit_pipeline`` so that the kernels also run in Mosaic GPU's interpret mode, which is how
 they are tested on a CPU against ``lax.ragged_dot_general``.
 
@@ -25,6 +28,8 @@ and are padded with zeros (``aligned_columns``), so no tile mixes two groups.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -37,6 +42,7 @@ from jax.typing import DTypeLike
 
 from te_flax._base.jax_compat import mixed_fp8_wgmma
 from te_flax._ops.kernels import mosaic
+from te_flax._ops.kernels.tile_order import H100_SMS, band_for, tile_at
 
 __all__ = [
     "PROMOTION_INTERVAL",
@@ -53,16 +59,21 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-    """One output tile ``rows x cols``, contracted ``depth`` at a time, ``stages`` copies deep.
+    """One output tile ``rows x cols``, contracted ``depth`` at a time, ``stages`` copies deep;
+    ``programs`` persistent blocks take the tiles in bands of ``band`` row tiles
+    (``tile_order.tile_at``).
 
     The largest (128 x 128, 128 bytes deep, 4 stages) takes 160 KiB of an H100 block's 227 KiB
-    of shared memory with a bfloat16 output tile.
+    of shared memory with a bfloat16 output tile: one block per SM, so ``programs`` is the
+    H100's SM count (a grid of fewer tiles runs one block per tile).
     """
 
     rows: int = 128
     cols: int = 128
     depth: int = 128
     stages: int = 4
+    programs: int = H100_SMS
+    band: int = 8
 
     def __post_init__(self) -> None:
         if self.rows % 64 or self.cols % 8 or self.cols > 256 or self.stages < 2:
@@ -70,6 +81,12 @@ class Tiles:
                 f"Tiles(rows={self.rows}, cols={self.cols}, stages={self.stages}): rows must be "
                 "a multiple of 64 (one warpgroup instruction), cols a multiple of 8 up to 256, "
                 "stages at least 2"
+            )
+        if self.programs < 1 or self.band < 1:
+            raise ValueError(
+                f"Tiles(programs={self.programs}, band={self.band}): both must be at least 1 "
+                "(programs: the persistent grid's blocks, one per SM; band: the row tiles a "
+                "wave sweeps the columns with)"
             )
 
 
@@ -111,7 +128,12 @@ class Accumulation:
 
 
 def tiles_for(
-    dtype: DTypeLike, rows: int, cols: int, depth: int, ragged_rows: bool = False
+    dtype: DTypeLike,
+    rows: int,
+    cols: int,
+    depth: int,
+    ragged_rows: bool = False,
+    span: int | None = None,
 ) -> Tiles | None:
     """The tiles for an output of ``rows x cols`` (per group) contracted over ``depth``, with
     operands of ``dtype``; None where the kernels cannot tile it.
@@ -120,14 +142,18 @@ def tiles_for(
     ``rows_gemm``'s, any number of them (it writes only its groups' rows; the last row tile
     reads past them, and the rows it computes there are not written). 128 bytes of
     contraction per step where ``depth`` is a multiple of them, else 64 bytes (a float8
-    contraction of 64 or 192); the ragged contraction of wgrad: pass 0.
+    contraction of 64 or 192); the ragged contraction of wgrad: pass 0. The band of row tiles
+    (``tile_order.band_for``) from the contraction a row tile's strip spans: ``span``
+    elements (wgrad: a group's rows, about ``M / G``), else ``depth``.
     """
     itemsize = jnp.dtype(dtype).itemsize
     steps = [size // itemsize for size in (128, 64) if depth % (size // itemsize) == 0]
     if not steps or cols % 64 or (rows % 64 and not ragged_rows):
         return None
-    rows, cols = (128 if size % 128 == 0 else 64 for size in (rows, cols))
-    return Tiles(rows=rows, cols=cols, depth=steps[0])
+    tile_rows, tile_cols = (128 if size % 128 == 0 else 64 for size in (rows, cols))
+    strip = tile_rows * (depth if span is None else span) * itemsize
+    band = band_for(strip, pl.cdiv(rows, tile_rows))
+    return Tiles(rows=tile_rows, cols=tile_cols, depth=steps[0], band=band)
 
 
 def supported_dtypes(lhs: DTypeLike, rhs: DTypeLike) -> bool:
@@ -156,14 +182,14 @@ def _launch(
     name: str,
     body: Any,
     out: jax.ShapeDtypeStruct,
-    grid: dict[str, int],
+    grid: tuple[int, ...],
     tiles: Tiles,
     interpret: bool,
 ) -> Any:
     """The kernel ``te_flax_{name}`` of ``body(*inputs, out_ref, lhs_smem, rhs_smem, barriers,
-    out_smem)`` over ``grid`` (axis name -> size), called on ``(*tables, lhs, rhs)``: shared-
-    memory stages for both operands (their dtypes read from the call), one barrier per stage,
-    and the output tile."""
+    out_smem)`` on the persistent grid of ``grid``'s tiles (axis ``"program"``), called on
+    ``(*tables, lhs, rhs)``: shared-memory stages for both operands (their dtypes read from the
+    call), one barrier per stage, and the output tile."""
 
     def call(*inputs: Array) -> Array:
         *_, lhs, rhs = inputs
@@ -180,7 +206,8 @@ def _launch(
             plgpu.Barrier(num_arrivals=2, num_barriers=tiles.stages),
             plgpu.SMEM((tiles.rows, tiles.cols), out.dtype),
         )
-        kernel = mosaic.kernel(name, body, out, grid, scratch, interpret, warpgroup=True)
+        programs = {"program": _programs(grid, tiles)}
+        kernel = mosaic.kernel(name, body, out, programs, scratch, interpret, warpgroup=True)
         return kernel(*inputs)
 
     return call
@@ -337,7 +364,7 @@ def rows_gemm(
         group_sizes: int32 ``[G]``; rows past their sum give zeros.
         scale: float32 ``[G]``, or None for none.
         out_dtype: float32, bfloat16 or float16.
-        tiles: the tile shape.
+        tiles: the tile shape and the persistent grid's order.
         interpret: run in Mosaic GPU's interpret mode (any platform; for tests).
         accumulation: how float8 products are summed (default: by the tensor cores alone).
     """
@@ -345,20 +372,20 @@ def rows_gemm(
     (m, c), (g, n, _) = lhs.shape, rhs.shape
     scale = jnp.ones((g,), jnp.float32) if scale is None else scale.astype(jnp.float32)
     table = row_tiles(group_sizes, m, tiles.rows)
+    grid = (table.shape[0], n // tiles.cols)  # (work items, column tiles)
     steps = c // tiles.depth
 
-    def body(
-        table_ref: Any, scale_ref: Any, lhs_ref: Any, rhs_ref: Any, out_ref: Any, *scratch: Any
-    ) -> None:
-        *buffers, out_smem = scratch
-        item, col = lax.axis_index("item"), lax.axis_index("col")
-        group, tile = table_ref[item, 0], table_ref[item, 1]
+    def tile(refs: tuple[Any, ...], item: Any, col: Any) -> None:
+        """The output tile of work item ``item`` (a row tile and one of its groups) and column
+        tile ``col``."""
+        table_ref, scale_ref, lhs_ref, rhs_ref, out_ref, *buffers, out_smem = refs
+        group, row_tile = table_ref[item, 0], table_ref[item, 1]
         first, count = table_ref[item, 2], table_ref[item, 3]
         real = group < g
 
         @pl.when(count > 0)
         def _() -> None:
-            rows = pl.ds(tile * tiles.rows, tiles.rows)
+            rows = pl.ds(row_tile * tiles.rows, tiles.rows)
             cols = pl.ds(col * tiles.cols, tiles.cols)
             kernel = rhs_ref.at[jnp.minimum(group, g - 1)]
             acc = _contract(
@@ -372,14 +399,38 @@ def rows_gemm(
             factor = jnp.where(real, scale_ref[jnp.minimum(group, g - 1)], 0.0)
             out_smem[...] = (acc * factor).astype(out_smem.dtype)
             plgpu.commit_smem()
-            out_rows = out_ref.at[
-                pl.ds(tile * tiles.rows, tiles.rows), pl.ds(col * tiles.cols, tiles.cols)
-            ]
-            _store_rows(out_smem, out_rows, first, count, tiles.rows)
+            _store_rows(out_smem, out_ref.at[rows, cols], first, count, tiles.rows)
 
-    grid = {"item": table.shape[0], "col": n // tiles.cols}
     out = jax.ShapeDtypeStruct((m, n), out_dtype)
+    body = partial(_persistent, tile, grid, tiles)
     return _launch("rows_gemm", body, out, grid, tiles, interpret)(table, scale, lhs, rhs)
+
+
+def _programs(grid: tuple[int, ...], tiles: Tiles) -> int:
+    """The persistent grid's blocks: ``tiles.programs``, or one per tile of a smaller grid."""
+    return max(1, min(tiles.programs, math.prod(grid)))
+
+
+def _persistent(tile: Callable[..., None], grid: tuple[int, ...], tiles: Tiles, *refs: Any) -> None:
+    """One persistent block: ``tile(refs, *index)`` for the tiles of ``grid`` it takes, the
+    block's own of every ``programs`` tiles of the order ``tile_order.tile_at`` gives (the last
+    two axes banded; a leading axis, wgrad's groups, slowest)."""
+    programs = _programs(grid, tiles)
+    total, (rows, cols) = math.prod(grid), grid[-2:]
+    block = lax.axis_index("program")
+
+    def step(wave: Any, carry: Any) -> Any:
+        index = wave * programs + block
+
+        @pl.when(index < total)
+        def _() -> None:
+            outer = lax.div(index, jnp.int32(rows * cols))
+            row, col = tile_at(lax.rem(index, jnp.int32(rows * cols)), rows, cols, tiles.band)
+            tile(refs, *((outer,) if len(grid) == 3 else ()), row, col)
+
+        return carry
+
+    lax.fori_loop(jnp.int32(0), jnp.int32(pl.cdiv(total, programs)), step, ())
 
 
 def aligned_columns(group_sizes: Array, rows: int, depth: int) -> tuple[Array, Array, int]:
@@ -434,11 +485,9 @@ def group_gemm(
     g = first_tile.shape[0] - 1
     scale = jnp.ones((g,), jnp.float32) if scale is None else scale.astype(jnp.float32)
 
-    def body(
-        first_ref: Any, scale_ref: Any, lhs_ref: Any, rhs_ref: Any, out_ref: Any, *scratch: Any
-    ) -> None:
-        *buffers, out_smem = scratch
-        group, row, col = lax.axis_index("group"), lax.axis_index("row"), lax.axis_index("col")
+    def tile(refs: tuple[Any, ...], group: Any, row: Any, col: Any) -> None:
+        """Group ``group``'s output tile ``(row, col)``."""
+        first_ref, scale_ref, lhs_ref, rhs_ref, out_ref, *buffers, out_smem = refs
         start = first_ref[group]
         rows = pl.ds(row * tiles.rows, tiles.rows)
         cols = pl.ds(col * tiles.cols, tiles.cols)
@@ -459,6 +508,8 @@ def group_gemm(
         plgpu.copy_smem_to_gmem(out_smem, out_ref.at[group, rows, cols])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    grid = {"group": g, "row": c // tiles.rows, "col": n // tiles.cols}
+    grid = (g, c // tiles.rows, n // tiles.cols)
     out = jax.ShapeDtypeStruct((g, c, n), out_dtype)
-    return _launch("group_gemm", body, out, grid, tiles, interpret)(first_tile, scale, lhs_t, rhs_t)
+    body = partial(_persistent, tile, grid, tiles)
+    launch = _launch("group_gemm", body, out, grid, tiles, interpret)
+    return launch(first_tile, scale, lhs_t, rhs_t)

@@ -13,6 +13,7 @@ they do not tile).
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import jax.numpy as jnp
@@ -37,6 +38,8 @@ __all__ = [
     "quantize_probe",
 ]
 
+# The persistent blocks a grouped GEMM probe runs on (its grid has a few tiles per block).
+_PROBE_PROGRAMS = 3
 # A kernel's XLA stage as ``dispatch`` calls it, and its operands: -> a probe, or None where
 # the configuration cannot be read from them.
 _Builder = Callable[[Callable[..., Any], Callable[..., Any], tuple[Any, ...]], Probe | None]
@@ -102,6 +105,9 @@ def grouped_gemm_probe(
         shapes = ((rows, depth), tuple(rhs_shape))
         tiles = tiles_for(lhs.dtype, lhs.shape[0], rhs.shape[cols_axis], lhs.shape[1], True)
     options = getattr(kernel, "keywords", {})
+    # On a few persistent blocks, so that each takes several tiles in turn (its barriers and
+    # buffers carried from one tile to the next), as the real problem's blocks do.
+    kernel = partial(kernel, programs=_PROBE_PROGRAMS)
 
     def operands() -> tuple[Any, ...]:
         sizes = _group_sizes(rows, groups)
@@ -126,6 +132,7 @@ def grouped_gemm_probe(
         f"{role} {_pair(lhs, rhs)} -> {out_dtype}, {tiles.rows} x {tiles.cols} tiles "
         f"{tiles.depth} deep, {'split' if split else 'fast'} accumulation"
         + (", group scales" if scale is not None else "")
+        + f", {_PROBE_PROGRAMS} persistent blocks"
     )
     return Probe(configuration, operands, kernel, xla)
 
