@@ -2,16 +2,20 @@
 
 The functional ops live in ``te_flax.layernorm``, ``te_flax.dense`` and
 ``te_flax.layernorm_dense``; recipes and quantizer state in ``te_flax.quantize``.
-``quantize_model`` runs a model written with Flax's own layers in FP8.
+``quantize_model`` runs a model written with Flax's own layers in FP8. ``explain`` says which
+GEMMs of a compiled step run in FP8; ``inspect_fp8`` records the FP8 statistics of every GEMM
+operand (saturation, underflow, scales), which ``fp8_stats_table`` and ``plot_fp8_stats`` show.
 """
 
 import importlib.metadata
 
 from te_flax._explain import explain
 from te_flax._tools.explain import CollectiveInfo, ExplainReport, GemmInfo
+from te_flax._tools.fp8_stats import fp8_stats_table, plot_fp8_stats
 from te_flax._tools.show_config import show_config
 from te_flax.inject import DEFAULT_RULES, QuantizeModelNote, QuantizeRule, quantize_model
 from te_flax.quantize.autocast import autocast, fp8_autocast
+from te_flax.quantize.inspection import inspect_fp8
 from te_flax.sharding import MeshResource
 
 try:
@@ -32,6 +36,9 @@ __all__ = [
     "autocast",
     "explain",
     "fp8_autocast",
+    "fp8_stats_table",
+    "inspect_fp8",
+    "plot_fp8_stats",
     "quantize_model",
     "show_config",
 ]

@@ -50,6 +50,7 @@ from jax.extend.core import jaxpr_as_fun
 
 from te_flax._base.checks import check_positive_int
 from te_flax._base.jax_compat import partial_eval_jaxpr_nounits
+from te_flax.quantize.inspection import STATS_COLLECTION
 from te_flax.quantize.state import OVERWRITE_WITH_GRADIENT
 
 __all__ = ["accumulate_gradients", "combine_gradients", "split_microbatches"]
@@ -81,10 +82,16 @@ def split_microbatches(batch: Any, num_microbatches: int) -> Any:
     return jax.tree.map(split, batch)
 
 
+# Collections whose "gradients" are values merged by max, never averaged: the FP8 state and
+# the FP8 statistics (te_flax.inspect_fp8()).
+_MAX_MERGED = (OVERWRITE_WITH_GRADIENT, STATS_COLLECTION)
+
+
 def _fp8_mask(grads: Variables) -> Any:
-    """True at the leaves of the FP8 collection (merged by max), False elsewhere (averaged)."""
+    """True at the leaves of the FP8 state and statistics (merged by max), False elsewhere
+    (averaged)."""
     return {
-        name: jax.tree.map(lambda _, fp8=name == OVERWRITE_WITH_GRADIENT: fp8, collection)
+        name: jax.tree.map(lambda _, fp8=name in _MAX_MERGED: fp8, collection)
         for name, collection in grads.items()
     }
 
@@ -156,7 +163,7 @@ def combine_gradients(*grads: Variables, reduce: str = "mean") -> dict[str, Any]
         )
 
     def combine(path: tuple[Any, ...], *values: Array) -> Array:
-        if getattr(path[0], "key", None) == OVERWRITE_WITH_GRADIENT:
+        if getattr(path[0], "key", None) in _MAX_MERGED:
             return functools.reduce(jnp.maximum, values)
         total = functools.reduce(jnp.add, values)
         return total / len(values) if reduce == "mean" else total

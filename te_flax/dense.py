@@ -33,6 +33,7 @@ from te_flax.quantize import (
     ScaledTensor,
     as_cotangent,
     float32_state,
+    inspection,
     noop_quantizer_set,
     quantize_operand,
     scaling,
@@ -510,6 +511,9 @@ def grouped_dense(
         bias_dtype=None if bias is None else bias.dtype,
     )
     state_axes = jax.tree.map(lambda _: 0, quantizer_set)
-    per_group = jax.vmap(partial(_dense, dense_config), in_axes=(0, 0, 0, state_axes))
-    out = per_group(packed, kernel, bias, quantizer_set)  # [G, C, N]
+    per_group = jax.vmap(
+        partial(_dense.with_statistics, dense_config), in_axes=(0, 0, 0, state_axes)
+    )
+    out, statistics = per_group(packed, kernel, bias, quantizer_set)  # [G, C, N]
+    inspection.deliver((quantizer_set,), statistics)  # te_flax.inspect_fp8(): [G] per group
     return _grouped.unpack_rows(out, group_sizes, rows).astype(out_dtype)

@@ -42,6 +42,14 @@ Applying the gradients, two ways, one rule:
 The optax update runs under standard dtype promotion (optax mixes its int32 step count with
 Python floats), so the rest of a step can run under ``jax_numpy_dtype_promotion="strict"``.
 
+FP8 statistics (``te_flax.inspect_fp8()``): a variable dict with an ``"fp8_stats"`` collection
+(``fp8_stats_slots`` makes one) gets, as that collection's gradient, the step's statistics of
+every GEMM operand, the output gradients' included. ``merge_fp8_state`` marks it for
+max-merging too, ``apply_gradients`` writes it into the returned variables (a statistic the
+step did not measure keeps its value) and no optax transform sees it. With Flax's
+``TrainState``, whose ``apply_gradients`` would hand it to the optimizer, keep the collection
+out of the state: add it to the variables inside the step and read ``grads["fp8_stats"]``.
+
 Example usage::
 
   >>> import jax, jax.numpy as jnp, optax
@@ -73,6 +81,7 @@ from jax import Array, lax
 
 from te_flax._base.checks import check_bool
 from te_flax._layers.fp8_state import hold_fp8_state
+from te_flax._layers.fp8_stats import fp8_stats_slots, kept_statistics
 from te_flax.accumulate import accumulate_gradients, combine_gradients, split_microbatches
 from te_flax.quantize import (
     DelayedScaling,
@@ -81,6 +90,7 @@ from te_flax.quantize import (
     merge_by_max,
     scaling,
 )
+from te_flax.quantize.inspection import STATS_COLLECTION
 from te_flax.quantize.state import OVERWRITE_WITH_GRADIENT
 
 __all__ = [
@@ -92,8 +102,10 @@ __all__ = [
     "combine_gradients",
     "drop_amax_spikes",
     "drop_step_amax_spikes",
+    "fp8_stats_slots",
     "hold_fp8_state",
     "init_optimizer",
+    "kept_statistics",
     "merge_fp8_state",
     "split_microbatches",
     "value_and_grad",
@@ -121,10 +133,12 @@ def merge_fp8_state(variables: Variables) -> Variables:
     original float32 state is then the max-merged new state.
     """
     _check_variables(variables, "variables")
-    if OVERWRITE_WITH_GRADIENT not in variables:
+    marked = [name for name in (OVERWRITE_WITH_GRADIENT, STATS_COLLECTION) if name in variables]
+    if not marked:
         return variables
     merged = dict(variables)
-    merged[OVERWRITE_WITH_GRADIENT] = merge_by_max(variables[OVERWRITE_WITH_GRADIENT])
+    for name in marked:  # the FP8 state, and the statistics of te_flax.inspect_fp8()
+        merged[name] = merge_by_max(variables[name])
     return merged
 
 
@@ -461,8 +475,9 @@ def apply_gradients(
         jumps are expected.
 
     Returns:
-      ``(new_variables, new_opt_state)``. Collections other than ``params`` and the FP8 state
-      are returned unchanged.
+      ``(new_variables, new_opt_state)``. Collections other than ``params``, the FP8 state and
+      the FP8 statistics (``"fp8_stats"``, written with ``kept_statistics``) are returned
+      unchanged.
     """
     _check_variables(variables, "variables")
     _check_variables(grads, "grads")
@@ -497,6 +512,10 @@ def apply_gradients(
             )
             pending = jax.tree.map(lambda m: scaling.where(applied, -jnp.inf, m), merged)
         new_variables[OVERWRITE_WITH_GRADIENT] = new_fp8
+    if STATS_COLLECTION in grads and STATS_COLLECTION in variables:
+        # te_flax.inspect_fp8(): the step's statistics, kept even by a skipped step.
+        stats = kept_statistics(grads[STATS_COLLECTION], variables[STATS_COLLECTION])
+        new_variables[STATS_COLLECTION] = stats
     skipped = opt_state.skipped_steps
     if skip_nonfinite:
         finite = all_finite((grads["params"], grads.get(OVERWRITE_WITH_GRADIENT)))

@@ -60,6 +60,7 @@ from te_flax.permutation import (
     routing_map_to_selected_experts,
 )
 from te_flax.quantize import QuantizerSet, Recipe
+from te_flax.quantize.inspection import without_slots
 from te_flax.router import (
     aux_loss_from_totals,
     drop_over_capacity,
@@ -204,7 +205,9 @@ class MoEBlockSpec(FusedNorm, Fp8Layer):
         x = compute_input(x, self.dtype)
         self.in_features(x)
         if expert_parallel_size() > 1:
-            return expert_parallel_forward(self, params, x, tuple(quantizer_sets))
+            # te_flax.inspect_fp8(): the per-device experts' statistics have no slot here.
+            sets = without_slots(tuple(quantizer_sets))
+            return expert_parallel_forward(self, params, x, sets)
         if not explicit_axes():
             return self._forward_tokens(params, x, tuple(quantizer_sets))
         # On Explicit mesh axes the routing (a sort, histograms, scatters over every token) runs

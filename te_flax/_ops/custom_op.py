@@ -19,6 +19,10 @@ lazily, after the module's code ran):
 is quantized with its own amax's scale, which costs a second read of it (see
 docs/fp8_state.md, "Never-updated state"); a calibrated state keeps its scale. Current and
 block scaling keep no state and are untouched.
+
+An op whose quantizer sets carry a statistics slot (``te_flax.inspect_fp8()``) runs a second
+``custom_vjp`` of the same rules that also returns the statistics of what they quantize
+(``te_flax.quantize.inspection``); without a slot, the op is the one above, unchanged.
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ from typing import Any
 import jax
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero, zero_from_primal
 
-from te_flax.quantize import DelayedScaleQuantizer
+from te_flax.quantize import DelayedScaleQuantizer, inspection
+from te_flax.quantize.statistics import recording
 from te_flax.quantize.tensors import static_field
 
-__all__ = ["fused_op"]
+__all__ = ["FusedOp", "fused_op"]
 
 
 def _is_delayed(node: object) -> bool:
@@ -112,16 +117,12 @@ class _Saved:
     modes: tuple[bool, ...] = static_field(())
 
 
-def fused_op(
+def _plain_op(
     primal: Callable[..., Any],
     forward: Callable[..., tuple[Any, Any]],
     backward: Callable[..., tuple[Any, ...]],
 ) -> Callable[..., Any]:
-    """A fused op ``op(config, *operands)``: a ``jax.custom_vjp`` with the static ``config``
-    first, and the rules ``primal(config, *operands) -> out``, ``forward(config, *operands) ->
-    (out, residuals)`` and ``backward(config, residuals, cotangent) -> operand cotangents``,
-    the delayed-scaling quantizers of the operands set just in time where their update cannot
-    leave the step (the module docstring's cases)."""
+    """The op's ``custom_vjp``: ``op(config, *operands) -> out``."""
 
     @partial(jax.custom_vjp, nondiff_argnums=(0,))
     def op(config: Any, *operands: Any) -> Any:
@@ -140,3 +141,95 @@ def fused_op(
 
     op.defvjp(op_forward, op_backward, symbolic_zeros=True)
     return op
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _InspectedSaved:
+    """``_Saved`` and the forward rule's statistics (per slotted set)."""
+
+    residuals: Any
+    statistics: tuple[Any, ...]
+    modes: tuple[bool, ...] = static_field(())
+
+
+def _inspected_op(
+    primal: Callable[..., Any],
+    forward: Callable[..., tuple[Any, Any]],
+    backward: Callable[..., tuple[Any, ...]],
+) -> Callable[..., Any]:
+    """The same rules as ``_plain_op``, recording what they quantize:
+    ``op(config, *operands) -> (out, forward statistics)``, the statistics of every slot
+    (forward's and gradient's) as its cotangent (``te_flax.quantize.inspection``)."""
+
+    @partial(jax.custom_vjp, nondiff_argnums=(0,))
+    def op(config: Any, *operands: Any) -> Any:
+        operands = _just_in_time(operands)
+        with recording() as records:
+            out = primal(config, *operands)
+        return out, inspection.forward_statistics(records, operands)
+
+    def op_forward(config: Any, *primals: CustomVJPPrimal) -> tuple[Any, _InspectedSaved]:
+        operands, modes = _decided(primals)
+        with recording() as records:
+            out, residuals = forward(config, *operands)
+        statistics = inspection.forward_statistics(records, operands)
+        return (out, statistics), _InspectedSaved(residuals, statistics, modes)
+
+    def op_backward(config: Any, saved: _InspectedSaved, cotangent: Any) -> tuple[Any, ...]:
+        out_cotangent = jax.tree.map(
+            _instantiated, cotangent[0], is_leaf=lambda c: isinstance(c, SymbolicZero)
+        )
+        with recording() as records:
+            cotangents = backward(config, saved.residuals, out_cotangent)
+        cotangents = _restored(cotangents, saved.modes)
+        return inspection.with_statistics(cotangents, saved.residuals, records, saved.statistics)
+
+    op.defvjp(op_forward, op_backward, symbolic_zeros=True)
+    return op
+
+
+class FusedOp:
+    """A fused op ``op(config, *operands) -> out`` (see ``fused_op``)."""
+
+    def __init__(
+        self,
+        primal: Callable[..., Any],
+        forward: Callable[..., tuple[Any, Any]],
+        backward: Callable[..., tuple[Any, ...]],
+    ) -> None:
+        self._plain = _plain_op(primal, forward, backward)
+        self._inspected = _inspected_op(primal, forward, backward)
+
+    def __call__(self, config: Any, *operands: Any) -> Any:
+        """The op's output; the forward statistics of sets with a slot go to the layer that
+        called it (``inspection.deliver``)."""
+        if not inspection.slotted_sets(operands):
+            return self._plain(config, *operands)
+        out, statistics = self.with_statistics(config, *operands)
+        inspection.deliver(operands, statistics)
+        return out
+
+    def with_statistics(self, config: Any, *operands: Any) -> tuple[Any, tuple[Any, ...]]:
+        """``(out, forward statistics per slotted set)``, for a caller that transforms the op
+        (a ``vmap`` over groups) and delivers them itself."""
+        if not inspection.slotted_sets(operands):
+            return self._plain(config, *operands), ()
+        result: tuple[Any, tuple[Any, ...]] = self._inspected(
+            config, *inspection.positioned(operands)
+        )
+        return result
+
+
+def fused_op(
+    primal: Callable[..., Any],
+    forward: Callable[..., tuple[Any, Any]],
+    backward: Callable[..., tuple[Any, ...]],
+) -> FusedOp:
+    """A fused op ``op(config, *operands)``: a ``jax.custom_vjp`` with the static ``config``
+    first, and the rules ``primal(config, *operands) -> out``, ``forward(config, *operands) ->
+    (out, residuals)`` and ``backward(config, residuals, cotangent) -> operand cotangents``,
+    the delayed-scaling quantizers of the operands set just in time where their update cannot
+    leave the step (the module docstring's cases). Operands whose quantizer sets carry a
+    statistics slot run its inspected twin."""
+    return FusedOp(primal, forward, backward)

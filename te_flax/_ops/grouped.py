@@ -55,6 +55,7 @@ from te_flax.quantize import (
     quantize_operand,
     scaling,
 )
+from te_flax.quantize.statistics import records_groups, records_rows
 
 __all__ = [
     "GroupedConfig",
@@ -197,6 +198,7 @@ def _group_scales(quantizer: Quantizer, amax: Array) -> tuple[Array, Quantizer]:
     return quantizer.scale_inv_for(amax), quantizer
 
 
+@records_rows  # te_flax.inspect_fp8(): statistics per group
 def quantize_rows(
     x: Array,
     quantizer: Quantizer | None,
@@ -222,6 +224,7 @@ def quantize_rows(
     return ScaledTensor(data, scale_inv), quantizer
 
 
+@records_groups  # te_flax.inspect_fp8(): statistics per group
 def quantize_groups(
     x: Array, quantizer: Quantizer | None, dtype: DTypeLike, split: int, uses: tuple[str, ...]
 ) -> tuple[Any, Quantizer | None]:

@@ -5,13 +5,16 @@ from __future__ import annotations
 from typing import Any, cast
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 from jax import Array
 
 from te_flax._base.checks import check_dtype
 from te_flax._layers.fp8_state import merge_reuse, watch_fp8_state
+from te_flax._layers.fp8_stats import Statistics, inspected_forward
 from te_flax._layers.linear import ParamSpec
 from te_flax.linen._base import TransformerEngineBase, fp8_variables
+from te_flax.quantize.inspection import STATS_COLLECTION
 from te_flax.quantize.state import SR_RNG, needs_sr_key, quantizer_set, resolve_recipe
 
 __all__ = ["LinenShell", "LogicallyPartitioned", "create_param"]
@@ -65,7 +68,14 @@ class LinenShell(TransformerEngineBase):
             )
             for postfix in self.fp8_postfixes
         )
-        return self.forward(params, inputs, sets, dropout_rng)
+        # Inside te_flax.inspect_fp8(), with statistics slots (else forward(sets) itself).
+        return inspected_forward(
+            lambda sets: self.forward(params, inputs, sets, dropout_rng),
+            sets,
+            self.fp8_postfixes,
+            self.fp8_groups,
+            _LinenStats(self),
+        )
 
     def _param(self, spec: ParamSpec) -> Array:
         if self.has_variable("params", spec.name):
@@ -79,3 +89,36 @@ class LinenShell(TransformerEngineBase):
                 )
         check_dtype(self.param_dtype, "param_dtype")
         return create_param(self, spec, self.param_dtype)
+
+
+class _LinenStats:
+    """A Linen module's statistics variables, in the ``fp8_stats`` collection: created and
+    written only where the collection is mutable (``apply(..., mutable=["fp8_stats"])``,
+    ``init``); read wherever they were passed in."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def read(self, name: str, fresh: Statistics) -> Statistics | None:
+        module = self.module
+        mutable = module.is_mutable_collection(STATS_COLLECTION)
+        if module.has_variable(STATS_COLLECTION, name):
+            stored: Statistics = module.get_variable(STATS_COLLECTION, name)
+            if jax.tree.map(jnp.shape, stored) == jax.tree.map(jnp.shape, fresh):
+                return stored
+            if not mutable:
+                raise ValueError(
+                    f"{type(module).__name__}'s FP8 statistics variable {name!r} holds "
+                    f"{sorted(stored)}, shaped for another recipe or number of groups than "
+                    f"this call's {sorted(fresh)}; make new ones for this model with "
+                    "te_flax.training.fp8_stats_slots, or apply with "
+                    f"mutable=[{STATS_COLLECTION!r}] once"
+                )
+        elif not mutable:
+            return None
+        module.put_variable(STATS_COLLECTION, name, fresh)
+        return fresh
+
+    def write(self, name: str, value: Statistics) -> None:
+        if self.module.is_mutable_collection(STATS_COLLECTION):
+            self.module.put_variable(STATS_COLLECTION, name, value)

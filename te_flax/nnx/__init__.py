@@ -7,13 +7,14 @@ Public API::
   DotProductAttention, MultiHeadAttention, RelativePositionBiases,
   TransformerLayer, TransformerLayerType                         TE's higher layers
   Fp8Meta                                                        the FP8 state variable type
+  Fp8Stats                                                       FP8 statistics (inspect_fp8)
   DotGeneral, EinsumOp                                           FP8 products for nnx.Linear's
                                                                  dot_general, nnx.Einsum's einsum_op
   value_and_grad, train_step, update_fp8_state                   the train step
   linen_variables, load_linen_variables                          Linen <-> NNX variables
 """
 
-from te_flax.nnx._fp8_meta import Fp8Meta
+from te_flax.nnx._fp8_meta import Fp8Meta, Fp8Stats
 from te_flax.nnx.convert import linen_variables, load_linen_variables
 from te_flax.nnx.inject import DotGeneral, EinsumOp
 from te_flax.nnx.modules import DenseGeneral, LayerNorm, LayerNormDenseGeneral, LayerNormMLP
@@ -33,6 +34,7 @@ __all__ = [
     "DotProductAttention",
     "EinsumOp",
     "Fp8Meta",
+    "Fp8Stats",
     "LayerNorm",
     "LayerNormDenseGeneral",
     "LayerNormMLP",

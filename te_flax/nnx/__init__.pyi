@@ -10,6 +10,7 @@ from typing import Any
 
 from te_flax._layers.transformer import TransformerLayerType as TransformerLayerType
 from te_flax.nnx._fp8_meta import Fp8Meta as Fp8Meta
+from te_flax.nnx._fp8_meta import Fp8Stats as Fp8Stats
 from te_flax.nnx.convert import linen_variables as linen_variables
 from te_flax.nnx.convert import load_linen_variables as load_linen_variables
 from te_flax.nnx.inject import DotGeneral as DotGeneral
@@ -33,6 +34,7 @@ __all__ = [
     "DotProductAttention",
     "EinsumOp",
     "Fp8Meta",
+    "Fp8Stats",
     "LayerNorm",
     "LayerNormDenseGeneral",
     "LayerNormMLP",

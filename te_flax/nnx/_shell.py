@@ -16,7 +16,8 @@ from jax.typing import DTypeLike
 from te_flax._base.checks import check_dtype, check_sizes
 from te_flax._layers.base import ParamSpec
 from te_flax._layers.fp8_state import merge_reuse, watch_fp8_state
-from te_flax.nnx._fp8_meta import create_fp8_variables, fp8_variables, sr_key
+from te_flax._layers.fp8_stats import inspected_forward
+from te_flax.nnx._fp8_meta import NnxStats, create_fp8_variables, fp8_variables, sr_key
 from te_flax.quantize import QuantizerSet, Recipe
 from te_flax.quantize.state import SR_RNG, needs_sr_key, quantizer_set, resolve_recipe
 
@@ -168,4 +169,11 @@ class NnxShell(nnx.Module):
             quantizer_set(recipe, postfix, states.get(postfix, {}), sr_key(self, recipe))
             for postfix in self.fp8_postfixes
         )
-        return self.forward(params, inputs, sets, dropout_rng)
+        # Inside te_flax.inspect_fp8(), with statistics slots (else forward(sets) itself).
+        return inspected_forward(
+            lambda sets: self.forward(params, inputs, sets, dropout_rng),
+            sets,
+            self.fp8_postfixes,
+            self.fp8_groups,
+            NnxStats(self),
+        )

@@ -43,9 +43,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from te_flax._base.checks import check_bool
-from te_flax.nnx._fp8_meta import Fp8Meta
+from te_flax.nnx._fp8_meta import Fp8Meta, Fp8Stats
 from te_flax.quantize import check_calibrated, check_merged, merge_by_max
-from te_flax.training import all_finite, drop_step_amax_spikes, keep_unused, select_tree
+from te_flax.quantize.inspection import inspecting
+from te_flax.training import (
+    all_finite,
+    drop_step_amax_spikes,
+    keep_unused,
+    kept_statistics,
+    select_tree,
+)
 
 __all__ = ["train_step", "update_fp8_state", "value_and_grad"]
 
@@ -71,30 +78,51 @@ def value_and_grad(
     wrt=nnx.Param).update(model, grads)``. Leave it False to inspect the new state without
     applying it (then apply it with ``update_fp8_state`` or use ``train_step``).
     ``drop_amax_spikes`` is ``update_fp8_state``'s, for the state written into the model.
+
+    Inside ``te_flax.inspect_fp8()`` the model's ``Fp8Stats`` variables are differentiated too,
+    and their gradients, the step's FP8 statistics (the output gradients' included), are
+    written into them: read them with ``nnx.state(model, te_flax.nnx.Fp8Stats)``. They are
+    never part of ``grads``.
     """
     check_bool(drop_amax_spikes, "drop_amax_spikes")
 
     def wrapped(model: nnx.Module, *args: Any, **kwargs: Any) -> Any:
-        graphdef, *states = nnx.split(model, nnx.Param, Fp8Meta, ...)
-        params, fp8, rest = states
+        # Outside inspect_fp8() no statistics variable is read: they stay with the rest.
+        inspected = inspecting()
+        if inspected:
+            graphdef, *states = nnx.split(model, nnx.Param, Fp8Meta, Fp8Stats, ...)
+            params, fp8, stats, rest = states
+        else:
+            graphdef, *states = nnx.split(model, nnx.Param, Fp8Meta, ...)
+            params, fp8, rest = states
+            stats = nnx.State({})
 
         def pure(
             params: nnx.State[Any, Any],
             fp8: nnx.State[Any, Any],
+            stats: nnx.State[Any, Any],
             rest: nnx.State[Any, Any],
             *args: Any,
         ) -> tuple[Any, tuple[Any, nnx.State[Any, Any]]]:
             # Marked where the state enters the step, before it fans out to its uses. Copied:
             # the merged module must own variables of this trace (RNG counters change).
-            inner = nnx.merge(graphdef, params, merge_by_max(fp8), rest, copy=True)
+            marked = (merge_by_max(fp8), merge_by_max(stats))
+            inner = nnx.merge(graphdef, params, *marked, rest, copy=True)
             out = loss_fn(inner, *args, **kwargs)
             value, aux = out if has_aux else (out, None)
+            # Statistics variables made by this step's first call inside inspect_fp8 included.
             new_rest = nnx.split(inner, nnx.Param, Fp8Meta, ...)[-1]
             return value, (aux, new_rest)
 
-        grad_fn = jax.value_and_grad(pure, argnums=(0, 1), has_aux=True)
-        (value, (aux, new_rest)), (param_grads, fp8_grads) = grad_fn(params, fp8, rest, *args)
-        nnx.update(model, new_rest)
+        grad_fn = jax.value_and_grad(pure, argnums=(0, 1, 2), has_aux=True)
+        (value, (aux, new_rest)), grads = grad_fn(params, fp8, stats, rest, *args)
+        param_grads, fp8_grads, stats_grads = grads
+        # The step's statistics are the statistics variables' gradient (read before the
+        # update below, which writes the loss's own values into the model's variables).
+        measured = kept_statistics(stats_grads, stats) if inspected else None
+        nnx.update(model, new_rest)  # statistics variables made by this step included
+        if measured is not None:
+            nnx.update(model, measured)
         if update_fp8_state:
             _overwrite_fp8_state(model, fp8_grads, drop_amax_spikes)
             grads = param_grads

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import Array, lax
 from jax.typing import DTypeLike
 
-from te_flax.quantize import block_scaling, scaling
+from te_flax.quantize import block_scaling, scaling, statistics
 from te_flax.quantize.recipes import DelayedScaling
 from te_flax.quantize.scaling_modes import ScalingMode
 from te_flax.quantize.tensors import (
@@ -485,13 +485,18 @@ def quantize_operand(
     """A GEMM operand from ``x``: quantized by ``quantizer``, or cast to ``compute_dtype``.
 
     ``split`` and ``uses`` say how the GEMMs contract ``x`` (see the module docstring); only
-    block-scaled quantizers need them.
+    block-scaled quantizers need them. Inside a fused op run by ``te_flax.inspect_fp8()`` the
+    quantization is recorded for its statistics (``te_flax.quantize.statistics.record``).
     """
     if quantizer is None:
         return ScaledTensor(x.astype(compute_dtype)), None
+    quantized: tuple[GemmOperand, Quantizer]
     if quantizer.block_scaled:
         if split is None:
             raise AssertionError("a block-scaled quantization needs the contraction split")
-        return quantizer.quantize(x, split, uses)
-    # Only block-scaled quantizers need the split; the per-tensor ones take None.
-    return quantizer.quantize(x, split, uses)  # type: ignore[arg-type]
+        quantized = quantizer.quantize(x, split, uses)
+    else:
+        # Only block-scaled quantizers need the split; the per-tensor ones take None.
+        quantized = quantizer.quantize(x, split, uses)  # type: ignore[arg-type]
+    statistics.record(quantizer, x, quantized[0])
+    return quantized

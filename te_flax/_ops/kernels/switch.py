@@ -47,6 +47,7 @@ from te_flax._base.settings import ScopedSetting
 from te_flax._ops.kernels.first_use import MODES, Probe, active_mode, agrees, parsed_mode
 from te_flax._ops.kernels.partition import mesh_partitioned
 from te_flax._ops.kernels.probes import PROBES
+from te_flax.quantize.statistics import recording_active
 
 __all__ = [
     "AUTO",
@@ -83,6 +84,10 @@ AUTO = frozenset(
         "quantize",
     }
 )
+# The kernels that quantize a tensor they compute (a norm or activation output, an activation
+# gradient) or read: none of them while an op records its statistics
+# (``te_flax.inspect_fp8()``), which need the tensor in high precision beside its operand.
+QUANTIZING = frozenset({"activation_grad", "activation_quantize", "norm_quantize", "quantize"})
 # The kernels written in Pallas Mosaic GPU, the backend JAX keeps; the others are Pallas Triton.
 # Every kernel of AUTO has both versions (the grouped GEMMs only Mosaic GPU's): Mosaic GPU from
 # jax 0.11 on (where its interpret mode tests them), Triton before.
@@ -185,6 +190,8 @@ def takes_kernel(name: str, *args: Any, supported: bool = True) -> bool:
     selected = mode()
     if selected == "0" or not supported or _batched_on_mesh(args):
         return False
+    if name in QUANTIZING and recording_active():
+        return False  # te_flax.inspect_fp8() measures the XLA stage's tensors
     if selected == "1":
         return True
     if not gpu_host() or name not in AUTO or _partitioned_without_rule():
