@@ -20,7 +20,7 @@ from te_flax.quantize import (
     float32_state,
     scaling,
 )
-from te_flax.sharding import explicit_specs, with_explicit_specs
+from te_flax.sharding import explicit_specs, vary_like, with_explicit_specs
 
 __all__ = ["layernorm"]
 
@@ -114,4 +114,5 @@ def layernorm(
     spec = check_norm(x, gamma, beta, norm_type, zero_centered_gamma, epsilon)
     if quantizer is not None:
         check_quantizer(quantizer, "quantizer")
+    gamma, beta = vary_like(x, (gamma, beta))  # inside shard_map: their gradients summed
     return _layernorm(spec, x, gamma, beta, float32_state(quantizer))

@@ -1,6 +1,10 @@
-"""Expert parallelism on the 8 CPU devices equals one device: outputs, gradients, FP8 state."""
+"""Expert parallelism on the 8 CPU devices equals one device: outputs, gradients, FP8 state;
+the tokens crossing the dispatch all-to-all in float8 under an FP8 recipe; the expert kernels
+sharded by FSDP, alone and with expert parallelism, on Auto and Explicit mesh axes."""
 
 from __future__ import annotations
+
+import math
 
 import flax.linen as nn
 import jax
@@ -9,7 +13,13 @@ import numpy as np
 import pytest
 
 import te_flax.linen as te_nn
-from te_flax.quantize import DelayedScaling
+from te_flax._tools.hlo import element_bytes, parse_collectives
+from te_flax.quantize import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+)
 from te_flax.sharding import load_axis_rules, use_sharding
 from te_flax.training import OVERWRITE_WITH_GRADIENT, merge_fp8_state
 from te_flax.training import value_and_grad as linen_value_and_grad
@@ -34,6 +44,22 @@ def _step(layer):
     @jax.jit
     def step(variables, x):
         (_, (out, aux_loss)), grads = linen_value_and_grad(loss, has_aux=True)(variables, x)
+        return out, aux_loss, grads
+
+    return step
+
+
+def _input_step(layer):
+    """The step with the input's gradient too: the dispatch's backward reaches the tokens."""
+
+    def loss(variables, x):
+        out, aux_loss = layer.apply(merge_fp8_state(variables), x)
+        return jnp.sum(jnp.sin(out.astype(jnp.float32))) + aux_loss, (out, aux_loss)
+
+    @jax.jit
+    def step(variables, x):
+        grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+        (_, (out, aux_loss)), grads = grad(variables, x)
         return out, aux_loss, grads
 
     return step
@@ -83,6 +109,112 @@ def test_expert_parallel_fp8_state_and_capacity_equal_one_device():
     # amax can differ: its float32 sums run in another order).
     _compare(single[2][OVERWRITE_WITH_GRADIENT], new_state, 1e-6)
     _compare(single, sharded, 1e-5)
+
+
+# FP8 on the dispatch wire. Each recipe whose first expert GEMM scales row by row before any
+# reduction over rows (per-tensor recipes: each expert's scale; MXFP8 and blockwise FP8: their
+# own row blocks) gets back the wire's float8 values bit for bit, so the step is one device's
+# to float32 rounding; its gradients flow back through the dispatch (a pre-norm and the input).
+WIRE_RECIPES = {
+    "delayed": DelayedScaling(amax_history_len=4),
+    "current": Float8CurrentScaling(),
+    "mxfp8": MXFP8BlockScaling(),
+    "blockwise": Float8BlockScaling(),
+}
+WIRE_X = normal(jax.random.key(2), (8, 32, 128))  # blockwise FP8: rows in 128s on every device
+QUICK_WIRE = {("delayed", 8), ("mxfp8", 4)}
+
+
+def _wire_layer(recipe, **attributes):
+    return te_nn.MoEBlock(
+        num_experts=EXPERTS, num_experts_per_tok=2, intermediate_dim=128, aux_loss_coeff=0.01,
+        enable_layernorm=True, recipe=WIRE_RECIPES[recipe], **attributes,
+    )  # fmt: skip
+
+
+def _wire_cases():
+    for recipe in WIRE_RECIPES:
+        for ways in (2, 4, 8):
+            slow = () if (recipe, ways) in QUICK_WIRE else (pytest.mark.slow,)
+            yield pytest.param(recipe, ways, id=f"{recipe}-{ways}", marks=slow)
+
+
+def _dispatch(hlo_text, gradient=False):
+    """The dispatch's all-to-alls of a compiled step (the forward's, or its transpose's)."""
+    return [
+        c
+        for c in parse_collectives(hlo_text)
+        if c.kind == "all-to-all"
+        and "/dispatch/" in c.op_name
+        and ("transpose(" in c.op_name) == gradient
+    ]
+
+
+@pytest.mark.parametrize(("recipe", "ways"), list(_wire_cases()))
+def test_fp8_wire_equals_one_device(recipe, ways):
+    layer = _wire_layer(recipe)
+    variables = jax.jit(layer.init)(jax.random.key(0), WIRE_X)
+    values = nn.meta.unbox(variables)
+    single = _input_step(layer)(values, WIRE_X)
+    with use_sharding("ep", {"data": ways, "fsdp": 8 // ways}) as mesh:
+        placed = _sharded(variables, values, mesh)
+        sharded = _input_step(layer)(placed, WIRE_X)
+        hlo_text = _input_step(layer).lower(placed, WIRE_X).compile().as_text()
+    # The rows crossed as float8 bytes; their gradient comes back in the compute dtype.
+    assert {t for c in _dispatch(hlo_text) for t, _ in c.operands} >= {"u8"}
+    assert {t for c in _dispatch(hlo_text, gradient=True) for t, _ in c.operands} == {"f32"}
+    _compare(single, sharded, 1e-5)
+
+
+def test_fp8_wire_keeps_the_amax_of_values_past_the_delayed_scale():
+    """A delayed scale far too small for the tokens: the wire clips them as one device's GEMM
+    does, and each block's exact amax travels with them, so the new amax history (and the
+    scale that grows from it) is one device's, not the clipped value's."""
+    layer = _wire_layer("delayed")
+    variables = jax.jit(layer.init)(jax.random.key(0), WIRE_X)
+    values = nn.meta.unbox(variables)
+    state = dict(values[OVERWRITE_WITH_GRADIENT])
+    state["x_0_scale_inv"] = jnp.full_like(state["x_0_scale_inv"], 1e-4)  # clips |x| > 0.0448
+    values = {**values, OVERWRITE_WITH_GRADIENT: state}
+    single = _input_step(layer)(values, WIRE_X)
+    with use_sharding("ep", {"data": 4, "fsdp": 2}) as mesh:
+        sharded = _input_step(layer)(_sharded(variables, values, mesh), WIRE_X)
+    new_state = sharded[2][0][OVERWRITE_WITH_GRADIENT]
+    assert float(jnp.min(new_state["x_0_amax_history"][:, 0])) > 1.0  # the true amaxes
+    _compare(single, sharded, 1e-5)
+
+
+def _dispatch_bytes(recipe, fp8_dispatch=True):
+    """The dispatch's bytes of a bfloat16 step at 4-way EP, as compiled for the CPU."""
+    layer = te_nn.MoEBlock(
+        num_experts=EXPERTS, num_experts_per_tok=2, intermediate_dim=128, dtype=jnp.bfloat16,
+        recipe=recipe, fp8_dispatch=fp8_dispatch,
+    )  # fmt: skip
+    x = WIRE_X.astype(jnp.bfloat16)
+    variables = jax.jit(layer.init)(jax.random.key(0), x)
+    values = nn.meta.unbox(variables)
+    with use_sharding("ep", {"data": 4, "fsdp": 2}) as mesh:
+        placed = _sharded(variables, values, mesh)
+        hlo_text = _input_step(layer).lower(placed, x).compile().as_text()
+    collectives = _dispatch(hlo_text)
+    # XLA:CPU widens a bfloat16 collective to float32 (a GPU keeps it 2 bytes, as the deviceless
+    # H100 compile in tests/test_gpu_compile_moe_wire.py shows): floats count as bfloat16.
+    return sum(
+        math.prod(dims) * (2 if element.startswith("f") else element_bytes(element))
+        for c in collectives
+        for element, dims in c.operands
+    )
+
+
+def test_fp8_wire_moves_half_the_dispatch_bytes():
+    bf16 = _dispatch_bytes(None)
+    fp8 = _dispatch_bytes(DelayedScaling())
+    # 128 float8 bytes and one bfloat16 amax per row of 128, and the row's int32 expert id,
+    # against 256 + 4 bytes.
+    assert fp8 / bf16 == pytest.approx((128 + 2 + 4) / (256 + 4))
+    assert fp8 <= 0.55 * bf16
+    # The opt-out sends the compute dtype, as without FP8.
+    assert _dispatch_bytes(DelayedScaling(), fp8_dispatch=False) == bf16
 
 
 def test_experts_not_dividing_the_expert_axis_are_refused():

@@ -104,6 +104,7 @@ class MoEBlockSpec(FusedNorm, Fp8Layer):
     aux_loss_coeff: float = 0.0
     capacity_factor: float | None = None
     drop_policy: str = "probs"
+    fp8_dispatch: bool = True
     enable_layernorm: bool = False
     layernorm_type: str = "layernorm"
     epsilon: float = 1e-6

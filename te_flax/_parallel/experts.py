@@ -6,8 +6,9 @@ batch, whose mesh axes (the rules' ``"batch"`` axes) must include the expert axi
 batch axes are data parallel for the experts (and FSDP shards the kernels' ``embed`` axis:
 ``shard_map`` gathers them at its boundary under ``jit``). Per device: route the local tokens,
 sort their copies by expert, send each device the rows of its experts (one fixed-size
-``all_to_all``), run the local experts' grouped GEMMs, send the rows back and combine. Nothing
-runs outside ``jit``: no bootstrap, no library outside JAX.
+``all_to_all``; float8 rows and their scales under an FP8 recipe, ``te_flax._parallel.wire``),
+run the local experts' grouped GEMMs, send the rows back in the compute dtype and combine.
+Nothing runs outside ``jit``: no bootstrap, no library outside JAX.
 
 Equal to one device, by construction: the aux loss and the routing counts sum over the batch
 axes (``psum``); the capacity drops are decided on the whole batch's choices (an
@@ -32,8 +33,9 @@ from jax import Array, lax
 from jax.sharding import PartitionSpec as P
 
 from te_flax._base.explicit_sharding import placed_for_shard_map
+from te_flax._parallel.wire import expert_scales, fp8_all_to_all, wire_format
 from te_flax.permutation import pure_jax_token_combine, pure_jax_token_dispatch, sort_rows
-from te_flax.quantize import QuantizerSet, float32_state, scaling
+from te_flax.quantize import Quantizer, QuantizerSet, float32_state, scaling
 from te_flax.router import drop_over_capacity
 
 __all__ = [
@@ -71,6 +73,7 @@ class ExpertLayer(Protocol):
     num_experts: int
     num_experts_per_tok: int
     drop_policy: str
+    fp8_dispatch: bool
 
     def capacity(self, num_tokens: int) -> int | None: ...
 
@@ -189,13 +192,15 @@ def expert_parallel_forward(
     )
     param_specs = {name: P(ep) if name in EXPERT_PARAMS else P() for name in params}
     capacity = spec.capacity(math.prod(x.shape[:-1]))
+    # The tokens cross to their experts in float8 under an FP8 recipe (te_flax._parallel.wire).
+    fp8_wire = spec.fp8_dispatch and not all(s.is_noop for s in quantizer_sets)
 
     def local(params: dict[str, Array], x: Array, sets: Any) -> Any:
         sets = jax.tree.map(
             lambda leaf: leaf[0] if _is_expert_state(leaf, experts // mesh.shape[ep], 2) else leaf,
             sets,
         )
-        out, stats = _local_forward(spec, params, x, sets, ep, token_axes, capacity)
+        out, stats = _local_forward(spec, params, x, sets, ep, token_axes, capacity, fp8_wire)
         return out, stats
 
     out_specs = ((P(token_axes), P()), P())
@@ -220,8 +225,9 @@ def _local_forward(
     ep: str,
     token_axes: tuple[str, ...],
     capacity: int | None,
+    fp8_wire: bool,
 ) -> tuple[tuple[Array, Array], RoutingStats]:
-    """One device's part: its tokens, its experts."""
+    """One device's part: its tokens, its experts (sent as float8 with ``fp8_wire``)."""
     experts, k = spec.num_experts, spec.num_experts_per_tok
     ep_size = lax.axis_size(ep)
     local_experts = experts // ep_size
@@ -240,7 +246,7 @@ def _local_forward(
         start = lax.axis_index(token_axes) * tokens.shape[0]
         selected = lax.dynamic_slice_in_dim(kept, start, tokens.shape[0])  # [T_local, k]
         weights = jnp.where(selected < experts, weights, jnp.zeros((), weights.dtype))
-    rows, perm_state, group_sizes = pure_jax_token_dispatch(tokens, selected, experts, k)
+    rows, perm_state, group_sizes = pure_jax_token_dispatch(routed.tokens, selected, experts, k)
     count = rows.shape[0]  # T_local * k
     # Rows sent to each device: at most all of them, or its experts' capacity.
     width = count if capacity is None else min(count, local_experts * capacity)
@@ -254,9 +260,16 @@ def _local_forward(
     send = jnp.where(valid[:, :, None], rows[source], jnp.zeros((), rows.dtype))  # [ep, W, H]
     first_expert = (jnp.arange(ep_size) * local_experts)[:, None]
     send_ids = jnp.where(valid, row_expert[source] - first_expert, local_experts)  # [ep, W]
-    # [ep (destination), W, H] -> [ep (source), W, H]
-    received = lax.all_to_all(send, ep, 0, 0)
-    received_ids = lax.all_to_all(send_ids, ep, 0, 0).reshape(-1)  # [ep * W]
+    with jax.named_scope("dispatch"):
+        received_ids = lax.all_to_all(send_ids, ep, 0, 0)  # [ep (source), W]
+        # [ep (destination), W, H] -> [ep (source), W, H]; float8 under FP8.
+        if fp8_wire:
+            send_experts = jnp.where(valid, row_expert[source], experts)  # [ep, W]
+            wire = (send_experts, received_ids, sets[0].x, token_axes, experts)
+            received = _fp8_dispatch(send, ep, *wire)
+        else:
+            received = lax.all_to_all(send, ep, 0, 0)
+        received_ids = received_ids.reshape(-1)  # [ep * W]
     order = jnp.argsort(received_ids, stable=True)  # by local expert, then source, then token
     local_rows = sort_rows(received.reshape(ep_size * width, -1), order)
     local_sizes = jax.ops.segment_sum(
@@ -267,7 +280,8 @@ def _local_forward(
     with scaling.distinct_over((ep,)):
         local_out = spec.expert_ffn(params, local_rows, local_sizes, sets, None)
     back = sort_rows(local_out, jnp.argsort(order)).reshape(ep_size, width, -1)
-    returned = lax.all_to_all(back, ep, 0, 0)  # [ep (destination), W, H]
+    with jax.named_scope("combine"):  # in the compute dtype
+        returned = lax.all_to_all(back, ep, 0, 0)  # [ep (destination), W, H]
     device = jnp.clip(row_expert // local_experts, 0, ep_size - 1)  # [R]
     position = jnp.clip(jnp.arange(count) - device_start[device], 0, width - 1)
     expert_out = jnp.where(
@@ -275,3 +289,35 @@ def _local_forward(
     )  # [R, H]
     out = pure_jax_token_combine(expert_out, perm_state, weights, k, 1, tokens.shape[0])
     return (out.reshape(x.shape), routed.aux_loss), spec.stats(selected, token_axes)
+
+
+def _fp8_dispatch(
+    send: Array,
+    ep: str,
+    send_experts: Array,
+    received_ids: Array,
+    quantizer: Quantizer | None,
+    token_axes: tuple[str, ...],
+    experts: int,
+) -> Array:
+    """The dispatch ``all_to_all`` of ``send [ep, W, H]`` in float8 (``te_flax._parallel.wire``):
+    on each row's expert scale under a per-tensor recipe, so that the expert GEMM's
+    quantization gives back the wire's values; on each block's own scale otherwise.
+
+    ``send_experts``: int32 ``[ep, W]``, each row's expert (``experts`` for padding);
+    ``received_ids``: int32 ``[ep, W]``, each received row's local expert; ``quantizer``: the
+    first expert GEMM's x quantizer (this device's experts).
+    """
+    hidden = send.shape[-1]
+    table = expert_scales(
+        quantizer, send.reshape(-1, hidden), send_experts.reshape(-1), experts, ep, token_axes
+    )  # [E] or None
+    form = wire_format(quantizer)
+    if table is None:
+        return fp8_all_to_all(send, None, None, ep, form)
+    local_experts = experts // lax.axis_size(ep)
+    first = lax.axis_index(ep) * local_experts
+    received_experts = jnp.where(received_ids < local_experts, first + received_ids, experts)
+    send_scale = jnp.take(table, send_experts, mode="fill", fill_value=1.0)  # [ep, W]
+    receive_scale = jnp.take(table, received_experts, mode="fill", fill_value=1.0)
+    return fp8_all_to_all(send, send_scale, receive_scale, ep, form)

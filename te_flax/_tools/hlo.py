@@ -236,6 +236,8 @@ class Collective:
 
     kind: str  # "all-gather", "reduce-scatter", "all-reduce", "all-to-all" or "collective-permute"
     operands: tuple[ValueType, ...]  # (element type, dims) of each input
+    # The JAX op it comes from, with its named scopes; a backward's is under "transpose(".
+    op_name: str = ""
 
     @property
     def bytes(self) -> float:
@@ -243,15 +245,17 @@ class Collective:
 
 
 def parse_collectives(hlo_text: str) -> list[Collective]:
-    """The collectives, with their input types; a combined collective (one op moving several
-    arrays) is one entry with several operands."""
+    """The collectives, with their input types and JAX op names; a combined collective (one op
+    moving several arrays) is one entry with several operands."""
     types = value_types(hlo_text)
     collectives = []
     for line in hlo_text.splitlines():
         if match := _COLLECTIVE.search(line):
             kind, operands = match.groups()
             names = _OPERAND_NAME.findall(operands)
-            collectives.append(Collective(kind, tuple(types[name] for name in names)))
+            source = _OP_NAME.search(line)
+            op_name = source.group(1) if source else ""
+            collectives.append(Collective(kind, tuple(types[name] for name in names), op_name))
     return collectives
 
 

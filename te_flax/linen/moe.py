@@ -42,6 +42,10 @@ class MoEBlock(LinenShell, MoEBlockSpec):
       capacity_factor: rows per expert ``ceil(tokens * k / E * capacity_factor)``; the
         assignments past it are dropped (weight 0); None (default) is dropless.
       drop_policy: ``"probs"`` (default: keep the most probable) or ``"position"`` (the first).
+      fp8_dispatch: under expert parallelism and an FP8 recipe, the tokens travel to their
+        experts' devices as float8 on the scales the expert GEMMs quantize them with, about
+        half the bytes of BF16, and come back in the compute dtype (default True;
+        docs/moe.md). False sends them in the compute dtype (NVFP4: one device's numerics).
       enable_layernorm, layernorm_type, epsilon, zero_centered_gamma, scale_init, scale_axes,
         ln_bias_init, ln_bias_axes: an optional pre-norm (default off), as in ``LayerNormMLP``.
       kernel_init: each kernel's initializer (None: TE's variance scaling, per expert).

@@ -223,6 +223,7 @@ class MoEBlock(_MoEBlock):
         aux_loss_coeff: float = 0.0,
         capacity_factor: float | None = None,
         drop_policy: str = 'probs',
+        fp8_dispatch: bool = True,
         enable_layernorm: bool = False,
         layernorm_type: str = 'layernorm',
         epsilon: float = 1e-06,
