@@ -38,6 +38,7 @@ from te_flax.quantize import (
     quantize_operand,
     scaling,
 )
+from te_flax.quantize.quantizer_set import ungrouped_quantizer_set
 from te_flax.sharding import (
     LogicalAxes,
     Specs,
@@ -415,7 +416,7 @@ def grouped_dense(
     mixture of experts after the tokens were permuted). With an FP8 ``quantizer_set`` each group
     is quantized with its own scale (x, kernel and the output gradient), so one expert's
     outlier does not cost the others precision; delayed-scaling state then holds one scale per
-    group (``grouped_quantizer_set(QuantizerFactory.create_set(...), G)``: ``scale_inv [G, 1]``,
+    group (``QuantizerFactory.create_set(..., n_groups=G)``: ``scale_inv [G, 1]``,
     ``amax_history [G, L]``), and its new value comes back as the gradient of ``quantizer_set``
     as for ``dense``. Block-scaled recipes (MXFP8, NVFP4) scale blocks along each contraction;
     on the ragged lowering a block of wgrad's rows may span two groups.
@@ -475,7 +476,7 @@ def grouped_dense(
         raise TypeError(f"precision must be a jax.lax.Precision or None, got {precision!r}")
     out_dtype = x.dtype if preferred_element_type is None else preferred_element_type
     out_dtype = check.check_dtype(out_dtype, "preferred_element_type")
-    quantizer_set = check_quantizer_set(quantizer_set)
+    quantizer_set = check_quantizer_set(ungrouped_quantizer_set(quantizer_set))
     _grouped.check_grouped_set(quantizer_set, n_groups)
     path = _lowering(lowering, capacity)
     kernel, bias = vary_like(x, (kernel, bias))

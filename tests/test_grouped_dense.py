@@ -7,6 +7,7 @@ comes back with one entry per group.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -68,7 +69,13 @@ def _quantizer_set(recipe):
 
 
 def _group(state, g):
-    return jax.tree.map(lambda leaf: leaf[g], state)
+    """Group ``g``'s set: the ``g``-th of each grouped quantizer's ``quantizers``."""
+    return dataclasses.replace(
+        state,
+        x=state.x.quantizers[g],
+        kernel=state.kernel.quantizers[g],
+        dgrad=state.dgrad.quantizers[g],
+    )
 
 
 def _grouped_step(x, kernel, bias, cotangent, state, sizes, lowering, capacity=None):
@@ -155,8 +162,8 @@ def test_matches_a_loop_of_dense(recipe, lowering):
             assert actual.shape[0] == GROUPS, path
             np.testing.assert_allclose(actual, want, rtol=1e-6, err_msg=jax.tree_util.keystr(path))
         # The empty group saw no rows: its x and grad amax are 0 (the scale is kept).
-        assert float(grads[3].x.amax_history[1, 0]) == 0.0
-        assert float(grads[3].dgrad.amax_history[1, 0]) == 0.0
+        assert float(grads[3].x.quantizer.amax_history[1, 0]) == 0.0
+        assert float(grads[3].dgrad.quantizer.amax_history[1, 0]) == 0.0
 
 
 def test_nvfp4_ragged():
@@ -198,7 +205,7 @@ def test_all_rows_in_one_group():
     )
 
     def loss(x, kernel, bias):
-        out = dense(x, kernel, bias, quantizer_set=state)
+        out = dense(x, kernel, bias, quantizer_set=_group(state, 1))
         return jnp.sum(out * cotangent), out
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
@@ -266,9 +273,10 @@ def test_reused_state_merges_by_max():
 def test_grouped_quantizer_set_and_ungrouped_state():
     qs = QuantizerFactory.create_set(fp8_recipe=DelayedScaling(amax_history_len=8))
     grouped = grouped_quantizer_set(qs, GROUPS)
-    assert grouped.kernel.scale_inv.shape == (GROUPS, 1)
-    assert grouped.dgrad.amax_history.shape == (GROUPS, 8)
-    assert grouped_quantizer_set(grouped, GROUPS) is not None  # already grouped: unchanged
+    assert grouped.kernel.quantizer.scale_inv.shape == (GROUPS, 1)
+    assert grouped.dgrad.quantizer.amax_history.shape == (GROUPS, 8)
+    again = grouped_quantizer_set(grouped, GROUPS)  # already grouped: the same quantizers
+    assert (again.x, again.kernel, again.dgrad) == (grouped.x, grouped.kernel, grouped.dgrad)
     x, kernel, _, _ = _inputs()
     with pytest.raises(ValueError, match=r"grouped_quantizer_set\(quantizer_set, n_groups=3\)"):
         grouped_dense(x, kernel, jnp.array(SIZES, jnp.int32), quantizer_set=qs)

@@ -319,7 +319,8 @@ def test_create_set_starts_delayed_state_from_a_quantize_meta_set():
             r"scaling_mode must be a te_flax\.quantize\.ScalingMode",
         ),
         (dict(fwd_dtype=jnp.float8_e4m3fn, fp8_recipe=DelayedScaling()), ValueError, r"fwd_dtype"),
-        (dict(n_groups=4), ValueError, r"grouped_quantizer_set\(QuantizerFactory\.create_set"),
+        (dict(n_groups=0), ValueError, r"n_groups=\.\.\.\) must be a positive int, got 0"),
+        (dict(n_groups=2.0), ValueError, r"n_groups=\.\.\.\) must be a positive int, got 2\.0"),
         (dict(is_2x2x=1), TypeError, r"is_2x2x must be None or a bool"),
     ],
 )

@@ -78,7 +78,8 @@ def test_generate_quantizer_set_arguments():
             grouped = self.generate_quantizer_set("_g", n_groups=3, fp8_recipe=RECIPE)
             current = self.generate_quantizer_set("_c", fp8_recipe=Float8CurrentScaling())
             assert first.checkpoint_name == "q" and second.checkpoint_name is None
-            assert grouped.x.scale_inv.shape == (3, 1)
+            assert grouped.x.n_groups == 3 and grouped.x.quantizer.scale_inv.shape == (3, 1)
+            assert grouped.x.quantizers[2].amax_history.shape == (4,)
             assert current.x is not None and current.checkpoint_name is None
             return x
 

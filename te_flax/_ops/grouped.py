@@ -28,7 +28,6 @@ import numpy as np
 from jax import Array, lax
 from jax.typing import DTypeLike
 
-from te_flax._base.checks import check_positive_int
 from te_flax._ops.custom_op import fused_op
 from te_flax._ops.kernels.grouped_gemm import (
     Accumulation,
@@ -55,6 +54,7 @@ from te_flax.quantize import (
     quantize_operand,
     scaling,
 )
+from te_flax.quantize.quantizer_set import grouped_quantizer_set
 from te_flax.quantize.statistics import records_groups, records_rows
 
 __all__ = [
@@ -121,40 +121,6 @@ def unpack_rows(packed: Array, group_sizes: Array, rows: int) -> Array:
 # ----------------------------------------------------------------------------- quantizers
 
 
-def _is_grouped(quantizer: Quantizer) -> bool:
-    return not isinstance(quantizer, DelayedScaleQuantizer) or quantizer.scale_inv.ndim == 2
-
-
-def grouped_quantizer_set(quantizer_set: QuantizerSet, n_groups: int) -> QuantizerSet:
-    """``quantizer_set`` with one scale per group, for ``grouped_dense`` with ``n_groups`` groups.
-
-    Delayed-scaling state is repeated along a new leading group axis (``scale_inv [G, 1]``,
-    ``amax_history [G, L]``); stateless quantizers (current scaling, block scaling) already
-    scale each group on its own inside ``grouped_dense`` and are returned as they are.
-
-    Example usage::
-
-      >>> from te_flax.quantize import DelayedScaling, QuantizerFactory
-      >>> qs = QuantizerFactory.create_set(fp8_recipe=DelayedScaling(amax_history_len=16))
-      >>> grouped = grouped_quantizer_set(qs, 8)
-      >>> grouped.x.scale_inv.shape, grouped.x.amax_history.shape
-      ((8, 1), (8, 16))
-    """
-    check_positive_int(n_groups, "n_groups")
-
-    def grouped(quantizer: Quantizer | None) -> Quantizer | None:
-        if not isinstance(quantizer, DelayedScaleQuantizer) or _is_grouped(quantizer):
-            return quantizer
-        return jax.tree.map(lambda leaf: jnp.broadcast_to(leaf, (n_groups, *leaf.shape)), quantizer)
-
-    return dataclasses.replace(
-        quantizer_set,
-        x=grouped(quantizer_set.x),
-        kernel=grouped(quantizer_set.kernel),
-        dgrad=grouped(quantizer_set.dgrad),
-    )
-
-
 def check_grouped_set(quantizer_set: QuantizerSet, n_groups: int) -> None:
     """Delayed-scaling state must hold one scale per group: ``scale_inv [G, 1]``."""
     for name in ("x", "kernel", "dgrad"):
@@ -168,6 +134,7 @@ def check_grouped_set(quantizer_set: QuantizerSet, n_groups: int) -> None:
                 f"{tuple(quantizer.amax_history.shape)} (amax_history), but grouped_dense with "
                 f"{n_groups} groups needs one scale per group: ({n_groups}, 1) and "
                 f"({n_groups}, amax_history_len); build the set with "
+                f"QuantizerFactory.create_set(..., n_groups={n_groups}) or "
                 f"te_flax.dense.grouped_quantizer_set(quantizer_set, n_groups={n_groups})"
             )
 

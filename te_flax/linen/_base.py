@@ -14,6 +14,7 @@ from te_flax._base.checks import check_positive_int
 from te_flax._layers.base import named_sets
 from te_flax._layers.fp8_state import check_state_matches, merge_reuse
 from te_flax.quantize import QuantizerSet, Recipe
+from te_flax.quantize.quantizer_set import grouped_quantizer_set
 from te_flax.quantize.state import (
     OVERWRITE_WITH_GRADIENT,
     SR_RNG,
@@ -106,7 +107,12 @@ class TransformerEngineBase(nn.Module):
             the GEMM saves for its backward (default None).
           fp8_recipe: the recipe (None: the active ``te_flax.autocast`` one; outside of one,
             the no-op set and no variables).
-          n_groups: for a grouped GEMM, the number of groups: one state per group.
+          n_groups: for a grouped GEMM, the number of groups: ``x``, ``kernel`` and
+            ``dgrad`` are then ``GroupedQuantizer``s (one quantizer per group, as
+            TransformerEngine's) for ``te_flax.dense.grouped_dense``, and under
+            ``DelayedScaling`` each variable holds one state per group (``[G, L]``
+            histories, ``[G, 1]`` scales; TransformerEngine's own module cannot keep
+            delayed state per group).
 
         Returns:
           A ``QuantizerSet`` for the ops' ``quantizer_set`` argument. Under
@@ -123,4 +129,4 @@ class TransformerEngineBase(nn.Module):
         (qs,) = named_sets(
             [quantizer_set(recipe, postfix, state, sr_key)], quantization_checkpoint_name
         )
-        return qs
+        return qs if n_groups is None else grouped_quantizer_set(qs, n_groups)

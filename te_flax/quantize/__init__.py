@@ -13,6 +13,7 @@ Public API::
   DelayedScaleQuantizer, CurrentScaleQuantizer,       the quantizers a set holds
   Float8BlockQuantizer, BlockScaleQuantizer,
   NVFP4Quantizer
+  GroupedQuantizer                                    one quantizer per group of a grouped GEMM
   merge_by_max                                        max-merge the updates of a reused state
   check_merged                                        catch a reused state whose updates were summed
   check_calibrated, UncalibratedFp8StateWarning       catch layers whose state never updates
@@ -38,6 +39,7 @@ from te_flax.quantize.quantizer import (
     Float8BlockQuantizer,
     GemmOperand,
     GemmPrecision,
+    GroupedQuantizer,
     NVFP4Quantizer,
     Quantizer,
     QuantizerFactory,
@@ -81,6 +83,7 @@ __all__ = [
     "Format",
     "GemmOperand",
     "GemmPrecision",
+    "GroupedQuantizer",
     "MMParams",
     "MXFP8BlockScaling",
     "NVFP4BlockScaling",

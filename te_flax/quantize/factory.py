@@ -15,7 +15,13 @@ from jax.typing import DTypeLike
 
 from te_flax._base.checks import check_positive_int
 from te_flax.quantize.autocast import get_autocast_recipe
-from te_flax.quantize.quantizer_set import GemmPrecision, QuantizerSet, noop_quantizer_set
+from te_flax.quantize.grouped_quantizer import GroupedQuantizer, group_quantizer
+from te_flax.quantize.quantizer_set import (
+    GemmPrecision,
+    QuantizerSet,
+    grouped_quantizer_set,
+    noop_quantizer_set,
+)
 from te_flax.quantize.recipes import (
     DelayedScaling,
     Float8BlockScaling,
@@ -58,7 +64,7 @@ class QuantizerFactory:
         n_groups: int | None = None,
         checkpoint_name: str | None = None,
         **kwargs: Any,
-    ) -> Quantizer | tuple[Quantizer | None, ...] | None:
+    ) -> Quantizer | GroupedQuantizer | tuple[Quantizer | GroupedQuantizer | None, ...] | None:
         """``n_quantizers`` quantizers of ``scaling_mode`` (None for ``NO_SCALING``).
 
         Args:
@@ -66,8 +72,12 @@ class QuantizerFactory:
           scaling_mode: a ``ScalingMode`` (required).
           q_dtype: the quantized dtype (default ``float8_e4m3fn``; ``float4_e2m1fn`` for NVFP4).
           q_layout: accepted for TransformerEngine's code and without effect: te_flax's ops
-            quantize each tensor in the layouts their GEMMs contract.
-          n_groups: refused; grouped sets come from ``te_flax.dense.grouped_quantizer_set``.
+            quantize each tensor in the layouts their GEMMs contract (a ``GroupedQuantizer``
+            records it).
+          n_groups: None (default), or the number of groups of a grouped GEMM: then each
+            quantizer is a ``GroupedQuantizer`` with one quantizer per group, as
+            TransformerEngine's, for ``te_flax.dense.grouped_dense``; delayed-scaling state
+            given in ``kwargs`` starts every group.
           checkpoint_name: None; te_flax names quantized operands per set
             (``create_set(checkpoint_name=...)``).
           **kwargs: the quantizer's state and options: delayed scaling takes ``scale`` (the
@@ -86,17 +96,28 @@ class QuantizerFactory:
         _check_scaling_mode(scaling_mode)
         assert isinstance(scaling_mode, ScalingMode)  # checked above; narrows the type
         _check_layout(q_layout)
-        _refuse_groups(n_groups, "create")
+        _check_groups(n_groups, "create")
+        if n_groups is not None and n_quantizers != 1:
+            # TransformerEngine's warning, word for word.
+            warnings.warn(
+                "Using more than one GroupedQuantizer for a grouped input is not recommended",
+                UserWarning,
+                stacklevel=2,
+            )
         if checkpoint_name is not None:
             raise ValueError(
                 f"QuantizerFactory.create(checkpoint_name={checkpoint_name!r}): te_flax names the "
                 "quantized operands of a whole GEMM, not of one quantizer; pass it to "
                 "QuantizerFactory.create_set(checkpoint_name=...)"
             )
-        quantizers = tuple(
+        quantizers: tuple[Quantizer | GroupedQuantizer | None, ...] = tuple(
             _quantizer(scaling_mode, q_dtype, kwargs, "QuantizerFactory.create")
             for _ in range(n_quantizers)
         )
+        if n_groups is not None:
+            quantizers = tuple(
+                None if q is None else group_quantizer(q, n_groups, q_layout) for q in quantizers
+            )
         return quantizers[0] if n_quantizers == 1 else quantizers
 
     @overload
@@ -173,8 +194,12 @@ class QuantizerFactory:
             ``float4_e2m1fn`` for NVFP4).
           is_2x2x: accepted (None, True or False) and without effect: te_flax's ops quantize
             each tensor in the layouts their GEMMs contract.
-          n_groups: refused; a grouped GEMM's set is ``te_flax.dense.grouped_quantizer_set(
-            QuantizerFactory.create_set(...), n_groups)``.
+          n_groups: None (default), or the number of groups of a grouped GEMM: then ``x``,
+            ``kernel`` and ``dgrad`` are ``GroupedQuantizer``s with one quantizer per group, as
+            TransformerEngine's, for ``te_flax.dense.grouped_dense`` (delayed-scaling state
+            ``scale_inv [G, 1]``, ``amax_history [G, L]``; a ``quantize_meta_set`` state
+            starts every group). The same as ``te_flax.dense.grouped_quantizer_set(
+            create_set(...), n_groups)``.
           checkpoint_name: TransformerEngine's quantization checkpoint name (default None): the
             quantized operands each GEMM saves for its backward are named so with
             ``jax.ad_checkpoint.checkpoint_name``, so that a ``jax.checkpoint`` policy such as
@@ -194,6 +219,8 @@ class QuantizerFactory:
 
         Returns:
           One ``QuantizerSet`` when ``n_quantizer_sets == 1``, else a tuple of them.
+          ``is_2x2x`` False records TransformerEngine's layouts in grouped quantizers
+          (``ROWWISE``, and ``COLWISE`` for a 1D block-scaled kernel), else ``ROWWISE_COLWISE``.
 
         Example usage::
 
@@ -206,9 +233,12 @@ class QuantizerFactory:
           'float8_e5m2'
           >>> type(QuantizerFactory.create_set(fp8_recipe=MXFP8BlockScaling()).x).__name__
           'BlockScaleQuantizer'
+          >>> grouped = QuantizerFactory.create_set(fp8_recipe=DelayedScaling(), n_groups=4)
+          >>> grouped.kernel.n_groups, grouped.kernel.quantizer.scale_inv.shape
+          (4, (4, 1))
         """
         _check_count(n_quantizer_sets, "n_quantizer_sets")
-        _refuse_groups(n_groups, "create_set")
+        _check_groups(n_groups, "create_set")
         if is_2x2x is not None and not isinstance(is_2x2x, bool):
             raise TypeError(f"is_2x2x must be None or a bool, got {is_2x2x!r}")
         if checkpoint_name is not None and not isinstance(checkpoint_name, str):
@@ -248,6 +278,9 @@ class QuantizerFactory:
                 qs if qs.is_noop else dataclasses.replace(qs, checkpoint_name=checkpoint_name)
                 for qs in sets
             )
+        if n_groups is not None:
+            layouts = _grouped_layouts(sets[0], is_2x2x)
+            sets = tuple(grouped_quantizer_set(qs, n_groups, layouts) for qs in sets)
         return sets[0] if n_quantizer_sets == 1 else sets
 
 
@@ -268,13 +301,27 @@ def _check_layout(q_layout: object) -> None:
         raise TypeError(f"q_layout must be a te_flax.quantize.QuantizeLayout, got {q_layout!r}")
 
 
-def _refuse_groups(n_groups: object, method: str) -> None:
+def _check_groups(n_groups: object, method: str) -> None:
     if n_groups is not None:
-        raise ValueError(
-            f"QuantizerFactory.{method}(n_groups={n_groups!r}): te_flax builds a grouped GEMM's "
-            "quantizers from a plain set, with one scale (and delayed state) per group: "
-            f"te_flax.dense.grouped_quantizer_set(QuantizerFactory.create_set(...), {n_groups!r})"
+        check_positive_int(
+            n_groups,
+            f"QuantizerFactory.{method}(n_groups=...)",
+            "the number of groups of a grouped GEMM (experts), or None for one GEMM",
         )
+
+
+def _grouped_layouts(
+    quantizer_set: QuantizerSet, is_2x2x: bool | None
+) -> tuple[QuantizeLayout | None, ...]:
+    """The layouts TransformerEngine's ``create_set`` gives x, kernel and dgrad: both with
+    ``is_2x2x`` (its default for block scaling and on Hopper), else row-wise, and column-wise
+    for a 1D block-scaled kernel."""
+    if is_2x2x is None or is_2x2x:
+        return (None, None, None)
+    kernel = quantizer_set.kernel
+    kernel_colwise = kernel is not None and kernel.scaling_mode.is_1d_block_scaling()
+    rowwise = QuantizeLayout.ROWWISE
+    return (rowwise, QuantizeLayout.COLWISE if kernel_colwise else rowwise, rowwise)
 
 
 # TransformerEngine's channel for the stochastic-rounding key: a QuantizeMeta keyword.

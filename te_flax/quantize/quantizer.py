@@ -4,11 +4,13 @@ the factory that builds them, at TE's import path.
 The code lives by concern in modules below this one, which each import the quantizer classes
 (so the classes cannot live here, where the set and the factory are re-exported):
 ``te_flax.quantize.tensor_quantizers`` (how one tensor is scaled), ``te_flax.quantize.tensors``
-(the quantized GEMM operands), ``te_flax.quantize.quantizer_set`` (the quantizers of one GEMM)
-and ``te_flax.quantize.factory`` (which builds them).
+(the quantized GEMM operands), ``te_flax.quantize.grouped_quantizer`` (one quantizer per group
+of a grouped GEMM), ``te_flax.quantize.quantizer_set`` (the quantizers of one GEMM) and
+``te_flax.quantize.factory`` (which builds them).
 """
 
 from te_flax.quantize.factory import QuantizerFactory
+from te_flax.quantize.grouped_quantizer import GroupedQuantizer
 from te_flax.quantize.quantizer_set import (
     GemmPrecision,
     QuantizerSet,
@@ -45,6 +47,7 @@ __all__ = [
     "Float8BlockQuantizer",
     "GemmOperand",
     "GemmPrecision",
+    "GroupedQuantizer",
     "NVFP4Quantizer",
     "Quantizer",
     "QuantizerFactory",

@@ -9,13 +9,16 @@ The ops take a ``QuantizerSet(x, kernel, dgrad)`` per GEMM as a differentiable a
 from __future__ import annotations
 
 import dataclasses
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
+from te_flax._base.checks import check_positive_int
+from te_flax.quantize.grouped_quantizer import GroupedQuantizer, group_quantizer
+from te_flax.quantize.scaling_modes import QuantizeLayout
 from te_flax.quantize.tensor_quantizers import Quantizer, check_quantizer
 from te_flax.quantize.tensors import static_field as _static
 
@@ -23,8 +26,11 @@ __all__ = [
     "GemmPrecision",
     "QuantizerSet",
     "as_cotangent",
+    "grouped_quantizer_set",
     "noop_quantizer_set",
+    "ungrouped_quantizer_set",
 ]
+
 
 T = TypeVar("T")
 
@@ -58,6 +64,9 @@ class QuantizerSet:
     for its backward, for ``jax.checkpoint`` policies (TE's quantization checkpoint name).
     """
 
+    # A grouped GEMM's set holds GroupedQuantizers (QuantizerFactory.create_set(n_groups=G)),
+    # which only grouped_dense takes: it unwraps them (ungrouped_quantizer_set) before its
+    # check, and every other op's check refuses them, so the ops read these types.
     x: Quantizer | None = None
     kernel: Quantizer | None = None
     dgrad: Quantizer | None = None
@@ -84,6 +93,12 @@ class QuantizerSet:
                 "not at all; build sets with QuantizerFactory.create_set(fp8_recipe=...)"
             )
         for name, quantizer in members.items():
+            if isinstance(quantizer, GroupedQuantizer):
+                raise ValueError(
+                    f"{argument}.{name} is a GroupedQuantizer (one quantizer per group, from "
+                    "n_groups=...), which only te_flax.dense.grouped_dense takes; build this "
+                    "GEMM's set without n_groups"
+                )
             if quantizer is not None:
                 check_quantizer(quantizer, f"{argument}.{name}")
         if self.checkpoint_name is not None and not isinstance(self.checkpoint_name, str):
@@ -111,6 +126,78 @@ class QuantizerSet:
 
 
 noop_quantizer_set = QuantizerSet()
+
+
+def grouped_quantizer_set(
+    quantizer_set: QuantizerSet,
+    n_groups: int,
+    q_layouts: tuple[QuantizeLayout | None, ...] = (None, None, None),
+) -> QuantizerSet:
+    """``quantizer_set`` with one quantizer per group, for ``grouped_dense`` with ``n_groups``
+    groups: each quantizer becomes a ``GroupedQuantizer`` (``group_quantizer``), as
+    ``QuantizerFactory.create_set(n_groups=G)`` makes them. A noop set stays a noop set.
+
+    Args:
+      quantizer_set: the set of one group (or already grouped for ``n_groups`` groups).
+      n_groups: the number of groups, an int >= 1.
+      q_layouts: TransformerEngine's layout to record for ``x``, ``kernel`` and ``dgrad``
+        (None: ``ROWWISE_COLWISE``).
+
+    Returns:
+      The grouped ``QuantizerSet``.
+
+    Example usage::
+
+      >>> from te_flax.dense import grouped_quantizer_set
+      >>> from te_flax.quantize import DelayedScaling, QuantizerFactory
+      >>> qs = QuantizerFactory.create_set(fp8_recipe=DelayedScaling(amax_history_len=16))
+      >>> grouped = grouped_quantizer_set(qs, 8)
+      >>> type(grouped.x).__name__, grouped.x.n_groups, len(grouped.x.quantizers)
+      ('GroupedQuantizer', 8, 8)
+      >>> grouped.x.quantizer.scale_inv.shape, grouped.x.quantizers[0].amax_history.shape
+      ((8, 1), (16,))
+    """
+    if not isinstance(quantizer_set, QuantizerSet):
+        raise TypeError(
+            f"quantizer_set must be a te_flax.quantize.QuantizerSet, got {quantizer_set!r}; "
+            "build one with QuantizerFactory.create_set(...)"
+        )
+    check_positive_int(n_groups, "n_groups", "the number of groups of a grouped GEMM")
+    name = quantizer_set.checkpoint_name
+
+    def grouped(quantizer: Quantizer | None, layout: QuantizeLayout | None) -> Any:
+        return None if quantizer is None else group_quantizer(quantizer, n_groups, layout, name)
+
+    x_layout, kernel_layout, dgrad_layout = q_layouts
+    return dataclasses.replace(
+        quantizer_set,
+        x=grouped(quantizer_set.x, x_layout),
+        kernel=grouped(quantizer_set.kernel, kernel_layout),
+        dgrad=grouped(quantizer_set.dgrad, dgrad_layout),
+    )
+
+
+def ungrouped_quantizer_set(quantizer_set: T) -> T:
+    """The set whose ``GroupedQuantizer`` members are their groups' quantizer (delayed state
+    stacked ``[G, ...]``), as ``grouped_dense``'s stages take it; other members, and anything
+    that is not a ``QuantizerSet`` (for the caller's check to refuse), as they are.
+
+    A reshaping of the pytree only: the gradient with respect to the grouped set (the new
+    state) flows through it unchanged.
+    """
+    if not isinstance(quantizer_set, QuantizerSet):
+        return quantizer_set
+
+    def inner(quantizer: Any) -> Any:
+        return quantizer.quantizer if isinstance(quantizer, GroupedQuantizer) else quantizer
+
+    ungrouped: Any = dataclasses.replace(
+        quantizer_set,
+        x=inner(quantizer_set.x),
+        kernel=inner(quantizer_set.kernel),
+        dgrad=inner(quantizer_set.dgrad),
+    )
+    return cast(T, ungrouped)
 
 
 def as_cotangent(state: T) -> T:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ pytest.importorskip(
 import transformer_engine.jax.quantize as te_quantize
 
 from te_flax import quantize
+from te_flax.dense import grouped_dense
 from tests.parity import te_reference as ref
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -133,3 +135,119 @@ def test_nvfp4_sets_take_their_stochastic_rounding_key_as_tes_do(monkeypatch):
             ours = make(quantize, quantize.NVFP4BlockScaling(), state)
         te_rounds = theirs.dgrad.stochastic_rounding_rng_state is not None
         assert (ours.dgrad.key is not None) == te_rounds == (state is not None)
+
+
+# ----------------------------------------------------------------------------- grouped sets
+
+GROUPED_MODES = {
+    "DELAYED_TENSOR_SCALING": E5M2,
+    "CURRENT_TENSOR_SCALING": E5M2,
+    "MXFP8_1D_SCALING": E4M3,  # MaxText's te_mxfp8 MoE set: e4m3 for the gradient too
+}
+
+
+def _grouped_sets(name: str, n_groups: int, **kwargs):
+    """TE's and te_flax's ``create_set(scaling_mode=..., n_groups=...)``."""
+    arguments = dict(fwd_dtype=E4M3, bwd_dtype=GROUPED_MODES[name], n_groups=n_groups, **kwargs)
+    theirs = te_quantize.QuantizerFactory.create_set(
+        scaling_mode=getattr(te_quantize.ScalingMode, name), **arguments
+    )
+    ours = quantize.QuantizerFactory.create_set(
+        scaling_mode=getattr(quantize.ScalingMode, name), **arguments
+    )
+    return theirs, ours
+
+
+@pytest.mark.parametrize("is_2x2x", [True, False, None])
+@pytest.mark.parametrize("name", GROUPED_MODES)
+def test_grouped_sets_have_transformer_engines_fields(name, is_2x2x):
+    theirs, ours = _grouped_sets(name, 3, is_2x2x=is_2x2x, checkpoint_name="quantization")
+    for role in ("x", "kernel", "dgrad"):
+        a, b = getattr(theirs, role), getattr(ours, role)
+        assert type(a).__name__ == type(b).__name__ == "GroupedQuantizer", role
+        assert b.n_groups == a.n_groups == 3
+        assert b.scaling_mode.name == a.scaling_mode.name
+        assert jnp.dtype(b.q_dtype) == jnp.dtype(a.q_dtype)
+        assert b.q_layout.name == a.q_layout.name, (role, a.q_layout)
+        assert b.data_layout == a.data_layout
+        assert b.checkpoint_name == a.checkpoint_name
+        assert len(b.quantizers) == len(a.quantizers) == 3
+        for group_a, group_b in zip(a.quantizers, b.quantizers, strict=True):
+            assert type(group_a).__name__ == type(group_b).__name__
+            assert jnp.dtype(group_a.q_dtype) == jnp.dtype(group_b.q_dtype)
+            if name == "DELAYED_TENSOR_SCALING":
+                assert group_a.amax_history.shape == group_b.amax_history.shape
+                np.testing.assert_array_equal(group_b.amax_history, group_a.amax_history)
+                np.testing.assert_array_equal(group_b.scale_inv, 1.0 / np.asarray(group_a.scale))
+
+
+def test_grouped_sets_from_a_recipe_as_transformer_engines_modules_make_them():
+    """TE's modules pass a ``QuantizeMetaSet`` with the recipe; without state (current
+    scaling, MXFP8) TE's set and te_flax's are the same kind per group."""
+    for ours_recipe, theirs_recipe in (
+        (quantize.Float8CurrentScaling(), ref.te_recipe.Float8CurrentScaling()),
+        (quantize.MXFP8BlockScaling(), ref.te_recipe.MXFP8BlockScaling()),
+    ):
+        sets = []
+        for api, recipe in ((te_quantize, theirs_recipe), (quantize, ours_recipe)):
+            metas = api.QuantizeMetaSet(
+                x=api.QuantizeMeta(), kernel=api.QuantizeMeta(), grad=api.QuantizeMeta()
+            )
+            sets.append(
+                api.QuantizerFactory.create_set(
+                    fp8_recipe=recipe, quantize_meta_set=metas, n_groups=4
+                )
+            )
+        theirs, ours = sets
+        for role in ("x", "kernel", "dgrad"):
+            a, b = getattr(theirs, role), getattr(ours, role)
+            assert (b.n_groups, b.scaling_mode.name) == (a.n_groups, a.scaling_mode.name)
+            assert jnp.dtype(b.q_dtype) == jnp.dtype(a.q_dtype)
+            assert type(b.quantizers[3]).__name__ == type(a.quantizers[3]).__name__
+
+
+def _te_grouped_forward(quantizer_set, x, kernel, sizes):
+    """TE's grouped GEMM forward from TE's own per-group quantizers (its ``grouped_dense``
+    runs only as CUDA kernels): group ``g``'s rows and kernel quantized by
+    ``quantizers[g]`` (blocks along the contraction K for both), then multiplied in float32."""
+    outs, start = [], 0
+    for g, size in enumerate(sizes):
+        rows = x[start : start + size]
+        start += size
+        if not size:
+            continue
+        lhs = quantizer_set.x.quantizers[g].quantize(rows, is_rowwise=True, is_colwise=False)
+        rhs = quantizer_set.kernel.quantizers[g].quantize(
+            kernel[g].T, is_rowwise=True, is_colwise=False
+        )  # [N, K]: K last, the blocks of MXFP8 along it
+        outs.append(
+            jnp.dot(lhs.dequantize(), rhs.dequantize().T, precision=jax.lax.Precision.HIGHEST)
+        )
+    outs.append(jnp.zeros((x.shape[0] - start, kernel.shape[2]), x.dtype))
+    return jnp.concatenate(outs)
+
+
+@pytest.mark.parametrize("name", GROUPED_MODES)
+def test_grouped_dense_with_grouped_sets_matches_transformer_engines_quantizers(name):
+    """te_flax's ``grouped_dense`` with ``create_set(n_groups=G)`` against the GEMM of the rows
+    and kernels TE's ``create_set(n_groups=G)`` quantizes: the same per-group scales (current
+    scaling: each group's amax; delayed: each group's stored scale; MXFP8: each block's)."""
+    sizes = (32, 0, 64)  # MXFP8's weight gradient contracts the rows: whole 32-row blocks
+    keys = jax.random.split(jax.random.key(0), 2)
+    # Groups of very different ranges: per-group scales matter.
+    x = (
+        jax.random.normal(keys[0], (128, 64))
+        * jnp.repeat(jnp.array([1.0, 1.0, 30.0, 1.0]), 32)[:, None]
+    )
+    kernel = jax.random.normal(keys[1], (3, 64, 32)) * jnp.array([1.0, 5.0, 0.1])[:, None, None]
+    theirs, ours = _grouped_sets(name, 3, is_2x2x=True)
+    expected = _te_grouped_forward(theirs, x, kernel, sizes)
+
+    # Differentiated, so that a fresh delayed state quantizes with its stored scale (1), as
+    # TE's quantizers do, not just in time.
+    def loss(x, quantizer_set):
+        out = grouped_dense(x, kernel, jnp.array(sizes, jnp.int32), quantizer_set=quantizer_set)
+        return jnp.sum(out), out
+
+    (_, actual), _ = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, ours)
+    assert ref.relative_error(actual, expected) <= 1e-5
