@@ -45,7 +45,10 @@ esac
 stamp=$VENV/.te_flax-$use
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/oldest.txt -nt "$stamp" ]; then
     [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
+    # --no-compile: pip would byte-compile every module of every package it installs (jax,
+    # jaxlib's CUDA build, scipy, ...); Python compiles just the modules a run imports, on
+    # first import. It makes a fresh venv about a fifth faster on two busy cores.
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile \
         ${constraints[@]+"${constraints[@]}"} -e ".[$extras]"
     touch "$stamp"
 fi
