@@ -4,6 +4,7 @@ sharded by FSDP, alone and with expert parallelism, on Auto and Explicit mesh ax
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import flax.linen as nn
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import te_flax.linen as te_nn
 from te_flax._tools.hlo import element_bytes, parse_collectives
@@ -224,22 +226,66 @@ def test_experts_not_dividing_the_expert_axis_are_refused():
         layer.init(jax.random.key(0), X)
 
 
-@pytest.mark.parametrize("recipe", [None, DelayedScaling(amax_history_len=4)], ids=["bf16", "fp8"])
-def test_expert_parallel_on_explicit_axes_equals_one_device(recipe):
-    """JAX's default mesh (``jax.make_mesh``: ``Explicit`` axes) with the ``ep`` rules and the
-    batch placed on ``data``: the parameters and tokens are resharded for the experts'
-    ``shard_map``, and the gradients come back with the parameters' shardings."""
-    layer = _layer() if recipe is None else _layer(recipe=recipe, capacity_factor=1.0)
+# FSDP of the expert kernels: wi_kernel's and wo_kernel's "embed" axis over the fsdp mesh
+# axis, alone (configs/rules/fsdp.yaml: the experts replicated over the mesh) and with expert
+# parallelism (ep.yaml: the experts over data), on Auto axes (te_flax.sharding.use_sharding) and
+# on JAX's default Explicit axes (jax.make_mesh, jax.set_mesh and the same rules).
+FSDP_MESHES = {"fsdp": {"data": 2, "fsdp": 4}, "ep": {"data": 4, "fsdp": 2}}
+FSDP_KERNELS = {  # the stored shardings the rules give the kernels
+    "fsdp": {"wi_kernel": P(None, "fsdp", None, None), "wo_kernel": P(None, None, "fsdp")},
+    "ep": {"wi_kernel": P("data", "fsdp", None, None), "wo_kernel": P("data", None, "fsdp")},
+}
+
+
+@contextlib.contextmanager
+def _mesh(rules, style):
+    shape = FSDP_MESHES[rules]
+    if style == "auto":
+        with use_sharding(rules, shape) as mesh:
+            yield mesh
+        return
+    mesh = jax.make_mesh(tuple(shape.values()), tuple(shape))
+    assert set(mesh.axis_types) == {jax.sharding.AxisType.Explicit}  # JAX's default
+    with jax.set_mesh(mesh), nn.logical_axis_rules(load_axis_rules(rules)):
+        yield mesh
+
+
+def _fsdp_cases():
+    for rules in FSDP_MESHES:
+        for style in ("auto", "explicit"):
+            yield pytest.param(rules, style, "fp8", id=f"{rules}-{style}-fp8")
+    yield pytest.param("ep", "explicit", "bf16", id="ep-explicit-bf16")
+
+
+@pytest.mark.parametrize(("rules", "style", "recipe"), list(_fsdp_cases()))
+def test_fsdp_of_the_expert_kernels_equals_one_device(rules, style, recipe):
+    """The kernels stay stored sharded, the step gathers their shards for the experts' GEMMs
+    (an all-gather over fsdp), and the outputs, gradients and new FP8 state are one device's;
+    every gradient comes back with its parameter's sharding (on Explicit axes, its type)."""
+    fp8 = recipe == "fp8"
+    layer = _layer(recipe=DelayedScaling(amax_history_len=4)) if fp8 else _layer()
     variables = jax.jit(layer.init)(jax.random.key(0), X)
     values = nn.meta.unbox(variables)
     single = _step(layer)(values, X)
-    mesh = jax.make_mesh((4, 2), ("data", "fsdp"))
-    assert set(mesh.axis_types) == {jax.sharding.AxisType.Explicit}
-    with jax.set_mesh(mesh), nn.logical_axis_rules(load_axis_rules("ep")):
+    with _mesh(rules, style) as mesh:
         placed = _sharded(variables, values, mesh)
-        x = jax.device_put(X, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+        x = jax.device_put(X, jax.sharding.NamedSharding(mesh, P(("data", "fsdp"))))
         sharded = _step(layer)(placed, x)
-    _compare(single, sharded, 1e-5)
+        hlo_text = _step(layer).lower(placed, x).compile().as_text()
+    for name, spec in FSDP_KERNELS[rules].items():
+        kernel = placed["params"][name]
+        assert kernel.sharding.spec == spec, name
+        shard = kernel.sharding.shard_shape(kernel.shape)
+        gathered = [
+            c
+            for c in parse_collectives(hlo_text)
+            if c.kind == "all-gather" and any(dims == shard for _, dims in c.operands)
+        ]
+        assert gathered, f"no all-gather of the {name} shard {shard}"
     for path, grad in jax.tree_util.tree_flatten_with_path(sharded[2]["params"])[0]:
         param = dict(jax.tree_util.tree_flatten_with_path(placed["params"])[0])[path]
-        assert grad.sharding.spec == param.sharding.spec, jax.tree_util.keystr(path)
+        same = grad.sharding.is_equivalent_to(param.sharding, param.ndim)
+        assert same, (jax.tree_util.keystr(path), grad.sharding.spec, param.sharding.spec)
+    if fp8:  # each expert's amax over its own rows, as on one device
+        _compare(single[2][OVERWRITE_WITH_GRADIENT], sharded[2][OVERWRITE_WITH_GRADIENT], 1e-6)
+    _compare(single, sharded, 1e-5)

@@ -51,6 +51,7 @@ from te_flax._parallel.experts import (
     check_expert_count,
     expert_parallel_forward,
     expert_parallel_size,
+    shards_the_tokens,
 )
 from te_flax.dense import grouped_dense
 from te_flax.layernorm import layernorm
@@ -67,7 +68,7 @@ from te_flax.router import (
     expert_capacity,
     fused_topk_with_score_function,
 )
-from te_flax.sharding import explicit_axes, on_auto_axes, spec_of
+from te_flax.sharding import explicit_axes, on_auto_axes, spec_of, with_logical_constraint
 
 __all__ = ["MoEBlockSpec", "RoutingStats"]
 
@@ -205,7 +206,9 @@ class MoEBlockSpec(FusedNorm, Fp8Layer):
         self._check()
         x = compute_input(x, self.dtype)
         self.in_features(x)
-        if expert_parallel_size() > 1:
+        kernel_axes = (self.wi_kernel_axes, self.wo_kernel_axes)
+        if expert_parallel_size() > 1 or shards_the_tokens(x, kernel_axes):
+            params = self._as_stored(params, x)
             # te_flax.inspect_fp8(): the per-device experts' statistics have no slot here.
             sets = without_slots(tuple(quantizer_sets))
             return expert_parallel_forward(self, params, x, sets)
@@ -216,6 +219,13 @@ class MoEBlockSpec(FusedNorm, Fp8Layer):
         scalar = PartitionSpec()
         out_specs = ((spec_of(x), scalar), RoutingStats._make((scalar, scalar)))
         return on_auto_axes(self._forward_tokens, out_specs, params, x, tuple(quantizer_sets))
+
+    def _as_stored(self, params: Params, x: Array) -> Params:
+        """Each parameter constrained to its logical axes, so that its gradient leaves the
+        experts' ``shard_map`` sharded as the parameter is stored (an FSDP kernel's gradient
+        reduce-scattered, not all-reduced; on Auto axes XLA would choose)."""
+        axes = {record.name: record.axes for record in self.param_specs(self.in_features(x))}
+        return {name: with_logical_constraint(value, axes[name]) for name, value in params.items()}
 
     def _forward_tokens(
         self, params: Params, x: Array, quantizer_sets: tuple[QuantizerSet, ...]

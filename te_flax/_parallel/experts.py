@@ -46,6 +46,7 @@ __all__ = [
     "expert_axis",
     "expert_parallel_forward",
     "expert_parallel_size",
+    "shards_the_tokens",
 ]
 
 EXPERT_PARAMS = ("wi_kernel", "wo_kernel", "wi_bias", "wo_bias")
@@ -169,18 +170,40 @@ def _check(spec: ExpertLayer, x: Array, ep: str, token_axes: tuple[str, ...]) ->
         )
 
 
+def shards_the_tokens(x: Array, kernel_axes: Sequence[tuple[str | None, ...]]) -> bool:
+    """Whether ``MoEBlock`` runs per device inside ``shard_map`` without expert parallelism:
+    the rules split the batch (data parallelism, FSDP) and no mesh axis splits the expert
+    kernels' axes but ``"exp"`` and ``"embed"`` (an FSDP axis, gathered at the boundary). Each
+    device then routes its own tokens and runs every expert on them, the data-parallel program
+    FSDP means; left to XLA, the routing's sort over every token would put every token's rows
+    on every device. Tensor-parallel experts (``"mlp"`` over a mesh axis) stay XLA's, as does
+    a batch the mesh does not divide."""
+    token_axes = _axes("batch")
+    if not token_axes:
+        return False
+    mesh = jax.sharding.get_abstract_mesh()
+    split = {name for axes in kernel_axes for name in axes if name not in (None, "exp", "embed")}
+    if any(_axes(name) for name in split):
+        return False
+    shards = math.prod(mesh.shape[a] for a in token_axes)
+    return x.ndim >= 2 and x.shape[0] % shards == 0
+
+
 def expert_parallel_forward(
     spec: ExpertLayer, params: dict[str, Array], x: Array, quantizer_sets: tuple[QuantizerSet, ...]
 ) -> tuple[tuple[Array, Array], RoutingStats]:
-    """``MoEBlockSpec.forward`` with the experts split over the expert mesh axis."""
-    ep = expert_axis()
-    assert ep is not None
+    """``MoEBlockSpec.forward`` inside ``shard_map`` over the batch axes: the experts split over
+    the expert mesh axis, or (without one, ``shards_the_tokens``) each device's tokens through
+    every expert, the kernels gathered at the boundary."""
+    ep = expert_axis() if expert_parallel_size() > 1 else None
     token_axes = _axes("batch")
-    _check(spec, x, ep, token_axes)
+    if ep is not None:
+        _check(spec, x, ep, token_axes)
     mesh = jax.sharding.get_abstract_mesh()
     data_axes = tuple(a for a in token_axes if a != ep)
     data_copies = math.prod(mesh.shape[a] for a in data_axes)
     experts = spec.num_experts
+    local_experts = experts // expert_parallel_size()
 
     def state_spec(leaf: Array) -> P:
         return P(data_axes or None, ep) if _is_expert_state(leaf, experts) else P()
@@ -197,8 +220,7 @@ def expert_parallel_forward(
 
     def local(params: dict[str, Array], x: Array, sets: Any) -> Any:
         sets = jax.tree.map(
-            lambda leaf: leaf[0] if _is_expert_state(leaf, experts // mesh.shape[ep], 2) else leaf,
-            sets,
+            lambda leaf: leaf[0] if _is_expert_state(leaf, local_experts, 2) else leaf, sets
         )
         out, stats = _local_forward(spec, params, x, sets, ep, token_axes, capacity, fp8_wire)
         return out, stats
@@ -222,15 +244,14 @@ def _local_forward(
     params: dict[str, Array],
     x: Array,
     sets: tuple[QuantizerSet, ...],
-    ep: str,
+    ep: str | None,
     token_axes: tuple[str, ...],
     capacity: int | None,
     fp8_wire: bool,
 ) -> tuple[tuple[Array, Array], RoutingStats]:
-    """One device's part: its tokens, its experts (sent as float8 with ``fp8_wire``)."""
+    """One device's part: its tokens, and its experts (``ep``: sent there, as float8 with
+    ``fp8_wire``) or every expert (``ep`` None)."""
     experts, k = spec.num_experts, spec.num_experts_per_tok
-    ep_size = lax.axis_size(ep)
-    local_experts = experts // ep_size
     tokens = x.reshape(-1, x.shape[-1])  # [T_local, H]
     routed = spec.route(params, tokens, token_axes)
     selected, weights = routed.selected, routed.weights
@@ -247,48 +268,79 @@ def _local_forward(
         selected = lax.dynamic_slice_in_dim(kept, start, tokens.shape[0])  # [T_local, k]
         weights = jnp.where(selected < experts, weights, jnp.zeros((), weights.dtype))
     rows, perm_state, group_sizes = pure_jax_token_dispatch(routed.tokens, selected, experts, k)
-    count = rows.shape[0]  # T_local * k
-    # Rows sent to each device: at most all of them, or its experts' capacity.
-    width = count if capacity is None else min(count, local_experts * capacity)
-    ends = jnp.cumsum(group_sizes)  # [E]
-    row_expert = jnp.searchsorted(ends, jnp.arange(count), side="right")  # [R]; E: dropped
-    device_count = jnp.sum(group_sizes.reshape(ep_size, local_experts), axis=1)  # [ep]
-    device_start = (ends - group_sizes)[::local_experts]  # [ep]
-    slot = jnp.arange(width)
-    source = jnp.clip(device_start[:, None] + slot[None, :], 0, count - 1)  # [ep, W]
-    valid = slot[None, :] < device_count[:, None]  # [ep, W]
-    send = jnp.where(valid[:, :, None], rows[source], jnp.zeros((), rows.dtype))  # [ep, W, H]
-    first_expert = (jnp.arange(ep_size) * local_experts)[:, None]
-    send_ids = jnp.where(valid, row_expert[source] - first_expert, local_experts)  # [ep, W]
-    with jax.named_scope("dispatch"):
-        received_ids = lax.all_to_all(send_ids, ep, 0, 0)  # [ep (source), W]
-        # [ep (destination), W, H] -> [ep (source), W, H]; float8 under FP8.
-        if fp8_wire:
-            send_experts = jnp.where(valid, row_expert[source], experts)  # [ep, W]
-            wire = (send_experts, received_ids, sets[0].x, token_axes, experts)
-            received = _fp8_dispatch(send, ep, *wire)
-        else:
-            received = lax.all_to_all(send, ep, 0, 0)
-        received_ids = received_ids.reshape(-1)  # [ep * W]
-    order = jnp.argsort(received_ids, stable=True)  # by local expert, then source, then token
-    local_rows = sort_rows(received.reshape(ep_size * width, -1), order)
-    local_sizes = jax.ops.segment_sum(
-        jnp.ones_like(received_ids), received_ids, num_segments=local_experts
-    ).astype(jnp.int32)
-    # Each device holds other experts: their FP8 amaxes combine over the data-parallel axes
-    # only. The ragged lowering keeps that for its backward (the capacity one would not).
-    with scaling.distinct_over((ep,)):
-        local_out = spec.expert_ffn(params, local_rows, local_sizes, sets, None)
-    back = sort_rows(local_out, jnp.argsort(order)).reshape(ep_size, width, -1)
-    with jax.named_scope("combine"):  # in the compute dtype
-        returned = lax.all_to_all(back, ep, 0, 0)  # [ep (destination), W, H]
-    device = jnp.clip(row_expert // local_experts, 0, ep_size - 1)  # [R]
-    position = jnp.clip(jnp.arange(count) - device_start[device], 0, width - 1)
-    expert_out = jnp.where(
-        (row_expert < experts)[:, None], returned[device, position], jnp.zeros((), rows.dtype)
-    )  # [R, H]
+    if ep is None:
+        # Every expert here; the ragged lowering (the drops are decided above). The amaxes
+        # combine over every batch axis, as one device's over the whole batch.
+        expert_out = spec.expert_ffn(params, rows, group_sizes, sets, None)  # [R, H]
+    else:
+        exchange = _Exchange(ep, token_axes, capacity, fp8_wire)
+        expert_out = exchange.run(spec, params, rows, group_sizes, sets)
     out = pure_jax_token_combine(expert_out, perm_state, weights, k, 1, tokens.shape[0])
     return (out.reshape(x.shape), routed.aux_loss), spec.stats(selected, token_axes)
+
+
+class _Exchange(NamedTuple):
+    """The expert-parallel part of one device's forward: its rows to their experts' devices,
+    the local experts, the rows back."""
+
+    ep: str
+    token_axes: tuple[str, ...]
+    capacity: int | None
+    fp8_wire: bool
+
+    def run(
+        self,
+        spec: ExpertLayer,
+        params: dict[str, Array],
+        rows: Array,
+        group_sizes: Array,
+        sets: tuple[QuantizerSet, ...],
+    ) -> Array:
+        """``rows [R, H]`` sorted by expert -> the experts' outputs ``[R, H]``, zero for a
+        dropped row."""
+        ep, experts = self.ep, spec.num_experts
+        ep_size = lax.axis_size(ep)
+        local_experts = experts // ep_size
+        count = rows.shape[0]  # T_local * k
+        # Rows sent to each device: at most all of them, or its experts' capacity.
+        width = count if self.capacity is None else min(count, local_experts * self.capacity)
+        ends = jnp.cumsum(group_sizes)  # [E]
+        row_expert = jnp.searchsorted(ends, jnp.arange(count), side="right")  # [R]; E: dropped
+        device_count = jnp.sum(group_sizes.reshape(ep_size, local_experts), axis=1)  # [ep]
+        device_start = (ends - group_sizes)[::local_experts]  # [ep]
+        slot = jnp.arange(width)
+        source = jnp.clip(device_start[:, None] + slot[None, :], 0, count - 1)  # [ep, W]
+        valid = slot[None, :] < device_count[:, None]  # [ep, W]
+        send = jnp.where(valid[:, :, None], rows[source], jnp.zeros((), rows.dtype))  # [ep, W, H]
+        first_expert = (jnp.arange(ep_size) * local_experts)[:, None]
+        send_ids = jnp.where(valid, row_expert[source] - first_expert, local_experts)  # [ep, W]
+        with jax.named_scope("dispatch"):
+            received_ids = lax.all_to_all(send_ids, ep, 0, 0)  # [ep (source), W]
+            # [ep (destination), W, H] -> [ep (source), W, H]; float8 under FP8.
+            if self.fp8_wire:
+                send_experts = jnp.where(valid, row_expert[source], experts)  # [ep, W]
+                wire = (send_experts, received_ids, sets[0].x, self.token_axes, experts)
+                received = _fp8_dispatch(send, ep, *wire)
+            else:
+                received = lax.all_to_all(send, ep, 0, 0)
+            received_ids = received_ids.reshape(-1)  # [ep * W]
+        order = jnp.argsort(received_ids, stable=True)  # by local expert, source, token
+        local_rows = sort_rows(received.reshape(ep_size * width, -1), order)
+        local_sizes = jax.ops.segment_sum(
+            jnp.ones_like(received_ids), received_ids, num_segments=local_experts
+        ).astype(jnp.int32)
+        # Each device holds other experts: their FP8 amaxes combine over the data-parallel
+        # axes only. The ragged lowering keeps that for its backward (the capacity one would
+        # not).
+        with scaling.distinct_over((ep,)):
+            local_out = spec.expert_ffn(params, local_rows, local_sizes, sets, None)
+        back = sort_rows(local_out, jnp.argsort(order)).reshape(ep_size, width, -1)
+        with jax.named_scope("combine"):  # in the compute dtype
+            returned = lax.all_to_all(back, ep, 0, 0)  # [ep (destination), W, H]
+        device = jnp.clip(row_expert // local_experts, 0, ep_size - 1)  # [R]
+        position = jnp.clip(jnp.arange(count) - device_start[device], 0, width - 1)
+        valid_rows = (row_expert < experts)[:, None]
+        return jnp.where(valid_rows, returned[device, position], jnp.zeros((), rows.dtype))
 
 
 def _fp8_dispatch(
