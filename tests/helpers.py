@@ -196,4 +196,6 @@ TINY_LM = [
     "train.warmup_steps=2",
     "train.eval_batches=2",
     "train.amax_history_len=4",
+    # No FP8-health steps (a second compiled program) unless a test asks for them.
+    "train.fp8_stats_every=0",
 ]

@@ -224,6 +224,7 @@ def test_compare_mode_writes_the_report(tmp_path, corpus, monkeypatch):
                 *TINY,
                 "train.steps=4",
                 "train.eval_every=2",
+                "train.fp8_stats_every=2",
                 "checkpoint_every=0",
                 f"output_dir={tmp_path}",
             ]
@@ -242,6 +243,11 @@ def test_compare_mode_writes_the_report(tmp_path, corpus, monkeypatch):
         row = next(line for line in report.splitlines() if line.startswith(f"| {run} |"))
         assert float(row.split(" | ")[column]) > 0
     assert (tmp_path / "loss.png").stat().st_size > 1000
+    # FP8 health: the fp8 run measured steps 2 and 4 inside te_flax.inspect_fp8().
+    assert "![FP8 health: saturation and underflow per layer](fp8_health.png)" in report
+    assert "FP8 health of the fp8 run: every 2 steps" in report and "(2 measurements;" in report
+    assert "At step 4: largest saturation " in report
+    assert (tmp_path / "fp8_health.png").stat().st_size > 1000
 
 
 @pytest.mark.parametrize(
@@ -305,6 +311,7 @@ def test_fp8_attention_trains_and_updates_the_attention_state(tmp_path, corpus):
         (["train.steps=0"], "train.steps"),
         (["train.fp8_attention=true", "train.recipe=mxfp8"], "train.fp8_attention"),
         (["train.fp8_attention=true", "model.frontend=nnx"], "train.fp8_attention"),
+        (["train.fp8_stats_every=-1"], "train.fp8_stats_every"),
         (["steps"], "key=value"),
     ],
 )

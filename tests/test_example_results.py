@@ -1,8 +1,8 @@
 """The README's results of ``scripts/train`` are the committed report's
 (``docs/example_results/report.md``), and that report is in the form the job writes today: a
 figure changed in one place and not the other, or a report older than its writer, fails here.
-Regenerate both with ``scripts/train`` and copy ``runs/lm/report.md`` and ``runs/lm/loss.png``
-into ``docs/example_results``."""
+Regenerate both with ``scripts/train`` and copy ``runs/lm/report.md``, ``runs/lm/loss.png`` and
+``runs/lm/fp8_health.png`` into ``docs/example_results``."""
 
 from __future__ import annotations
 

@@ -73,6 +73,9 @@ class TrainConfig:
     fp8_attention: bool = False
     # Stop after this step, keeping the schedule of train.steps (to split a run in parts).
     stop_at: int | None = None
+    # FP8 health: every this many steps one step runs inside te_flax.inspect_fp8() and keeps
+    # the FP8 statistics of every GEMM operand for the report's figure (0: never; Linen only).
+    fp8_stats_every: int = 20
 
 
 @dataclasses.dataclass
@@ -166,6 +169,11 @@ def _load(path: str | Path | None, overrides: list[str]) -> Config:
                 f"{key} must be >= 1, got {OmegaConf.select(config, key)}; set {key} to a "
                 "positive int"
             )
+    if config.train.fp8_stats_every < 0:
+        raise ConfigError(
+            f"train.fp8_stats_every must be >= 0 (0: no FP8 statistics), got "
+            f"{config.train.fp8_stats_every}"
+        )
     m = config.model
     if m.block == "te" and m.d_model != m.heads * m.head_dim:
         raise ConfigError(

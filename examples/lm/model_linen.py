@@ -165,7 +165,13 @@ class GPT(nn.Module):
         x = (embed(tokens) + positions[None]).astype(COMPUTE_DTYPE)  # [batch, seq, d_model]
         blocks = nn.scan(
             TELayer if c.block == "te" else Block,
-            variable_axes={"params": 0, OVERWRITE_WITH_GRADIENT: 0, "intermediates": 0},
+            # Each layer its own FP8 state and FP8 statistics (te_flax.inspect_fp8()).
+            variable_axes={
+                "params": 0,
+                OVERWRITE_WITH_GRADIENT: 0,
+                "intermediates": 0,
+                "fp8_stats": 0,
+            },
             split_rngs={"params": True},
             length=c.layers,
             metadata_params={nn.PARTITION_NAME: "layers"},

@@ -14,6 +14,8 @@ import numpy as np
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 
+import te_flax
+
 from .config import Config
 from .train import RunResult
 
@@ -106,6 +108,44 @@ def _moe_report(config: Config, results: list[RunResult], out: Path) -> list[str
     return lines
 
 
+def _worst(stats, metric: str) -> tuple[float, str]:
+    """The largest ``metric`` among a step's tensors, and which tensor it is."""
+    worst, where = 0.0, "none"
+    for path, value in jax.tree_util.tree_flatten_with_path(stats)[0]:
+        keys = [getattr(key, "key", str(key)) for key in path]
+        if keys[-1] == metric and np.max(value) > worst:
+            index = np.unravel_index(np.argmax(value), np.shape(value))
+            layer = f" (layer {index[0]})" if index else ""
+            worst, where = float(np.max(value)), "/".join(map(str, keys[:-1])) + layer
+    return worst, where
+
+
+def _fp8_health_report(config: Config, result: RunResult, out: Path) -> list[str]:
+    """``fp8_health.png`` (saturation and underflow of every GEMM operand over the run,
+    measured with ``te_flax.inspect_fp8()``) and the report's lines about it."""
+    every = config.train.fp8_stats_every
+    te_flax.plot_fp8_stats(
+        result.fp8_stats, out / "fp8_health.png", title=f"FP8 health of the {result.name} run"
+    )
+    last_step, last = result.fp8_stats[-1]
+    saturation, saturated = _worst(last, "saturation")
+    underflow, underflowed = _worst(last, "underflow")
+    return [
+        "",
+        f"FP8 health of the {result.name} run: every {every} steps a training step ran inside "
+        "`te_flax.inspect_fp8()` and measured, for each layer's GEMMs, the fraction of "
+        "entries of x, the kernel and the output gradient that saturate (clipped at the "
+        "format's largest value) and the fraction of nonzero entries that underflow to zero "
+        f"({len(result.fp8_stats)} measurements; such a step took "
+        f"{1000 * result.fp8_stats_step_s:.1f} ms against {1000 * result.step_time_s:.1f} ms).",
+        "",
+        "![FP8 health: saturation and underflow per layer](fp8_health.png)",
+        "",
+        f"At step {last_step}: largest saturation {saturation:.3%} ({saturated}), largest "
+        f"underflow {underflow:.3%} ({underflowed}).",
+    ]
+
+
 def write_report(config: Config, results: list[RunResult]) -> Path:
     """Writes ``loss.png`` and ``report.md`` to ``config.output_dir``; returns the report."""
     out = Path(config.output_dir)
@@ -196,6 +236,9 @@ def write_report(config: Config, results: list[RunResult]) -> Path:
         ]
     if all(r.aux_loss for r in results):
         lines += _moe_report(config, results, out)
+    for result in results:
+        if result.fp8_stats:
+            lines += _fp8_health_report(config, result, out)
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -48,6 +48,7 @@ from te_flax.sharding import load_axis_rules, make_mesh
 from te_flax.training import (
     OVERWRITE_WITH_GRADIENT,
     apply_gradients,
+    fp8_stats_slots,
     init_optimizer,
     value_and_grad,
 )
@@ -84,6 +85,10 @@ class RunResult:
     # past the end, no step ran).
     first_step_s: float = 0.0
     tokens_dropped: list[int] = dataclasses.field(default_factory=list)  # MoE, per step
+    # FP8 health: (step, the step's FP8 statistics on the host) every train.fp8_stats_every
+    # steps (te_flax.inspect_fp8()); the statistics steps are left out of the step time.
+    fp8_stats: list[tuple[int, Any]] = dataclasses.field(default_factory=list)
+    fp8_stats_step_s: float = 0.0  # median wall time of a statistics step after its compile
 
 
 def make_recipe(config: Config):
@@ -106,6 +111,9 @@ class _Frontend:
     init: Any  # key -> variables
     apply: Any  # (variables, tokens) -> (logits, sown intermediates)
     partition_specs: Any  # () -> the variables' PartitionSpecs on the mesh, under the rules
+    # variables -> zeros of the "fp8_stats" collection (te_flax.inspect_fp8()); None: the
+    # front end collects none (NNX here: its variables pass through Linen variable dicts).
+    stats_slots: Any = None
 
 
 def _linen_frontend(config: Config) -> _Frontend:
@@ -120,6 +128,7 @@ def _linen_frontend(config: Config) -> _Frontend:
         init=lambda key: nn.meta.unbox(model.init(key, tokens)),
         apply=lambda variables, tokens: model.apply(variables, tokens, mutable=["intermediates"]),
         partition_specs=partition_specs,
+        stats_slots=lambda variables: fp8_stats_slots(model.apply, variables, tokens),
     )
 
 
@@ -237,6 +246,28 @@ def make_train_step(frontend, tx):
         return {"variables": variables, "opt_state": opt_state}, parts
 
     return train_step
+
+
+def make_stats_step(frontend, tx):
+    """The training step that also measures FP8 statistics, not jitted, to run inside
+    ``te_flax.inspect_fp8()``: ``(state, slots, tokens, targets) -> (state, loss parts,
+    statistics)``. The statistics variables (``slots``) join the variables only inside the
+    step: their gradient is the step's statistics, and the checkpointed variables stay as
+    they are."""
+
+    def stats_step(state, slots, tokens, targets):
+        def loss_fn(variables):
+            return _loss(frontend, variables, tokens, targets)
+
+        variables = {**state["variables"], "fp8_stats": slots}
+        (_, parts), grads = value_and_grad(loss_fn, has_aux=True)(variables)
+        stats = grads.pop("fp8_stats")
+        new_variables, opt_state = apply_gradients(
+            tx, state["variables"], grads, state["opt_state"]
+        )
+        return {"variables": new_variables, "opt_state": opt_state}, parts, stats
+
+    return stats_step
 
 
 def _killed_before_commit(step: int) -> type:
@@ -461,6 +492,10 @@ def train(
                 print(_nothing_to_resume(directory, name))
 
         train_step = jax.jit(make_train_step(frontend, tx))
+        stats_every = t.fp8_stats_every if recipe is not None and frontend.stats_slots else 0
+        if stats_every:
+            stats_step = jax.jit(make_stats_step(frontend, tx))
+            slots = frontend.stats_slots(state["variables"])
 
         @jax.jit
         def eval_loss(variables, tokens, targets):
@@ -478,7 +513,7 @@ def train(
         if start == 0:
             result.eval_steps.append(0)
             result.eval_loss.append(evaluate(state["variables"]))
-        times = []
+        times, stats_times = [], []
         end = t.steps if t.stop_at is None else min(t.stop_at, t.steps)
         every = eval_interval(config)
         bar = tqdm(range(start, end), desc=name, disable=not progress, initial=start)
@@ -486,9 +521,17 @@ def train(
             tokens, targets = corpus.batch("train", t.seed, step, t.batch, t.seq_len)
             tokens, targets = jax.device_put((tokens, targets), batch_sharding)
             began = time.perf_counter()
-            state, (loss, aux_loss, dropped) = train_step(state, tokens, targets)
+            if stats_every and (step + 1) % stats_every == 0:
+                # FP8 health: this step also measures every GEMM operand's statistics.
+                with te_flax.inspect_fp8():
+                    state, parts, stats = stats_step(state, slots, tokens, targets)
+                result.fp8_stats.append((step + 1, jax.device_get(stats)))
+                (loss, aux_loss, dropped), timed = parts, stats_times
+            else:
+                state, (loss, aux_loss, dropped) = train_step(state, tokens, targets)
+                timed = times
             loss = float(loss)  # waits for the step
-            times.append(time.perf_counter() - began)
+            timed.append(time.perf_counter() - began)
             result.steps.append(step + 1)
             result.train_loss.append(loss)
             if config.model.moe.experts:
@@ -514,6 +557,9 @@ def train(
             print(f"{name}: checkpoints of steps {steps} in {manager.directory}")
             manager.close()
         result.first_step_s = times[0] if times else 0.0
+        # The first statistics step compiles its program: the rest show what one costs.
+        measured = stats_times[1:] or stats_times
+        result.fp8_stats_step_s = float(np.median(measured)) if measured else 0.0
         steady = times[1:] or times
         result.step_time_s = float(np.median(steady)) if steady else 0.0
         result.tokens_per_s = t.batch * t.seq_len / result.step_time_s if steady else 0.0
