@@ -5,15 +5,39 @@ Mixtral-shaped layer, timed interleaved: FP8 and BF16 on te_flax's grouped GEMM 
 ragged lowering; the capacity lowering with FP8), BF16 on the capacity lowering (batched cuBLAS),
 and Flax's FP8 einsum on the capacity layout. The speed-ups are against te_flax's BF16 capacity
 lowering, as ``bench/RESULTS_moe.md`` models them, and FP8 against BF16 on the same kernels.
+
+``python -m bench.gpu_moe`` (no GPU needed) models the same comparison on the JAX it runs on:
+``te_flax.linen.MoEBlock``'s training step compiled deviceless for an H100 in FP8 and in BF16,
+dropless (the ragged lowering) and with a capacity factor of 1.25, at the Mixtral shape and a
+DeepSeek-V3-like one (64 small experts, top-8), and modelled as ``bench/moe.py``'s
+``modelled_ms`` models a step (each GEMM or grouped kernel call at max(FLOPs / derated peak,
+bytes / derated HBM bandwidth), every other byte at the derated bandwidth). It writes its
+section of ``bench/RESULTS_moe.md`` for that JAX: run it on both ends of the range.
 """
 
 from __future__ import annotations
 
+import re
+import sys
+import time
+import warnings
 from collections.abc import Callable
+from functools import partial
+from pathlib import Path
 
 from bench.moe import MoECase
 
-__all__ = ["GPU_CASE", "SMOKE_CASE", "VARIANTS", "markdown", "run_moe"]
+__all__ = [
+    "GPU_CASE",
+    "MODEL_CASES",
+    "MODEL_VARIANTS",
+    "SMOKE_CASE",
+    "VARIANTS",
+    "markdown",
+    "model_section",
+    "modelled_block",
+    "run_moe",
+]
 
 GPU_CASE = MoECase("H100", tokens=8192, hidden=4096, ffn=14336, experts=8, topk=2)
 SMOKE_CASE = MoECase("smoke", tokens=128, hidden=128, ffn=128, experts=4, topk=2)
@@ -94,3 +118,195 @@ def markdown(moe: dict) -> list[str]:
             f"{entry['grouped_kernel_calls']} | {entry['fp8_cublas_gemms']} |"
         )
     return lines
+
+
+# ----------------------------------------------------------------------------- the H100 model
+
+MODEL_CASES = (
+    MoECase("Mixtral 8x7B", tokens=8192, hidden=4096, ffn=14336, experts=8, topk=2),
+    MoECase("DeepSeek-V3-like", tokens=16384, hidden=2048, ffn=1408, experts=64, topk=8),
+)
+# Row name -> (FP8 or not, MoEBlock's capacity factor: None for dropless).
+MODEL_VARIANTS = {
+    "MoEBlock fp8": (True, None),
+    "MoEBlock bf16": (False, None),
+    "MoEBlock fp8 capacity": (True, 1.25),
+    "MoEBlock bf16 capacity": (False, 1.25),
+}
+RESULTS = Path(__file__).parent / "RESULTS_moe.md"
+SECTION = "<!-- bench.gpu_moe jax {version} -->"
+
+
+def _block_step(case: MoECase, fp8: bool, capacity_factor: float | None):
+    """``(step, variables, x)``: one training step of ``MoEBlock`` (its gradients and the
+    input's, the FP8 state max-merged as ``te_flax.training`` does), as shapes."""
+    import jax
+    import jax.numpy as jnp
+
+    from bench.moe import _merged_loss
+    from te_flax.linen import MoEBlock
+    from te_flax.quantize import DelayedScaling
+
+    layer = MoEBlock(
+        num_experts=case.experts,
+        num_experts_per_tok=case.topk,
+        intermediate_dim=case.ffn,
+        capacity_factor=capacity_factor,
+        recipe=DelayedScaling() if fp8 else None,
+    )
+    x = jax.ShapeDtypeStruct((case.tokens, case.hidden), jnp.bfloat16)
+    variables = jax.eval_shape(layer.init, jax.random.key(0), x)
+
+    def loss(variables, x):
+        return jnp.mean(jnp.square(layer.apply(variables, x)[0].astype(jnp.float32)))
+
+    def step(variables, x):
+        return jax.value_and_grad(partial(_merged_loss, loss), argnums=(0, 1))(variables, x)
+
+    return step, variables, x
+
+
+def modelled_block(case: MoECase, fp8: bool, capacity_factor: float | None) -> dict:
+    """The deviceless H100 program of ``MoEBlock``'s step: its GEMMs, bytes and modelled time
+    (``bench.moe.modelled_ms``, peak and derated)."""
+    import jax
+
+    from bench import h100
+    from bench.moe import DERATES, modelled_ms
+    from te_flax._ops.grouped import RaggedOnGpuWarning
+    from te_flax._ops.kernels import pallas_kernels
+    from te_flax._tools.hlo import parse_gemms
+
+    sharding = h100._sharding()
+    step, variables, x = _block_step(case, fp8, capacity_factor)
+
+    def spec(leaf):
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+    # Traced as on a GPU; where a GEMM falls to XLA's ragged_dot the row shows it (its warning
+    # is what the row measures).
+    with pallas_kernels("auto", assume_gpu=True), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RaggedOnGpuWarning)
+        compiled = jax.jit(step).lower(*jax.tree.map(spec, (variables, x))).compile()
+    text = compiled.as_text()
+    grouped = h100.grouped_kernel_gemms(text)
+    row = {
+        **h100.count_gemms(text),
+        **h100.cost(compiled),
+        "gemm_calls": [(g.flops, g.bytes, g.fp8) for g in parse_gemms(text)],
+        "kernel_gemm_calls": [(g["flops"], g["bytes"], g["fp8"]) for g in grouped],
+        "kernel_types": sorted({" x ".join(g["operand_types"]) for g in grouped}),
+        "top": h100.instruction_bytes(text, top=4),
+    }
+    row["ms"] = {label: modelled_ms(row, derate)[0] for label, derate in DERATES.items()}
+    return row
+
+
+def _case_lines(case: MoECase, rows: dict[str, dict]) -> list[str]:
+    routed = case.tokens * case.topk
+    lines = [
+        f"#### {case.name}: {case.describe()} ({routed} routed rows)",
+        "",
+        "| variant | grouped kernel calls (operand types) | FP8 cuBLAS GEMMs | other GEMMs | "
+        "GFLOP | GB accessed | step ms peak / derated |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, row in rows.items():
+        types = f" ({', '.join(row['kernel_types'])})" if row["grouped_kernels"] else ""
+        lines.append(
+            f"| {name} | {row['grouped_kernels']}{types} | {row['fp8_gemms']} | "
+            f"{row['other_gemms']} | {row['flops'] / 1e9:,.0f} | {row['bytes'] / 1e9:.2f} | "
+            f"{row['ms']['peak']:.2f} / {row['ms']['derated']:.2f} |"
+        )
+    fp8, bf16 = rows["MoEBlock fp8"], rows["MoEBlock bf16"]
+    best = {
+        label: min(row["ms"][label] for name, row in rows.items() if "bf16" in name)
+        for label in ("peak", "derated")
+    }
+    lines += [
+        "",
+        f"- Dropless FP8 / BF16 bytes: {fp8['bytes'] / bf16['bytes']:.3f}; FLOPs: "
+        f"{fp8['flops'] / bf16['flops']:.2f}.",
+        f"- Dropless FP8 speed-up over the best BF16 row (peak / derated): "
+        f"{best['peak'] / fp8['ms']['peak']:.2f}x / {best['derated'] / fp8['ms']['derated']:.2f}x;"
+        f" over dropless BF16: {bf16['ms']['peak'] / fp8['ms']['peak']:.2f}x / "
+        f"{bf16['ms']['derated'] / fp8['ms']['derated']:.2f}x.",
+    ]
+    cap8, cap16 = rows["MoEBlock fp8 capacity"], rows["MoEBlock bf16 capacity"]
+    lines += [
+        f"- Capacity FP8 / BF16 bytes: {cap8['bytes'] / cap16['bytes']:.3f}; speed-up (peak / "
+        f"derated): {cap16['ms']['peak'] / cap8['ms']['peak']:.2f}x / "
+        f"{cap16['ms']['derated'] / cap8['ms']['derated']:.2f}x.",
+        "- Largest instructions of the dropless FP8 step: "
+        + "; ".join(
+            f"{r['instruction']} -> {r['result']} ({r['bytes'] / 1e9:.2f} GB)" for r in fp8["top"]
+        )
+        + ".",
+        "",
+    ]
+    return lines
+
+
+def model_section(cases=MODEL_CASES) -> str:
+    """The section of ``bench/RESULTS_moe.md`` for the running JAX."""
+    import jax
+
+    started = time.time()
+    body = []
+    for case in cases:
+        rows = {}
+        for name, (fp8, factor) in MODEL_VARIANTS.items():
+            rows[name] = modelled_block(case, fp8, factor)
+            print(
+                f"  {case.name} {name}: {rows[name]['bytes'] / 1e9:.2f} GB, "
+                f"{rows[name]['ms']['derated']:.2f} ms derated (model)",
+                file=sys.stderr,
+            )
+        body += _case_lines(case, rows)
+    return "\n".join(
+        [
+            SECTION.format(version=jax.__version__),
+            f"### MoEBlock on jax {jax.__version__}: FP8 against BF16 (deviceless H100, a model)",
+            "",
+            f"Produced by `JAX_PLATFORMS=cpu python -m bench.gpu_moe` on jax {jax.__version__} "
+            f"({(time.time() - started) / 60:.1f} min; the deviceless compile needs the CUDA "
+            "plugin of that JAX: `jax[cuda12]`, which `.venv-oldest` lacks unless added). A "
+            "MODEL, not a measurement: "
+            "`te_flax.linen.MoEBlock`'s training step (its gradients and the input's, "
+            "DelayedScaling or none, float32 parameters, bfloat16 input) compiled deviceless for "
+            "an H100 with te_flax's kernel switch at its default, FLOPs and bytes as "
+            "`bench/h100.py` counts them, the step time as `bench/moe.py`'s `modelled_ms` "
+            "(peaks BF16 989 / FP8 1979 TFLOP/s, HBM 3.35 TB/s; derated: cuBLAS 0.70 / 0.65, "
+            "grouped kernels 0.68 / 0.55, HBM 0.90). Dropless rows: the ragged lowering; "
+            "capacity rows: capacity factor 1.25. The best BF16 row is the faster of the two "
+            "BF16 rows by each model.",
+            "",
+            *body,
+        ]
+    )
+
+
+def write_section(text: str, version: str) -> None:
+    """Puts ``text`` in place of this JAX's section of ``bench/RESULTS_moe.md`` (or after the
+    file's end): each section runs from its marker to the next marker or the end."""
+    old = RESULTS.read_text() if RESULTS.exists() else ""
+    marker = SECTION.format(version=version)
+    pattern = re.compile(re.escape(marker) + r".*?(?=<!-- bench\.gpu_moe |\Z)", re.S)
+    if pattern.search(old):
+        new = pattern.sub(lambda _: text.rstrip() + "\n\n", old)
+    else:
+        new = old.rstrip() + "\n\n" + text.rstrip() + "\n"
+    RESULTS.write_text(new.rstrip() + "\n")
+
+
+def main(argv: list[str]) -> None:
+    import jax
+
+    text = model_section()
+    print(text)
+    if "--no-write" not in argv:
+        write_section(text, jax.__version__)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -6,15 +6,16 @@ the bytes their operand reads take from HBM, with the order the kernels run now 
 order of the first kernels (a non-persistent grid, the column tiles fastest), and writes
 ``bench/RESULTS_grouped_traffic.md``. It is a model, not a measurement: no GPU ran it.
 
-What it reads from the code: the tiles the stage picks for each GEMM (``grouped._kernel_tiles``:
-tile shape, contraction step, persistent blocks, band), the work items of ``rows_gemm``
-(``grouped_gemm.row_tiles``) and the group-aligned layout of wgrad (``aligned_columns``), and
-the order of the tiles (``tile_order.tile_at``). What it assumes: the ``programs`` blocks work on
-consecutive tiles of the order together (a wave) and advance along the contraction in step, so
-at each contraction step a wave reads the chunk (one tile's ``depth`` slice) of each distinct
-operand strip it needs; a chunk comes from HBM unless it is in an L2 of 50 MB that keeps the
-most recently used chunks (LRU). Outputs are written once whatever the order and are not
-counted. The groups are of equal size (the routed rows spread evenly over the experts).
+What it reads from the code: the tiles the stage picks for each GEMM
+(``grouped_kernels.kernel_tiles``: tile shape, contraction step, persistent blocks, band), the
+work items of ``rows_gemm`` (``grouped_gemm.row_tiles``) and the group-aligned layout of wgrad
+(``aligned_columns``), and the order of the tiles (``tile_order.tile_at``). What it assumes: the
+``programs`` blocks work on consecutive tiles of the order together (a wave) and advance along
+the contraction in step, so at each contraction step a wave reads the chunk (one tile's
+``depth`` slice) of each distinct operand strip it needs; a chunk comes from HBM unless it is in
+an L2 of 50 MB that keeps the most recently used chunks (LRU). Outputs are written once whatever
+the order and are not counted. The groups are of equal size (the routed rows spread evenly over
+the experts).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_flax._ops.grouped import _kernel_tiles
+from te_flax._ops.grouped_kernels import kernel_tiles
 from te_flax._ops.kernels.grouped_gemm import Tiles, aligned_columns, row_tiles
 from te_flax._ops.kernels.tile_order import H100_L2_BYTES, tile_at
 
@@ -75,7 +76,7 @@ class Gemm:
     rhs_dtype: jnp.dtype
 
     def tiles(self, programs: int | None = None) -> Tiles:
-        """The tiles the grouped GEMM stage picks for these operands (``_kernel_tiles``)."""
+        """The tiles the grouped GEMM stage picks for these operands (``kernel_tiles``)."""
         spec = jax.ShapeDtypeStruct
         m, k, n, g = self.rows, self.hidden, self.features, self.groups
         if self.kind == "forward":
@@ -84,7 +85,7 @@ class Gemm:
             operands = (spec((m, n), self.lhs_dtype), spec((g, k, n), self.rhs_dtype), (1, 2))
         else:
             operands = (spec((m, k), self.lhs_dtype), spec((m, n), self.rhs_dtype), (0, 0))
-        tiles = _kernel_tiles(*operands, g, programs)
+        tiles = kernel_tiles(*operands, g, programs)
         assert tiles is not None, f"{self.name}: the kernels do not take {self}"
         return tiles
 
@@ -244,8 +245,9 @@ def main(argv: list[str]) -> None:
             "",
             f"Produced by `python -m bench.grouped_traffic` ({time.time() - started:.0f} s, "
             f"jax {jax.__version__}). A MODEL, not a measurement (no GPU ran these kernels): "
-            "the bench replays the kernels' schedule (the tiles `grouped._kernel_tiles` picks, "
-            "`row_tiles`, `aligned_columns`, the order of `tile_order.tile_at`) over an LRU "
+            "the bench replays the kernels' schedule (the tiles "
+            "`grouped_kernels.kernel_tiles` picks, `row_tiles`, `aligned_columns`, the order "
+            "of `tile_order.tile_at`) over an LRU "
             "L2 of 50 MB, the persistent blocks of a wave stepping along the contraction "
             "together; see the docstring of `bench/grouped_traffic.py`. GB: the operand bytes "
             "read from HBM (outputs are written once in any order); ideal: each operand byte "

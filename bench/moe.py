@@ -581,7 +581,15 @@ def main(argv: list[str]) -> None:
     )
     print(text)
     if not quick:
-        RESULTS.write_text(text)
+        RESULTS.write_text(text + _kept_sections())
+
+
+def _kept_sections() -> str:
+    """What ``bench/gpu_moe.py`` wrote into the results (its sections, one per JAX, from its
+    first marker on), kept when this bench writes the file anew."""
+    old = RESULTS.read_text() if RESULTS.exists() else ""
+    start = old.find("<!-- bench.gpu_moe ")
+    return "" if start < 0 else "\n" + old[start:]
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from te_flax._base.jax_compat import mixed_fp8_wgmma
 from te_flax._ops.grouped import RaggedOnGpuWarning
 from te_flax._ops.kernels import pallas_kernels
 from te_flax._ops.kernels.grouped_gemm import Accumulation, Tiles, group_gemm, rows_gemm
+from te_flax._tools.hlo import value_types
 from te_flax.dense import grouped_dense, grouped_quantizer_set
 from te_flax.quantize import (
     DelayedScaling,
@@ -127,16 +128,27 @@ def _kernel_calls(hlo: str) -> list[tuple[str, str]]:
     return [(result, constraints) for result, constraints in calls]
 
 
+def _kernel_operand_types(hlo: str) -> list[set[str]]:
+    """The element types of the two matrix operands of each Mosaic GPU call of the entry
+    computation (after its two tables)."""
+    types = value_types(hlo)
+    entry = hlo[hlo.index("ENTRY") :]
+    calls = re.findall(r"custom-call\(([^)]*)\), custom_call_target=\"mosaic_gpu_v2\"", entry)
+    operands = [re.findall(r"%([^\s,]+)", call)[2:4] for call in calls]
+    return [{types[name][0] for name in pair} for pair in operands]
+
+
 @pytest.mark.parametrize("lowering", ["ragged", "capacity"])
 @pytest.mark.parametrize("recipe", ["delayed", "current", "bf16"])
 def test_both_lowerings_run_the_grouped_kernels(recipe, lowering):
     """On a GPU both lowerings take te_flax's grouped GEMM kernels (the capacity lowering its
     packed rows, CAPACITY per expert, with per-tensor FP8): three kernel calls and no cuBLAS
-    GEMM."""
-    if recipe != "bf16" and not mixed_fp8_wgmma():
-        pytest.skip("the float8 gradient GEMMs (e5m2 x e4m3) need jax 0.11's Mosaic GPU")
+    GEMM. Where Mosaic GPU has no mixed float8 ``wgmma`` (jax 0.10) the gradient GEMMs take
+    their e4m3 and e5m2 operands as bfloat16 (``kernel_dtypes``): kernels all the same."""
     if recipe == "bf16" and lowering == "capacity":
         pytest.skip("BF16's capacity lowering keeps batched cuBLAS GEMMs (test below)")
+    if recipe != "bf16" and lowering == "capacity" and not mixed_fp8_wgmma():
+        pytest.skip("without mixed float8 wgmma (jax 0.10) FP8 capacity keeps cuBLASLt GEMMs")
     hlo = _compiled(recipe, lowering, kernels="auto")
     assert parse_gemms(hlo) == [], "a grouped GEMM was left to cuBLAS"
     calls = _kernel_calls(hlo)
@@ -145,9 +157,13 @@ def test_both_lowerings_run_the_grouped_kernels(recipe, lowering):
     expected = [f"bf16[{rows},{FEATURES}]", f"bf16[{rows},{HIDDEN}]"]
     assert results == sorted([*expected, f"f32[{GROUPS},{HIDDEN},{FEATURES}]"]), calls
     float8 = {"f8e4m3fn", "f8e5m2"}
-    for _, operands in calls:
-        types = {t.split("[")[0] for t in operands.split(", ")[2:]}
-        assert types <= (float8 if recipe != "bf16" else {"bf16"}), operands
+    operand_types = _kernel_operand_types(hlo)
+    assert len(operand_types) == 3, operand_types
+    for types in operand_types:
+        assert types <= (float8 if recipe != "bf16" else set()) | {"bf16"}, operand_types
+    if recipe != "bf16":  # the forward in float8; the gradient GEMMs too with mixed wgmma
+        float8_calls = sum(types <= float8 for types in operand_types)
+        assert float8_calls == (3 if mixed_fp8_wgmma() else 1), operand_types
     # The per-group scales are applied in the kernels: no pass writes the float32 weight
     # gradient after its GEMM (the entry's output is the kernel's result).
     wgrad = f"f32[{GROUPS},{HIDDEN},{FEATURES}]"
@@ -239,3 +255,36 @@ def test_rows_off_the_tile_and_a_float8_contraction_of_192_run_the_kernels():
     results = sorted(result.split("{")[0] for result, _ in _kernel_calls(hlo))
     expected = [f"bf16[{rows},{features}]", f"bf16[{rows},{hidden}]"]
     assert results == sorted([*expected, f"f32[{GROUPS},{hidden},{features}]"]), results
+
+
+def _entry_users(hlo: str, value_type: str) -> list[str]:
+    """The instructions of the entry computation that read its parameter of ``value_type``
+    (e.g. ``f32[4,1024,2048]``): each one's result types."""
+    entry = hlo[hlo.index("ENTRY") :]
+    (name,) = re.findall(rf"(%\S+) = {re.escape(value_type)}\{{[^}}]*\}} parameter\(", entry)
+    users = []
+    for line in entry.splitlines():
+        defined = re.match(r"\s*(?:ROOT\s+)?(%\S+) = (.*?) (\S+)\(", line)
+        if defined and defined.group(1) != name and re.search(re.escape(name) + r"[,)]", line):
+            users.append(defined.group(2))
+    return users
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_fp8_reads_the_kernel_and_the_rows_once(recipe):
+    """On the kernels with FP8 the float32 kernel and the input rows are each read by one pass,
+    which quantizes them and reduces their amax together (the kernel's transposed layout is
+    copied from its float8 data): no pass of its own for an amax, where XLA would otherwise
+    read the float32 kernel twice (its two layouts, then its amax) and the rows twice."""
+    if recipe == "current":
+        pytest.skip("current scaling needs the amax before it quantizes: two passes")
+    hlo = _compiled(recipe, "ragged", kernels="auto")
+    for value_type, quantized in [
+        (f"f32[{GROUPS},{HIDDEN},{FEATURES}]", f"f8e4m3fn[{GROUPS},{HIDDEN},{FEATURES}]"),
+        (f"bf16[{ROWS},{HIDDEN}]", f"f8e4m3fn[{ROWS},{HIDDEN}]"),
+    ]:
+        users = _entry_users(hlo, value_type)
+        # The float8 data and the amax from one pass; no pass for the amax alone.
+        assert any(quantized in user and "f32[" in user for user in users), users
+        if mixed_fp8_wgmma():  # jax 0.10's wgrad reads the rows again, for a bfloat16 copy
+            assert len(users) == 1, users

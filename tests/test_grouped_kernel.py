@@ -372,7 +372,7 @@ def test_grouped_dense_on_the_kernels_matches_xla(recipe, sizes, shape):
 def _kernel_accumulation(recipe, monkeypatch):
     """How each GEMM of a grouped_dense training step asks the kernels to accumulate: traced
     for a GPU with float8 e4m3 operands throughout, ``{"forward" | "dgrad" | "wgrad": split}``."""
-    from te_flax._ops import grouped
+    from te_flax._ops import grouped_kernels as grouped
 
     seen = {}
 
@@ -516,3 +516,84 @@ def test_capacity_lowering_keeps_batched_gemms_without_per_tensor_fp8(recipe):
         state = grouped_quantizer_set(QuantizerFactory.create_set(fp8_recipe=RECIPES[recipe]), 3)
     with pallas_kernels("1"):
         assert not capacity_on_kernels(x, kernel, 64, state)
+
+
+def _without_mixed_wgmma(monkeypatch):
+    """This JAX as jax 0.10's Mosaic GPU: no e4m3 x e5m2 ``wgmma``."""
+    from te_flax._ops.kernels import grouped_gemm
+
+    monkeypatch.setattr(grouped_gemm, "mixed_fp8_wgmma", lambda: False)
+
+
+def test_hybrid_gradient_gemms_run_on_the_kernels_in_bfloat16_without_mixed_wgmma(monkeypatch):
+    """Where Mosaic GPU has no mixed float8 ``wgmma`` (jax 0.10), HYBRID FP8's dgrad (e5m2 x
+    e4m3) and wgrad (e4m3 x e5m2) take the kernels with both operands converted to bfloat16
+    (exact), no promotion needed, instead of XLA's ragged_dot expanded over every group; the
+    forward keeps e4m3 x e4m3."""
+    from te_flax._ops import grouped_kernels as grouped
+
+    _without_mixed_wgmma(monkeypatch)
+    seen = {}
+
+    def recorded(name, gemm):
+        def call(*args, **kwargs):
+            lhs, rhs, accumulation = args[0], args[1], args[7]
+            # rows_gemm's [G, N, C]: the forward's N is the kernel's features (N), dgrad's K.
+            gemm_name = ("forward" if rhs.shape[1] == N else "dgrad") if name == "rows" else name
+            seen[gemm_name] = (lhs.dtype, rhs.dtype, accumulation.split)
+            return gemm(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(grouped, "rows_gemm", recorded("rows", grouped.rows_gemm))
+    monkeypatch.setattr(grouped, "group_gemm", recorded("wgrad", grouped.group_gemm))
+    state = grouped_quantizer_set(QuantizerFactory.create_set(fp8_recipe=DelayedScaling()), GROUPS)
+    x, kernel, _, _ = _inputs()
+
+    def loss(x, kernel, state):
+        out = grouped_dense(x, kernel, jnp.array([50, 0, 70], jnp.int32), quantizer_set=state)
+        return jnp.sum(out.astype(jnp.float32))
+
+    with pallas_kernels("auto", assume_gpu=True), warnings.catch_warnings():
+        warnings.simplefilter("error", RaggedOnGpuWarning)
+        jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(x, kernel, state)
+    assert seen == {
+        "forward": (E4M3, E4M3, False),
+        "dgrad": (BF16, BF16, False),
+        "wgrad": (BF16, BF16, False),
+    }
+
+
+@interpreted
+def test_hybrid_gradient_gemms_in_bfloat16_match_xla(monkeypatch):
+    """The bfloat16 conversion is exact: the step on the kernels (interpret mode) gives the
+    XLA lowering's values, gradients and FP8 state, as with mixed float8 ``wgmma``."""
+    _without_mixed_wgmma(monkeypatch)
+    recipe, sizes = DelayedScaling(amax_history_len=4), (50, 0, 70)
+    with pallas_kernels("1"):
+        (_, out), grads = _two_steps(recipe, sizes)
+    with pallas_kernels("0"):
+        (_, expected_out), expected = _two_steps(recipe, sizes)
+    _assert_bf16_close(out, expected_out, "out")
+    _assert_bf16_close(grads[0], expected[0], "d_x")
+    np.testing.assert_allclose(grads[1], expected[1], rtol=1e-5, atol=1e-5, err_msg="d_kernel")
+    for actual, want in zip(jax.tree.leaves(grads[3]), jax.tree.leaves(expected[3]), strict=True):
+        np.testing.assert_allclose(actual, want, rtol=1e-6)
+
+
+def test_a_bfloat16_converted_gemm_is_probed_as_the_kernel_runs_it(monkeypatch):
+    """Without mixed float8 ``wgmma`` a dgrad whose contraction (96) float8 steps cannot tile
+    runs on the kernels in bfloat16 (32-element steps): its first-use check tiles it the same
+    way and says so."""
+    from te_flax._ops import grouped_kernels
+    from te_flax._ops.kernels.probes import grouped_gemm_probe
+
+    _without_mixed_wgmma(monkeypatch)
+    assert tiles_for(E5M2, 96, 64, 96, ragged_rows=True) is None
+    lhs, rhs = jnp.zeros((96, 96), E5M2), jnp.zeros((GROUPS, 64, 96), E4M3)  # [M, N], [G, K, N]
+    kernel = functools.partial(
+        grouped_kernels.rows_kernel, forward=False, out_dtype=BF16, accumulation=Accumulation()
+    )
+    sizes = jnp.array([96, 0, 0], jnp.int32)
+    probe = grouped_gemm_probe(kernel, None, (lhs, rhs, sizes, None, None), (1, 2))
+    assert "float8_e5m2 x float8_e4m3fn as bfloat16" in str(probe.configuration)

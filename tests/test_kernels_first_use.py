@@ -20,7 +20,7 @@ import pytest
 
 import te_flax.linen as te_nn
 from te_flax._base.jax_compat import mosaic_gpu_interpreted
-from te_flax._ops import grouped
+from te_flax._ops import grouped_kernels
 from te_flax._ops.kernels import first_use, pallas_kernels
 from te_flax._ops.kernels.first_use import KernelCheckWarning, checked, kernel_checks
 from te_flax.dense import grouped_dense, grouped_quantizer_set
@@ -64,8 +64,8 @@ def _grouped_step(switch: str, checks: str | None):
 
 def _wrong_rows_gemm(monkeypatch):
     """The forward GEMM's and dgrad's kernel, off by a factor of 2 (a wrong tile, say)."""
-    right = grouped.rows_gemm
-    monkeypatch.setattr(grouped, "rows_gemm", lambda *a, **k: 2 * right(*a, **k))
+    right = grouped_kernels.rows_gemm
+    monkeypatch.setattr(grouped_kernels, "rows_gemm", lambda *a, **k: 2 * right(*a, **k))
 
 
 @interpreted
@@ -104,7 +104,7 @@ def test_a_kernel_that_fails_is_a_disagreement(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("Mosaic GPU lowering failed: no layout for this tile")
 
-    monkeypatch.setattr(grouped, "group_gemm", broken)
+    monkeypatch.setattr(grouped_kernels, "group_gemm", broken)
     _, caught = _grouped_step("1", "1")
     (warning,) = caught
     assert "configuration wgrad" in str(warning.message)

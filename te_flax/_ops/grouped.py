@@ -29,12 +29,10 @@ from jax import Array, lax
 from jax.typing import DTypeLike
 
 from te_flax._ops.custom_op import fused_op
+from te_flax._ops.grouped_kernels import kernel_tiles, rows_kernel, wgrad_kernel
 from te_flax._ops.kernels.grouped_gemm import (
     Accumulation,
-    Tiles,
-    aligned_columns,
-    group_gemm,
-    rows_gemm,
+    kernel_dtypes,
     supported_dtypes,
     tiles_for,
 )
@@ -147,6 +145,11 @@ def _group_amax(
     ``distinct``: manual mesh axes whose devices hold other groups (``scaling.distinct_over``).
     """
     row_amax = jnp.max(jnp.abs(x), axis=tuple(range(1, x.ndim))).astype(jnp.float32)  # [M]
+    # The rows' maxima as a result of their own: XLA then reduces them in the pass that
+    # quantizes x (one read of x), where it would otherwise fold the reduction into the
+    # segment max's scatter, a pass over x of its own (docs/moe.md, "MoEBlock in FP8 against
+    # BF16").
+    row_amax = lax.optimization_barrier(row_amax)
     amax = jax.ops.segment_max(row_amax, ids, num_segments=n_groups)  # [G]; -inf when empty
     amax = jnp.maximum(amax, 0.0)
     # As scaling.amax: inside shard_map each device holds a block of the rows.
@@ -265,17 +268,23 @@ def _grouped_gemm(
     kernel: Callable[..., Array]
     if rhs_group_dims:
         kernel = partial(
-            _rows_kernel,
+            rows_kernel,
             forward=contract == (1, 1),
             out_dtype=out_dtype,
             accumulation=accumulation,
         )
     else:
-        kernel = partial(_wgrad_kernel, out_dtype=out_dtype, accumulation=accumulation)
+        kernel = partial(wgrad_kernel, out_dtype=out_dtype, accumulation=accumulation)
     # 16-bit and float8 operands; float8 ones split their accumulation where the recipe asks.
-    groups = group_sizes.shape[0]
-    fits = _kernel_tiles(lhs_data, rhs_data, contract, groups) is not None and supported_dtypes(
-        lhs_data.dtype, rhs_data.dtype
+    types = kernel_dtypes(lhs_data.dtype, rhs_data.dtype)
+    fits = types is not None and (
+        kernel_tiles(
+            jax.ShapeDtypeStruct(lhs_data.shape, types[0]),
+            jax.ShapeDtypeStruct(rhs_data.shape, types[1]),
+            contract,
+            group_sizes.shape[0],
+        )
+        is not None
     )
     operands = (lhs_data, rhs_data, group_sizes, ids, scale)
     if gpu_host() and not takes_kernel("grouped_gemm", *operands, supported=fits):
@@ -301,23 +310,6 @@ def _split_accumulation(dtype: DTypeLike, precision: lax.Precision | None) -> bo
     return jnp.dtype(dtype).itemsize == 1 and split
 
 
-def _kernel_tiles(
-    lhs: Array, rhs: Array, contract: tuple[int, int], groups: int, programs: int | None = None
-) -> Tiles | None:
-    """The kernel's tiles for the forward GEMM (``contract`` (1, 1): ``[M, K] x [G, K, N]``),
-    dgrad ((1, 2): ``[M, N] x [G, K, N]``) or wgrad ((0, 0): ``[M, K] x [M, N]``), over
-    ``groups`` groups; ``programs``: the persistent grid's blocks (None: one per H100 SM)."""
-    if contract == (0, 0):  # a band's strips span a group's rows, M / G on average
-        span = max(lhs.shape[0] // max(groups, 1), 1)
-        tiles = tiles_for(lhs.dtype, lhs.shape[1], rhs.shape[1], 0, span=span)
-    else:
-        cols = rhs.shape[1 if contract == (1, 2) else 2]
-        tiles = tiles_for(lhs.dtype, lhs.shape[0], cols, lhs.shape[1], ragged_rows=True)
-    if tiles is None or programs is None:
-        return tiles
-    return dataclasses.replace(tiles, programs=programs)
-
-
 def capacity_on_kernels(
     x: Array, kernel: Array, capacity: int, quantizer_set: QuantizerSet
 ) -> bool:
@@ -340,63 +332,14 @@ def capacity_on_kernels(
         (fp8_grad, fp8_kernel, tiles_for(fp8_grad, rows, hidden, features, ragged_rows=True)),
         (fp8_x, fp8_grad, tiles_for(fp8_x, hidden, features, 0)),
     ]
+    # In float8 throughout: where the gradient GEMMs would take bfloat16 (jax 0.10, no mixed
+    # float8 wgmma) the batched cuBLASLt FP8 GEMMs are the faster (bench/gpu_moe.py's model).
     fits = all(t is not None and supported_dtypes(a, b) for a, b, t in gemms)
     return takes_kernel("grouped_gemm", x, kernel, supported=fits)
 
 
 class RaggedOnGpuWarning(UserWarning):
     """A ragged grouped GEMM on a GPU that takes XLA's ``ragged_dot`` (expanded over groups)."""
-
-
-def _rows_kernel(
-    lhs: Array,
-    rhs: Array,
-    group_sizes: Array,
-    ids: Array,
-    scale: Array | None,
-    *,
-    forward: bool,
-    out_dtype: DTypeLike,
-    accumulation: Accumulation,
-    interpret: bool,
-    programs: int | None = None,
-) -> Array:
-    """The forward GEMM (``forward``) or dgrad on the kernel; rows_gemm's rhs is ``[G, N, C]``,
-    so the forward's kernel ``[G, K, N]`` is transposed (float8 tensor cores take the
-    contraction last). ``programs``: the persistent grid's blocks (None: the H100's SMs)."""
-    del ids
-    contract = (1, 1) if forward else (1, 2)
-    tiles = _kernel_tiles(lhs, rhs, contract, group_sizes.shape[0], programs)
-    assert tiles is not None
-    rhs = jnp.swapaxes(rhs, 1, 2) if forward else rhs
-    return rows_gemm(lhs, rhs, group_sizes, scale, out_dtype, tiles, interpret, accumulation)
-
-
-def _wgrad_kernel(
-    lhs: Array,
-    rhs: Array,
-    group_sizes: Array,
-    ids: Array,
-    scale: Array | None,
-    *,
-    out_dtype: DTypeLike,
-    accumulation: Accumulation,
-    interpret: bool,
-    programs: int | None = None,
-) -> Array:
-    """wgrad on the kernel: both operands gathered into the group-aligned layout, transposed
-    (the contraction last, as float8 tensor cores take it); padding columns are zeros."""
-    del ids
-    tiles = _kernel_tiles(lhs, rhs, (0, 0), group_sizes.shape[0], programs)
-    assert tiles is not None
-    source, first_tile, _ = aligned_columns(group_sizes, lhs.shape[0], tiles.depth)
-
-    def aligned(x: Array) -> Array:
-        return jnp.take(x, source, axis=0, mode="fill", fill_value=0).T
-
-    return group_gemm(
-        aligned(lhs), aligned(rhs), first_tile, scale, out_dtype, tiles, interpret, accumulation
-    )
 
 
 def _xla_grouped_gemm(

@@ -50,6 +50,7 @@ __all__ = [
     "Tiles",
     "aligned_columns",
     "group_gemm",
+    "kernel_dtypes",
     "row_tiles",
     "rows_gemm",
     "supported_dtypes",
@@ -154,6 +155,25 @@ def tiles_for(
     strip = tile_rows * (depth if span is None else span) * itemsize
     band = band_for(strip, pl.cdiv(rows, tile_rows))
     return Tiles(rows=tile_rows, cols=tile_cols, depth=steps[0], band=band)
+
+
+def kernel_dtypes(lhs: DTypeLike, rhs: DTypeLike) -> tuple[jnp.dtype, jnp.dtype] | None:
+    """The operand types the kernels multiply ``lhs`` by ``rhs`` in, or None where they do not.
+
+    The types themselves where ``wgmma`` takes them (``supported_dtypes``). An e4m3 x e5m2
+    pair (the gradient GEMMs of HYBRID FP8) where this JAX's Mosaic GPU has no mixed-type
+    float8 ``wgmma`` (jax 0.10): both as bfloat16, which holds every e4m3 and e5m2 value
+    exactly, so the product is the float8 one, summed in float32 (as split accumulation
+    would), at BF16's tensor-core rate, instead of XLA's ``ragged_dot`` expanded over every
+    group (``G`` times the FLOPs).
+    """
+    lhs, rhs = jnp.dtype(lhs), jnp.dtype(rhs)
+    if supported_dtypes(lhs, rhs):
+        return lhs, rhs
+    floats8 = {jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)}
+    if lhs in floats8 and rhs in floats8:
+        return jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.bfloat16)
+    return None
 
 
 def supported_dtypes(lhs: DTypeLike, rhs: DTypeLike) -> bool:

@@ -24,7 +24,7 @@ from te_flax._ops.kernels.activation_grad_mosaic import by_xla as activation_gra
 from te_flax._ops.kernels.activation_quantize_mosaic import by_xla as activation_quantize_by_xla
 from te_flax._ops.kernels.common import row_blocks
 from te_flax._ops.kernels.first_use import Probe, random_operand
-from te_flax._ops.kernels.grouped_gemm import tiles_for
+from te_flax._ops.kernels.grouped_gemm import kernel_dtypes, tiles_for
 from te_flax._ops.kernels.mosaic import layouts_by_xla
 from te_flax._ops.kernels.norm_backward_mosaic import by_xla as norm_backward_by_xla
 
@@ -88,13 +88,15 @@ def grouped_gemm_probe(
     the same dtypes, tiles and options, at a few tiles of each axis and at most four groups."""
     lhs, rhs, group_sizes, _, scale = args
     groups = min(group_sizes.shape[0], 4)
-    itemsize = jnp.dtype(lhs.dtype).itemsize
-    step = 64 // itemsize  # elements of the 64-byte contraction step
+    # The type the kernel multiplies in (bfloat16 for a float8 pair without mixed wgmma).
+    types = kernel_dtypes(lhs.dtype, rhs.dtype)
+    dtype = lhs.dtype if types is None else types[0]
+    step = 64 // jnp.dtype(dtype).itemsize  # elements of the 64-byte contraction step
     if contract == (0, 0):  # [M, K] x [M, N] -> [G, K, N]
         rows = 200
         hidden, features = _small(lhs.shape[1], 64), _small(rhs.shape[1], 64)
         shapes = ((rows, hidden), (rows, features))
-        tiles = tiles_for(lhs.dtype, lhs.shape[1], rhs.shape[1], 0)
+        tiles = tiles_for(dtype, lhs.shape[1], rhs.shape[1], 0)
     else:  # [M, C] x [G, ., .] -> [M, cols]
         rows = _rows(lhs.shape[0])
         depth = _contraction(lhs.shape[1], step)
@@ -103,7 +105,7 @@ def grouped_gemm_probe(
         rhs_shape = [groups, depth, depth]
         rhs_shape[cols_axis] = cols
         shapes = ((rows, depth), tuple(rhs_shape))
-        tiles = tiles_for(lhs.dtype, lhs.shape[0], rhs.shape[cols_axis], lhs.shape[1], True)
+        tiles = tiles_for(dtype, lhs.shape[0], rhs.shape[cols_axis], lhs.shape[1], True)
     options = getattr(kernel, "keywords", {})
     # On a few persistent blocks, so that each takes several tiles in turn (its barriers and
     # buffers carried from one tile to the next), as the real problem's blocks do.
@@ -129,7 +131,9 @@ def grouped_gemm_probe(
     role = {(1, 1): "forward", (1, 2): "dgrad", (0, 0): "wgrad"}[contract]
     out_dtype = jnp.dtype(options.get("out_dtype", lhs.dtype)).name
     configuration = (
-        f"{role} {_pair(lhs, rhs)} -> {out_dtype}, {tiles.rows} x {tiles.cols} tiles "
+        f"{role} {_pair(lhs, rhs)}"
+        + ("" if dtype == lhs.dtype else f" as {jnp.dtype(dtype).name}")
+        + f" -> {out_dtype}, {tiles.rows} x {tiles.cols} tiles "
         f"{tiles.depth} deep, {'split' if split else 'fast'} accumulation"
         + (", group scales" if scale is not None else "")
         + f", {_PROBE_PROGRAMS} persistent blocks"
