@@ -88,6 +88,8 @@ API_MODULES = [
     "te_flax.collective",
     "te_flax.router",
     "te_flax.permutation",
+    "te_flax.moe",
+    "te_flax.ep",
 ]
 
 

@@ -5,11 +5,14 @@ The functional ops live in ``te_flax.layernorm``, ``te_flax.dense`` and
 ``quantize_model`` runs a model written with Flax's own layers in FP8. ``explain`` says which
 GEMMs of a compiled step run in FP8; ``inspect_fp8`` records the FP8 statistics of every GEMM
 operand (saturation, underflow, scales), which ``fp8_stats_table`` and ``plot_fp8_stats`` show.
+``as_transformer_engine()`` (or ``TE_FLAX_AS_TRANSFORMER_ENGINE=1`` before this import) serves
+TransformerEngine's import paths (``transformer_engine.jax...``) from te_flax.
 """
 
 import importlib.metadata
 
 from te_flax._explain import explain
+from te_flax._te_paths import as_transformer_engine, from_environment
 from te_flax._tools.explain import CollectiveInfo, ExplainReport, GemmInfo
 from te_flax._tools.fp8_stats import fp8_stats_table, plot_fp8_stats
 from te_flax._tools.show_config import show_config
@@ -33,6 +36,7 @@ __all__ = [
     "QuantizeModelNote",
     "QuantizeRule",
     "__version__",
+    "as_transformer_engine",
     "autocast",
     "explain",
     "fp8_autocast",
@@ -42,3 +46,5 @@ __all__ = [
     "quantize_model",
     "show_config",
 ]
+
+from_environment()  # TE_FLAX_AS_TRANSFORMER_ENGINE=1: TransformerEngine's import paths, on request

@@ -4,6 +4,10 @@
 report of a program: ``FUNCTION`` (in the module ``MODULE``, or in the file ``MODULE`` when it
 ends in ``.py``) takes no arguments and returns ``(fn, args)`` or ``(fn, args, kwargs)``, the
 function to compile and its example arguments (arrays or ``jax.ShapeDtypeStruct``).
+
+``python -m te_flax run [--shadow-installed] (-m MODULE | SCRIPT) [ARGS...]`` runs a program
+with TransformerEngine's import paths served by te_flax (``te_flax.as_transformer_engine``),
+e.g. ``python -m te_flax run -m maxtext.trainers.pre_train.train CONFIG.yml ...``.
 """
 
 from __future__ import annotations
@@ -11,15 +15,21 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import runpy
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from te_flax._explain import TARGETS, explain
+from te_flax._te_paths import as_transformer_engine
 from te_flax._tools.show_config import show_config
 
-_USAGE = "python -m te_flax [explain MODULE:FUNCTION [--target TARGET]]"
+_USAGE = (
+    "python -m te_flax [explain MODULE:FUNCTION [--target TARGET] | "
+    "run [--shadow-installed] (-m MODULE | SCRIPT) [ARGS...]]"
+)
+_RUN_USAGE = "python -m te_flax run [--shadow-installed] (-m MODULE | SCRIPT) [ARGS...]"
 
 
 class _UsageError(Exception):
@@ -44,7 +54,35 @@ def _parser() -> argparse.ArgumentParser:
         "program", metavar="MODULE:FUNCTION", help="e.g. my_model:train_step or model.py:step"
     )
     explained.add_argument("--target", default="h100", choices=TARGETS, help="default: h100")
+    commands.add_parser(
+        "run",
+        usage=_RUN_USAGE,
+        help="run a program with TransformerEngine's import paths served by te_flax",
+        description="Switches te_flax.as_transformer_engine() on, then runs the module (-m) or "
+        "script with the arguments that follow, as python would.",
+    )
     return parser
+
+
+def _run(argv: list[str]) -> int:
+    """``run``: the switch on, then the module or script with its own arguments."""
+    shadow = bool(argv) and argv[0] == "--shadow-installed"
+    program = argv[1:] if shadow else argv
+    if program[:1] in (["-h"], ["--help"]):
+        print(f"usage: {_RUN_USAGE}")
+        return 0
+    if not program or program == ["-m"]:
+        print(f"usage: {_RUN_USAGE}\nrun: name a module (-m MODULE) or a script", file=sys.stderr)
+        return 2
+    as_transformer_engine(shadow_installed=shadow)
+    if program[0] == "-m":
+        sys.argv = [program[1], *program[2:]]
+        runpy.run_module(program[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(program)
+        sys.path.insert(0, str(Path(program[0]).resolve().parent))  # as python puts it
+        runpy.run_path(program[0], run_name="__main__")
+    return 0
 
 
 def _load(spec: str) -> Callable[[], Any]:
@@ -91,8 +129,11 @@ def _program(function: Callable[[], Any], spec: str) -> tuple[Any, tuple[Any, ..
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status (2 for a wrong command line)."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:1] == ["run"]:
+        return _run(arguments[1:])
     parser = _parser()
-    options = parser.parse_args(argv)
+    options = parser.parse_args(arguments)
     if options.command is None:
         show_config()
         return 0

@@ -116,11 +116,11 @@ ROWS = {
     **dict.fromkeys(
         [
             *("dense", "layernorm", "layernorm_dense", "layernorm_mlp", "activation"),
-            *("attention", "permutation", "router", "_parallel"),
+            *("attention", "permutation", "router", "_parallel", "ep"),
         ],
         4,
     ),
-    "te_flax._layers": 5,
+    **dict.fromkeys(["_layers", "moe"], 5),
     **dict.fromkeys(["linen", "nnx", "training", "accumulate"], 6),
     **dict.fromkeys(["inject", "convert", "__main__"], 7),
     "te_flax": 7,
