@@ -86,6 +86,8 @@ def test_artifacts_hold_the_package_license_and_type_marker(built):
     assert {"te_flax/__init__.py", "te_flax/py.typed", "te_flax/linen/__init__.py"} <= names
     # The NNX constructors as type checkers see them (scripts/nnx_stub).
     assert "te_flax/nnx/__init__.pyi" in names
+    # The table te_flax.as_transformer_engine() reads (docs/porting.md's, as package data).
+    assert "te_flax/transformer_engine_names.tsv" in names
     assert f"te_flax-{VERSION}.dist-info/licenses/LICENSE" in names
     # Only the library: no tests, examples or benchmarks.
     assert all(name.startswith(("te_flax/", f"te_flax-{VERSION}.dist-info/")) for name in names)
@@ -94,6 +96,7 @@ def test_artifacts_hold_the_package_license_and_type_marker(built):
     with tarfile.open(dist / f"te_flax-{VERSION}.tar.gz") as sdist:
         members = {Path(*Path(name).parts[1:]).as_posix() for name in sdist.getnames()}
     assert {"te_flax/py.typed", "te_flax/nnx/__init__.pyi", "LICENSE", "CHANGELOG.md"} <= members
+    assert "te_flax/transformer_engine_names.tsv" in members
     assert "README.md" in members
 
 
