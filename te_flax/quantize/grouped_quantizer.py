@@ -71,7 +71,7 @@ class GroupedQuantizer:
 
     @property
     def data_layout(self) -> str:
-        """TransformerEngine's data layout string: ``"NN"`` for MXFP8, else ``"NT"``."""
+        """The data layout string TransformerEngine gives (``"NN"`` for MXFP8, else ``"NT"``)."""
         return "NN" if isinstance(self.quantizer, BlockScaleQuantizer) else "NT"
 
     @property
