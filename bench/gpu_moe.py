@@ -8,10 +8,12 @@ lowering, as ``bench/RESULTS_moe.md`` models them, and FP8 against BF16 on the s
 
 ``python -m bench.gpu_moe`` (no GPU needed) models the same comparison on the JAX it runs on:
 ``te_flax.linen.MoEBlock``'s training step compiled deviceless for an H100 in FP8 and in BF16,
-dropless (the ragged lowering) and with a capacity factor of 1.25, at the Mixtral shape and a
-DeepSeek-V3-like one (64 small experts, top-8), and modelled as ``bench/moe.py``'s
-``modelled_ms`` models a step (each GEMM or grouped kernel call at max(FLOPs / derated peak,
-bytes / derated HBM bandwidth), every other byte at the derated bandwidth). It writes its
+dropless (the ragged lowering) and with a capacity factor of 1.25, at the Mixtral shape, a
+DeepSeek-V3-like one (64 small experts, top-8) and DeepSeek-V3's own (256 experts, hidden 7168,
+expert FFN 2048, top-8; the whole layer on one device, beyond an H100's memory), and modelled
+as ``bench/moe.py``'s ``modelled_ms`` models a step (each GEMM or grouped kernel call at
+max(FLOPs / derated peak, bytes / derated HBM bandwidth), every other byte at the derated
+bandwidth). It writes its
 section of ``bench/RESULTS_moe.md`` for that JAX: run it on both ends of the range.
 """
 
@@ -125,6 +127,11 @@ def markdown(moe: dict) -> list[str]:
 MODEL_CASES = (
     MoECase("Mixtral 8x7B", tokens=8192, hidden=4096, ffn=14336, experts=8, topk=2),
     MoECase("DeepSeek-V3-like", tokens=16384, hidden=2048, ffn=1408, experts=64, topk=8),
+    # DeepSeek-V3's own routed experts, the whole layer on one device: its float32 parameters
+    # and their gradients alone are 90 GB, more than an H100 holds (the memory column says so);
+    # a real run shards the experts (expert parallelism). The GEMM and byte shares still show
+    # what FP8 buys where each expert sees few rows (512 on average) and the weights dominate.
+    MoECase("DeepSeek-V3", tokens=16384, hidden=7168, ffn=2048, experts=256, topk=8),
 )
 # Row name -> (FP8 or not, MoEBlock's capacity factor: None for dropless).
 MODEL_VARIANTS = {
@@ -172,6 +179,7 @@ def modelled_block(case: MoECase, fp8: bool, capacity_factor: float | None) -> d
     import jax
 
     from bench import h100
+    from bench.memory import compiled_memory
     from bench.moe import DERATES, modelled_ms
     from te_flax._ops.grouped import RaggedOnGpuWarning
     from te_flax._ops.kernels import pallas_kernels
@@ -197,9 +205,16 @@ def modelled_block(case: MoECase, fp8: bool, capacity_factor: float | None) -> d
         "kernel_gemm_calls": [(g["flops"], g["bytes"], g["fp8"]) for g in grouped],
         "kernel_types": sorted({" x ".join(g["operand_types"]) for g in grouped}),
         "top": h100.instruction_bytes(text, top=4),
+        "memory": compiled_memory(compiled),
     }
     row["ms"] = {label: modelled_ms(row, derate)[0] for label, derate in DERATES.items()}
     return row
+
+
+def _memory_gb(memory: dict[str, int]) -> float:
+    """The step's device memory by XLA's memory analysis: arguments, outputs not aliased to
+    them and temporaries, in GB (an H100 holds 80)."""
+    return (memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]) / 1e9
 
 
 def _case_lines(case: MoECase, rows: dict[str, dict]) -> list[str]:
@@ -208,14 +223,15 @@ def _case_lines(case: MoECase, rows: dict[str, dict]) -> list[str]:
         f"#### {case.name}: {case.describe()} ({routed} routed rows)",
         "",
         "| variant | grouped kernel calls (operand types) | FP8 cuBLAS GEMMs | other GEMMs | "
-        "GFLOP | GB accessed | step ms peak / derated |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "GFLOP | GB accessed | memory GB | step ms peak / derated |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, row in rows.items():
         types = f" ({', '.join(row['kernel_types'])})" if row["grouped_kernels"] else ""
         lines.append(
             f"| {name} | {row['grouped_kernels']}{types} | {row['fp8_gemms']} | "
             f"{row['other_gemms']} | {row['flops'] / 1e9:,.0f} | {row['bytes'] / 1e9:.2f} | "
+            f"{_memory_gb(row['memory']):.1f} | "
             f"{row['ms']['peak']:.2f} / {row['ms']['derated']:.2f} |"
         )
     fp8, bf16 = rows["MoEBlock fp8"], rows["MoEBlock bf16"]
@@ -279,7 +295,10 @@ def model_section(cases=MODEL_CASES) -> str:
             "(peaks BF16 989 / FP8 1979 TFLOP/s, HBM 3.35 TB/s; derated: cuBLAS 0.70 / 0.65, "
             "grouped kernels 0.68 / 0.55, HBM 0.90). Dropless rows: the ragged lowering; "
             "capacity rows: capacity factor 1.25. The best BF16 row is the faster of the two "
-            "BF16 rows by each model.",
+            "BF16 rows by each model. Memory: XLA's memory analysis of the compiled step "
+            "(arguments, outputs not aliased to them, temporaries); the DeepSeek-V3 rows hold "
+            "all 256 experts on one device, more than an H100's 80 GB: a real run shards the "
+            "experts.",
             "",
             *body,
         ]
