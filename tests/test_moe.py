@@ -207,3 +207,30 @@ def test_transformer_layer_with_moe_in_place_of_the_mlp():
     te_nnx.load_linen_variables(module, variables)
     nnx_out = nnx.jit(lambda m, x: m(x, deterministic=True))(module, X)
     assert relative_error(nnx_out, out) < 1e-6
+
+
+def test_expert_activation_rounds_once_and_saves_only_the_pre_activation():
+    """The experts' gated activation (``MoEBlockSpec.expert_ffn``): float32, rounded once; its
+    gradient is ``activation_backward``'s, and the pre-activation is all it saves for the
+    backward (JAX's derivative of the bfloat16 chain also saved the activated slice)."""
+    from te_flax._ops.activations import (
+        activation_backward,
+        activation_forward,
+        rounded_once_activation,
+    )
+
+    names = ("silu", "linear")
+    pre = (4 * jax.random.normal(jax.random.key(0), (64, 2, 48))).astype(jnp.bfloat16)
+    grad = jax.random.normal(jax.random.key(1), (64, 48)).astype(jnp.bfloat16)
+    out, pullback = jax.vjp(lambda p: rounded_once_activation(p, names), pre)
+    expected = activation_forward(pre.astype(jnp.float32), names).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected, np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(pullback(grad)[0], np.float32),
+        np.asarray(activation_backward(grad, pre, names), np.float32),
+    )
+    saved = [leaf.shape for leaf in jax.tree.leaves(pullback) if getattr(leaf, "ndim", 0) > 1]
+    assert saved == [pre.shape]
+    _, chain_pullback = jax.vjp(lambda p: activation_forward(p, names), pre)
+    chain_saved = [leaf.shape for leaf in jax.tree.leaves(chain_pullback) if leaf.ndim > 1]
+    assert (64, 48) in chain_saved  # what the custom rule no longer saves

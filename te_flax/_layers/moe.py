@@ -41,9 +41,9 @@ from te_flax._layers.base import (
     zeros,
 )
 from te_flax._ops.activations import (
-    activation_forward,
     canonical_activation_params,
     canonical_activation_type,
+    rounded_once_activation,
 )
 from te_flax._parallel.experts import (
     Routed,
@@ -315,7 +315,8 @@ class MoEBlockSpec(FusedNorm, Fp8Layer):
             **grouped,
         )  # [M, H] x [E, H, n_act * F] -> [M, n_act * F]
         pre_activation = pre_activation.reshape(rows.shape[0], n_act, intermediate)
-        activated = activation_forward(pre_activation, activation_type, activation_params)
+        # In float32, rounded once; the backward from the pre-activation alone (no residual).
+        activated = rounded_once_activation(pre_activation, activation_type, activation_params)
         return grouped_dense(
             activated.astype(rows.dtype),
             wo,

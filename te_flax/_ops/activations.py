@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,7 @@ __all__ = [
     "activation_of_slices",
     "canonical_activation_params",
     "canonical_activation_type",
+    "rounded_once_activation",
 ]
 
 
@@ -233,6 +235,46 @@ def activation_backward(
     pre32 = pre_activation.astype(jnp.float32)
     _, vjp = jax.vjp(lambda pre: activation_forward(pre, activation_type, params), pre32)
     return vjp(grad.astype(jnp.float32))[0].astype(pre_activation.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def rounded_once_activation(
+    pre_activation: Array,
+    activation_type: tuple[str, ...],
+    params: ClampedSwigluParams | None = None,
+) -> Array:
+    """``activation_forward`` computed in float32 and rounded once to the input's dtype, its
+    backward ``activation_backward`` (float32, rounded once) from the pre-activation alone.
+
+    The MoE block's experts take it: the backward saves nothing but the pre-activation, which
+    the step holds anyway, where JAX's own derivative of a bfloat16 chain saves the activated
+    slice as a residual of its own. In float32 XLA also fuses the activation into the pass that
+    quantizes its output for the next GEMM (a bfloat16 ``exp`` counts as too costly to repeat
+    there): the FP8 step writes and reads one tensor fewer (``bench/RESULTS_moe.md``).
+    """
+    return activation_forward(pre_activation.astype(jnp.float32), activation_type, params).astype(
+        pre_activation.dtype
+    )
+
+
+def _rounded_once_forward(
+    pre_activation: Array,
+    activation_type: tuple[str, ...],
+    params: ClampedSwigluParams | None = None,
+) -> tuple[Array, Array]:
+    return rounded_once_activation(pre_activation, activation_type, params), pre_activation
+
+
+def _rounded_once_backward(
+    activation_type: tuple[str, ...],
+    params: ClampedSwigluParams | None,
+    pre_activation: Array,
+    grad: Array,
+) -> tuple[Array]:
+    return (activation_backward(grad, pre_activation, activation_type, params),)
+
+
+rounded_once_activation.defvjp(_rounded_once_forward, _rounded_once_backward)
 
 
 def activation_backward_of_slices(
