@@ -28,7 +28,9 @@ For each: the GEMMs of the H100 program (FP8 cuBLASLt calls, te_flax's grouped G
 and others), its FLOPs and the bytes it accesses (compiled deviceless, XLA's cost analysis plus
 the custom calls' operands, as ``bench.h100.cost``), a modelled step time from them
 (``modelled_ms``), at H100 size; and the CPU step time (median of interleaved rounds, FP8
-emulated) at CPU size. Figures go to ``bench/RESULTS_moe.md``.
+emulated) at CPU size. ``bench/moe_deepseek.py`` adds the same for a DeepSeek-V3-like layer
+(256 small experts, top-8) and its expert-parallel all-to-all bytes. Figures go to
+``bench/RESULTS_moe.md``.
 """
 
 import os
@@ -321,9 +323,11 @@ def modelled_ms(row: dict, derate: dict[str, float]) -> tuple[float, float]:
     return 1e3 * (seconds + max(row["bytes"] - call_bytes, 0.0) / hbm), 1e3 * seconds
 
 
-def h100_figures(case: MoECase) -> dict[str, dict]:
-    """GEMMs, FLOPs, bytes and modelled time of each variant's training step compiled for the
-    H100."""
+def h100_figures(
+    case: MoECase, variants: dict[str, tuple[str, str]] = H100_VARIANTS
+) -> dict[str, dict]:
+    """GEMMs, FLOPs, bytes and modelled time of each of ``variants``' training step compiled
+    for the H100 (row name -> layer variant and kernel switch)."""
     from te_flax._ops.kernels import pallas_kernels
 
     sharding = h100._sharding()
@@ -340,7 +344,7 @@ def h100_figures(case: MoECase) -> dict[str, dict]:
         return lowered.compile()
 
     figures = {}
-    for name, (variant, kernels) in H100_VARIANTS.items():
+    for name, (variant, kernels) in variants.items():
         step, params, state, x = make_variant(variant, case, jax.random.key(0), abstract=True)
         gradients = compiled(step, (params, state, x), kernels)
         text = gradients.as_text()
@@ -367,9 +371,11 @@ def h100_figures(case: MoECase) -> dict[str, dict]:
     return figures
 
 
-def cpu_times(case: MoECase, repeats: int) -> dict[str, list[float]]:
+def cpu_times(
+    case: MoECase, repeats: int, variants: tuple[str, ...] = VARIANTS
+) -> dict[str, list[float]]:
     runners = {}
-    for variant in VARIANTS:
+    for variant in variants:
         step, params, state, x = make_variant(variant, case, jax.random.key(0))
         compiled = jax.jit(step).lower(params, state, x).compile()
         runners[variant] = lambda compiled=compiled, args=(params, state, x): compiled(*args)
@@ -524,11 +530,16 @@ def _cpu_lines(case: MoECase, times: dict[str, list[float]], repeats: int) -> li
     ]
 
 
-def report(cpu_case: MoECase, h100_case: MoECase, repeats: int, command: str) -> str:
+def report(
+    cpu_case: MoECase, h100_case: MoECase, repeats: int, command: str, quick: bool = False
+) -> str:
+    from bench.moe_deepseek import deepseek_lines
+
     started = time.time()
     load_start = os.getloadavg()[0]
     h100_rows = h100_figures(h100_case) if h100.available() is None else None
     times = cpu_times(cpu_case, repeats)
+    deepseek = deepseek_lines(quick, repeats)
     load_end = os.getloadavg()[0]
     lines = [
         "# MoE layer benchmark: grouped_dense's lowerings, FP8 vs BF16, te_flax vs Flax FP8",
@@ -567,7 +578,7 @@ def report(cpu_case: MoECase, h100_case: MoECase, repeats: int, command: str) ->
             *_h100_tables(h100_rows),
             *_h100_notes(h100_rows, h100_case),
         ]
-    return "\n".join(lines + _cpu_lines(cpu_case, times, repeats))
+    return "\n".join(lines + _cpu_lines(cpu_case, times, repeats) + deepseek)
 
 
 def main(argv: list[str]) -> None:
@@ -578,6 +589,7 @@ def main(argv: list[str]) -> None:
         QUICK_H100_CASE if quick else H100_CASE,
         repeats=3 if quick else 7,
         command=command,
+        quick=quick,
     )
     print(text)
     if not quick:
