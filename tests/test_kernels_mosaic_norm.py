@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from te_flax._base.jax_compat import mosaic_gpu_interpreted
-from te_flax._ops.kernels import pallas_kernels
+from te_flax._ops.kernels import norm_backward_mosaic, pallas_kernels
 from te_flax._ops.kernels.common import RowBlocks
 from te_flax._ops.kernels.norm_backward_mosaic import fits, norm_backward
 from te_flax._ops.norm import NormSpec, normalize, normalize_backward
@@ -24,11 +24,12 @@ from tests.helpers import USERS_OPTIMIZATION, normal
 pytestmark = pytest.mark.skipif(
     not mosaic_gpu_interpreted(), reason="the Mosaic GPU norm kernel needs jax 0.11 or newer"
 )
-# (rows, hidden, dtype): one program; a last program with fewer rows (515 = 171 * 3 + 2);
+# (rows, hidden, dtype): one program; a last program with fewer rows (17 = 5 * 3 + 2 with the
+# 8 programs of _few_programs);
 # float32 rows of 8192 (one row in flight); a hidden size that is no multiple of 256 (XLA).
 SHAPES = [
     (64, 256, jnp.float32),
-    (515, 768, jnp.bfloat16),
+    (17, 768, jnp.bfloat16),
     (5, 8192, jnp.float32),
     (37, 1024, jnp.float16),
     (24, 100, jnp.bfloat16),
@@ -75,6 +76,15 @@ def _assert_close(actual, expected, dtype):
     np.testing.assert_allclose(actual, expected, rtol=rtol, atol=16 * f32_eps * scale)
 
 
+@pytest.fixture
+def _few_programs(monkeypatch):
+    """The kernel with 8 programs in place of 256: the same split of rows into programs (several
+    rows each, a shorter last one) at a size the interpreter, which runs one program after the
+    other, gets through in a second rather than a minute."""
+    monkeypatch.setattr(norm_backward_mosaic, "_PROGRAMS", 8)
+
+
+@pytest.mark.usefixtures("_few_programs")
 @pytest.mark.parametrize(("norm_type", "zero_centered"), NORMS)
 @pytest.mark.parametrize(("rows", "hidden", "dtype"), SHAPES)
 def test_norm_backward_matches_xla_stage(rows, hidden, dtype, norm_type, zero_centered):
@@ -93,19 +103,20 @@ def test_norm_backward_matches_xla_stage(rows, hidden, dtype, norm_type, zero_ce
         _assert_close(d_beta, expected[2], jnp.float32)
 
 
+@pytest.mark.usefixtures("_few_programs")
 def test_partial_sums_per_program():
-    """One partial row per program: 515 rows in programs of 3 make 172 rows of sums; a hidden
+    """One partial row per program: 17 rows in 8 programs of 3 make 6 rows of sums; a hidden
     size the kernel does not take gives one."""
     assert fits(768) and not fits(100)
     spec = NormSpec("layernorm", False, 1e-6)
-    d_out, x, gamma, beta = _inputs(515, 768, jnp.bfloat16, spec)
+    d_out, x, gamma, beta = _inputs(17, 768, jnp.bfloat16, spec)
     _, stats = normalize(x, gamma, beta, spec)
     args = (stats.mean.reshape(-1), stats.rsigma.reshape(-1), gamma, True, x.dtype)
-    _, d_gamma, d_beta = norm_backward(d_out, x, *args, RowBlocks(515, 768), interpret=True)
-    assert d_gamma.shape == d_beta.shape == (172, 768)
+    _, d_gamma, d_beta = norm_backward(d_out, x, *args, RowBlocks(17, 768), interpret=True)
+    assert d_gamma.shape == d_beta.shape == (6, 768)
     _, d_gamma, _ = norm_backward(
         d_out[:, :100], x[:, :100], *args[:2], gamma[:100], True, x.dtype,
-        RowBlocks(515, 100), interpret=True,
+        RowBlocks(17, 100), interpret=True,
     )  # fmt: skip
     assert d_gamma.shape == (1, 100)
 
