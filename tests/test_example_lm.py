@@ -70,6 +70,20 @@ def test_training_reduces_the_loss(tmp_path, corpus, frontend, recipe):
         assert fp8 is None
 
 
+def test_unrolled_blocks_train_each_with_its_own_variables(tmp_path, corpus):
+    """``model.scan=false``: one block per layer, named ``blocks_0``, ``blocks_1``, each with
+    its own parameters and FP8 state (what the kernel path in interpret mode needs)."""
+    config = _config(tmp_path, "model.scan=false", "train.steps=4", "checkpoint_every=0")
+    result = train(config, "run", corpus=corpus, progress=False)
+    assert result.train_loss[-1] < result.train_loss[0]
+    params, fp8 = result.variables["params"], result.variables["_overwrite_with_gradient"]
+    assert {"blocks_0", "blocks_1"} <= set(params) and "blocks" not in params
+    assert params["blocks_0"]["attention"]["qkv"]["kernel"].shape == (32, 3, 2, 16)
+    histories = [fp8[f"blocks_{i}"]["attention"]["qkv"]["x_amax_history"] for i in (0, 1)]
+    assert all(h.shape == (4,) and h[0] > 0 for h in histories)
+    assert histories[0][0] != histories[1][0]
+
+
 @pytest.mark.parametrize("frontend", ["linen", "nnx"])
 def test_te_transformer_layer_blocks_train_in_fp8(tmp_path, corpus, frontend):
     config = _config(
@@ -312,6 +326,7 @@ def test_fp8_attention_trains_and_updates_the_attention_state(tmp_path, corpus):
         (["train.fp8_attention=true", "train.recipe=mxfp8"], "train.fp8_attention"),
         (["train.fp8_attention=true", "model.frontend=nnx"], "train.fp8_attention"),
         (["train.fp8_stats_every=-1"], "train.fp8_stats_every"),
+        (["model.scan=false", "model.frontend=nnx"], "model.scan=false"),
         (["steps"], "key=value"),
     ],
 )

@@ -597,3 +597,46 @@ def test_a_bfloat16_converted_gemm_is_probed_as_the_kernel_runs_it(monkeypatch):
     sizes = jnp.array([96, 0, 0], jnp.int32)
     probe = grouped_gemm_probe(kernel, None, (lhs, rhs, sizes, None, None), (1, 2))
     assert "float8_e5m2 x float8_e4m3fn as bfloat16" in str(probe.configuration)
+
+
+@interpreted
+@pytest.mark.parametrize("recipe", ["none", "delayed"])
+def test_grouped_dense_on_the_kernels_inside_shard_map(recipe):
+    """Inside ``shard_map`` (``check_vma``) each device's rows take the kernels, whose results
+    vary over the mesh axes as the XLA stage's do: the gradients (the cotangents of varying
+    operands) are accepted and equal the XLA stage's."""
+    # One device: the varying axes are tracked whatever the axis's size, and Mosaic GPU's
+    # interpreter keeps one host state that two devices' programs would share.
+    mesh = jax.make_mesh((1,), ("expert",), devices=jax.devices()[:1])
+    state = noop_quantizer_set
+    if RECIPES[recipe] is not None:
+        factory = QuantizerFactory.create_set(fp8_recipe=RECIPES[recipe])
+        state = grouped_quantizer_set(factory, GROUPS)
+    spec = jax.sharding.PartitionSpec
+    rows = jax.sharding.NamedSharding(mesh, spec("expert"))
+    x, kernel, _, cotangent = _inputs()
+    x, cotangent = jax.device_put((x, cotangent), rows)
+    sizes = jnp.array([50, 0, 70], jnp.int32)
+
+    def per_device(x, kernel, cotangent):
+        def loss(x, kernel):
+            out = grouped_dense(x, kernel, sizes, quantizer_set=state)
+            return jnp.sum(out.astype(jnp.float32) * cotangent)
+
+        d_x, d_kernel = jax.grad(loss, argnums=(0, 1))(x, kernel)
+        return d_x, lax.psum(d_kernel, "expert")
+
+    step = jax.jit(
+        jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=(spec("expert"), spec(), spec("expert")),
+            out_specs=(spec("expert"), spec()),
+        )
+    )
+    with pallas_kernels("1"):
+        d_x, d_kernel = step(x, kernel, cotangent)
+    with pallas_kernels("0"):
+        want_x, want_kernel = step(x, kernel, cotangent)
+    _assert_bf16_close(d_x, want_x, "d_x")
+    np.testing.assert_allclose(d_kernel, want_kernel, rtol=1e-5, atol=1e-5, err_msg="d_kernel")

@@ -51,6 +51,11 @@ class ModelConfig:
     # "all_gather" or "ring" (TE's CPStrategy).
     context_parallel: str = "all_gather"
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
+    # Stack the blocks with nn.scan (one traced block, each layer's variables along a leading
+    # axis); false unrolls them (one traced block per layer). The kernel path on a CPU
+    # (TE_FLAX_PALLAS=1, kernels in Pallas interpret mode) needs false: the interpreter's host
+    # callbacks are side effects, which nn.scan refuses in its body. Linen frontend.
+    scan: bool = True
 
 
 @dataclasses.dataclass
@@ -186,6 +191,11 @@ def _load(path: str | Path | None, overrides: list[str]) -> Config:
             f"model.moe.experts={m.moe.experts} needs model.frontend=linen and "
             f"model.block=handwritten (the MoE blocks are written in the Linen model); got "
             f"frontend={m.frontend}, block={m.block}"
+        )
+    if not m.scan and m.frontend != "linen":
+        raise ConfigError(
+            "model.scan=false (unrolled blocks) is the Linen model's; use model.frontend=linen "
+            f"or model.scan=true; got frontend={m.frontend}"
         )
     t = config.train
     if t.fp8_attention and (t.recipe not in ("delayed", "current") or m.frontend != "linen"):

@@ -4,11 +4,11 @@ Pre-norm decoder blocks: attention whose QKV projection is one ``LayerNormDenseG
 ``features=(3, heads, head_dim)``, ``DotProductAttention`` (across the ``context`` mesh axis
 with ``mesh.context`` and ``rules=cp``: context parallelism), an output
 ``DenseGeneral``, then a ``LayerNormMLP`` subclass that adds its own residual. The blocks are
-stacked with ``nn.scan``, each layer with its own parameters and FP8 state. With
-``model.moe.experts`` each block's MLP is a ``MoEBlock`` (with its pre-norm), whose aux loss and
-dropped tokens are sown into ``"intermediates"``. Kernels and
-activations carry logical axis names for the rule sets of ``configs/rules``; the (small)
-embeddings are replicated.
+stacked with ``nn.scan``, each layer with its own parameters and FP8 state
+(``model.scan=false`` unrolls them, as the kernel path in interpret mode on a CPU needs). With
+``model.moe.experts`` each block's MLP is a ``MoEBlock`` (with its pre-norm), whose aux loss
+and dropped tokens are sown into ``"intermediates"``. Kernels and activations carry logical
+axis names for the rule sets of ``configs/rules``; the (small) embeddings are replicated.
 
 With ``model.block=te`` each block is TransformerEngine's ``TransformerLayer`` instead (the
 same pre-norm block, TE's parameter tree), stacked the same way.
@@ -163,8 +163,15 @@ class GPT(nn.Module):
             "positions", nn.initializers.normal(0.02), (tokens.shape[1], c.d_model)
         )
         x = (embed(tokens) + positions[None]).astype(COMPUTE_DTYPE)  # [batch, seq, d_model]
+        block = TELayer if c.block == "te" else Block
+        attributes = te_layer_attributes(c) if c.block == "te" else {"config": c}
+        if not c.scan:  # unrolled: each layer traced apart, named blocks_0, blocks_1, ...
+            for layer in range(c.layers):
+                x, _ = block(**attributes, name=f"blocks_{layer}")(x, None)
+            x = te_nn.LayerNorm(dtype=jnp.float32, name="final_norm")(x)
+            return embed.attend(x)  # tied embedding
         blocks = nn.scan(
-            TELayer if c.block == "te" else Block,
+            block,
             # Each layer its own FP8 state and FP8 statistics (te_flax.inspect_fp8()).
             variable_axes={
                 "params": 0,
@@ -176,7 +183,6 @@ class GPT(nn.Module):
             length=c.layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        attributes = te_layer_attributes(c) if c.block == "te" else {"config": c}
         x, _ = blocks(**attributes, name="blocks")(x, None)
         x = te_nn.LayerNorm(dtype=jnp.float32, name="final_norm")(x)
         return embed.attend(x)  # tied embedding

@@ -31,6 +31,7 @@ __all__ = [
     "placed_for_shard_map",
     "sharded_along",
     "spec_of",
+    "vary_as_operands",
     "vary_like",
     "whole_last_axis",
     "with_explicit_specs",
@@ -228,7 +229,15 @@ def vary_like(x: Array, tree: T) -> T:
     summed over the devices; a ``custom_vjp`` op has to make the same mark itself (the mark's
     transpose is that sum). Outside ``shard_map`` this does nothing.
     """
-    varying = _varying_axes(x)
+    return vary_as_operands((x,), tree)
+
+
+def vary_as_operands(operands: Any, tree: T) -> T:
+    """``tree``'s arrays marked as varying over every ``shard_map`` axis that an array of
+    ``operands`` varies over: what JAX's own ops give their results, and what a Pallas kernel
+    (whose ``out_shape`` carries no varying axes) does not. Outside ``shard_map`` (or with
+    ``check_vma=False``) this does nothing."""
+    varying = frozenset().union(*map(_varying_axes, jax.tree.leaves(operands)))
     if not varying:
         return tree
 

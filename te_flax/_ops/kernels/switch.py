@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 import jax
 from jax import lax
 
+from te_flax._base.explicit_sharding import vary_as_operands
 from te_flax._base.jax_compat import (
     is_batch_tracer,
     mosaic_gpu_interpreted,
@@ -229,10 +230,10 @@ def dispatch(
         return fallback(*args)
     if not _checked_on_first_use(name, kernel, fallback, args, probe):
         return fallback(*args)
-    on_gpu = partial(kernel, interpret=False)
+    on_gpu = _varying_as_operands(partial(kernel, interpret=False))
     elsewhere: Callable[..., T] = fallback
     if mode() == "1" and (name not in MOSAIC or _mosaic_interpretable(args)):
-        elsewhere = partial(kernel, interpret=True)
+        elsewhere = _varying_as_operands(partial(kernel, interpret=True))
     elif as_kernel_result is not None:
         elsewhere = _composed(as_kernel_result, fallback)
     return lax.platform_dependent(*args, cuda=on_gpu, default=elsewhere)
@@ -270,6 +271,17 @@ def _mosaic_interpretable(args: tuple[Any, ...]) -> bool:
     batched by ``vmap`` (those callbacks cannot be batched inside ``platform_dependent``).
     Elsewhere ``"1"`` runs the XLA stage off a GPU."""
     return mosaic_gpu_interpreted() and not _batched(args) and not gpu_host()
+
+
+def _varying_as_operands(kernel: Callable[..., T]) -> Callable[..., T]:
+    """``kernel`` whose results vary over the ``shard_map`` axes its operands vary over, as the
+    XLA stage's do: a Pallas kernel's ``out_shape`` carries no varying axes, and a backward
+    rule's cotangents must have their primals' (``check_vma``)."""
+
+    def varying(*args: Any) -> T:
+        return vary_as_operands(args, kernel(*args))
+
+    return varying
 
 
 def _composed(outer: Callable[[T], T], inner: Callable[..., T]) -> Callable[..., T]:
