@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.extend import core as jax_core
 from jax.typing import DTypeLike
 
@@ -34,6 +33,7 @@ from te_flax._ops.kernels.common import lowered_once
 from te_flax._ops.kernels.mosaic import (
     TILE,
     layouts_by_xla,
+    plgpu,
     tile_amax,
     tileable,
     transposed_tile,

@@ -21,7 +21,6 @@ from typing import Any
 import jax.numpy as jnp
 from jax import Array, lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.typing import DTypeLike
 
 from te_flax._ops.activations import activation_of_slices
@@ -32,6 +31,7 @@ from te_flax._ops.kernels.mosaic import (
     layout_outputs,
     layout_results,
     layouts_by_xla,
+    plgpu,
     tile_amax,
     tileable,
     transposed_tile,

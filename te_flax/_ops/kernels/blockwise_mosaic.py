@@ -30,11 +30,11 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.typing import DTypeLike
 
 from te_flax._ops.kernels import mosaic
 from te_flax._ops.kernels.common import lowered_once
+from te_flax._ops.kernels.mosaic import plgpu
 from te_flax.quantize.block_scaling import FP8_BLOCK
 
 __all__ = ["BLOCK", "Tiles", "blockwise_gemm_kernel", "tiles_for"]
@@ -42,8 +42,6 @@ __all__ = ["BLOCK", "Tiles", "blockwise_gemm_kernel", "tiles_for"]
 BLOCK = FP8_BLOCK  # K chunk: one scale per operand row and chunk (128 float8 bytes)
 
 # (typed loosely: their stubs declare an abstract method the classes implement at run time)
-_TILING: Any = plgpu.TilingTransform
-_SWIZZLE: Any = plgpu.SwizzleTransform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +75,7 @@ def _smem_transforms(dtype: DTypeLike) -> tuple[Any, ...]:
     """The swizzled tiling ``wgmma`` reads a float8 chunk ``[height, 128]`` in."""
     swizzle = plgpu.find_swizzle(BLOCK * jnp.dtype(dtype).itemsize * 8)
     elements = swizzle // jnp.dtype(dtype).itemsize
-    return (_TILING((8, elements)), _SWIZZLE(swizzle))
+    return (plgpu.TilingTransform((8, elements)), plgpu.SwizzleTransform(swizzle))
 
 
 def _chunk_sum(tiles: Tiles, refs: tuple[Any, ...], scratch: tuple[Any, ...]) -> Any:

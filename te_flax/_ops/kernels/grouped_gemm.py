@@ -37,11 +37,11 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.typing import DTypeLike
 
 from te_flax._base.jax_compat import mixed_fp8_wgmma
 from te_flax._ops.kernels import mosaic
+from te_flax._ops.kernels.mosaic import plgpu
 from te_flax._ops.kernels.tile_order import H100_SMS, band_for, tile_at
 
 __all__ = [
@@ -187,15 +187,13 @@ def supported_dtypes(lhs: DTypeLike, rhs: DTypeLike) -> bool:
 
 
 # (typed loosely: their stubs declare an abstract method the classes implement at run time)
-_TILING: Any = plgpu.TilingTransform
-_SWIZZLE: Any = plgpu.SwizzleTransform
 
 
 def _smem_transforms(dtype: DTypeLike, depth: int) -> tuple[Any, ...]:
     """The swizzled tiling ``wgmma`` reads its shared-memory operands in."""
     swizzle = plgpu.find_swizzle(depth * jnp.dtype(dtype).itemsize * 8)
     elements = swizzle // jnp.dtype(dtype).itemsize
-    return (_TILING((8, elements)), _SWIZZLE(swizzle))
+    return (plgpu.TilingTransform((8, elements)), plgpu.SwizzleTransform(swizzle))
 
 
 def _launch(

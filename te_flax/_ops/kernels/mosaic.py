@@ -1,5 +1,12 @@
-"""What te_flax's Pallas Mosaic GPU kernels share: their interpret mode, and the tile work of the
-element-wise kernels (a ``64 x 64`` tile quantized to float8 in one or both layouts, its amax).
+"""What te_flax's Pallas Mosaic GPU kernels share: Pallas Mosaic GPU itself (``plgpu``, imported
+when a kernel is first built), their interpret mode, and the tile work of the element-wise
+kernels (a ``64 x 64`` tile quantized to float8 in one or both layouts, its amax).
+
+``plgpu`` is ``jax.experimental.pallas.mosaic_gpu``, whose import loads Mosaic GPU's compiler
+(MLIR's LLVM and GPU dialects): more than a second, about a third of ``import te_flax``, which a
+program that never builds a te_flax kernel (every CPU program under the default switch) does
+not need. It is imported at the first read of one of its names, which comes when a kernel is
+built, before JAX lowers it.
 
 The element-wise kernels keep the XLA stage's arithmetic bit for bit: ``quantized_tile`` is
 ``common.saturating_cast`` in the operations Mosaic GPU lowers, and ``tile_amax`` flags a NaN
@@ -8,23 +15,27 @@ as ``common.block_amax`` does.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from types import ModuleType
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import Array, lax
-from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.typing import DTypeLike
 
 from te_flax._ops.kernels.common import saturating_cast
 
 __all__ = [
     "TILE",
+    "imported_on_first_use",
     "interpret_params",
     "kernel",
     "layout_outputs",
     "layout_results",
     "layouts_by_xla",
+    "plgpu",
     "quantized_tile",
     "tile_amax",
     "tileable",
@@ -32,6 +43,24 @@ __all__ = [
     "write_layouts",
 ]
 
+
+def imported_on_first_use(name: str) -> ModuleType:
+    """Module ``name``, imported when one of its attributes is first read (as it is if it was
+    imported before)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.find_spec(name)  # imports the parent package
+    assert spec is not None and spec.loader is not None, name
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    parent, _, child = name.rpartition(".")
+    setattr(sys.modules[parent], child, module)  # `from parent import child` finds it
+    return module
+
+
+plgpu: Any = imported_on_first_use("jax.experimental.pallas.mosaic_gpu")
 # ``load`` and ``store`` with a register layout (typed loosely: jax 0.10, which runs the Triton
 # versions, has neither).
 _REFS: Any = plgpu

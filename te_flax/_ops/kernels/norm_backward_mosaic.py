@@ -26,11 +26,11 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.typing import DTypeLike
 
 from te_flax._ops.kernels import mosaic
 from te_flax._ops.kernels.common import MAX_HIDDEN, RowBlocks, lowered_once
+from te_flax._ops.kernels.mosaic import plgpu
 
 __all__ = ["by_xla", "fits", "norm_backward"]
 
