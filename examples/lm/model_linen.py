@@ -165,24 +165,23 @@ class GPT(nn.Module):
         x = (embed(tokens) + positions[None]).astype(COMPUTE_DTYPE)  # [batch, seq, d_model]
         block = TELayer if c.block == "te" else Block
         attributes = te_layer_attributes(c) if c.block == "te" else {"config": c}
-        if not c.scan:  # unrolled: each layer traced apart, named blocks_0, blocks_1, ...
+        if c.scan:
+            blocks = nn.scan(
+                block,
+                # Each layer its own FP8 state and FP8 statistics (te_flax.inspect_fp8()).
+                variable_axes={
+                    "params": 0,
+                    OVERWRITE_WITH_GRADIENT: 0,
+                    "intermediates": 0,
+                    "fp8_stats": 0,
+                },
+                split_rngs={"params": True},
+                length=c.layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            x, _ = blocks(**attributes, name="blocks")(x, None)
+        else:  # unrolled: each layer traced apart, named blocks_0, blocks_1, ...
             for layer in range(c.layers):
                 x, _ = block(**attributes, name=f"blocks_{layer}")(x, None)
-            x = te_nn.LayerNorm(dtype=jnp.float32, name="final_norm")(x)
-            return embed.attend(x)  # tied embedding
-        blocks = nn.scan(
-            block,
-            # Each layer its own FP8 state and FP8 statistics (te_flax.inspect_fp8()).
-            variable_axes={
-                "params": 0,
-                OVERWRITE_WITH_GRADIENT: 0,
-                "intermediates": 0,
-                "fp8_stats": 0,
-            },
-            split_rngs={"params": True},
-            length=c.layers,
-            metadata_params={nn.PARTITION_NAME: "layers"},
-        )
-        x, _ = blocks(**attributes, name="blocks")(x, None)
         x = te_nn.LayerNorm(dtype=jnp.float32, name="final_norm")(x)
         return embed.attend(x)  # tied embedding

@@ -41,8 +41,6 @@ __all__ = ["BLOCK", "Tiles", "blockwise_gemm_kernel", "tiles_for"]
 
 BLOCK = FP8_BLOCK  # K chunk: one scale per operand row and chunk (128 float8 bytes)
 
-# (typed loosely: their stubs declare an abstract method the classes implement at run time)
-
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:

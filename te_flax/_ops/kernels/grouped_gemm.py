@@ -186,9 +186,6 @@ def supported_dtypes(lhs: DTypeLike, rhs: DTypeLike) -> bool:
     return lhs == rhs and lhs in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-# (typed loosely: their stubs declare an abstract method the classes implement at run time)
-
-
 def _smem_transforms(dtype: DTypeLike, depth: int) -> tuple[Any, ...]:
     """The swizzled tiling ``wgmma`` reads its shared-memory operands in."""
     swizzle = plgpu.find_swizzle(depth * jnp.dtype(dtype).itemsize * 8)

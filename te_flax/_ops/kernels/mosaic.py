@@ -29,7 +29,6 @@ from te_flax._ops.kernels.common import saturating_cast
 
 __all__ = [
     "TILE",
-    "imported_on_first_use",
     "interpret_params",
     "kernel",
     "layout_outputs",
@@ -44,7 +43,7 @@ __all__ = [
 ]
 
 
-def imported_on_first_use(name: str) -> ModuleType:
+def _imported_on_first_use(name: str) -> ModuleType:
     """Module ``name``, imported when one of its attributes is first read (as it is if it was
     imported before)."""
     if name in sys.modules:
@@ -60,7 +59,8 @@ def imported_on_first_use(name: str) -> ModuleType:
     return module
 
 
-plgpu: Any = imported_on_first_use("jax.experimental.pallas.mosaic_gpu")
+# (typed loosely: the stubs of some of its classes declare methods implemented at run time)
+plgpu: Any = _imported_on_first_use("jax.experimental.pallas.mosaic_gpu")
 # ``load`` and ``store`` with a register layout (typed loosely: jax 0.10, which runs the Triton
 # versions, has neither).
 _REFS: Any = plgpu
