@@ -54,3 +54,11 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/oldest.txt 
 fi
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
+# Python's compiled bytecode, kept in the venv. Without it (PYTHONDONTWRITEBYTECODE set, or a
+# tree that is not writable) every process compiles JAX's, Flax's and te_flax's sources again on
+# import: `import te_flax` takes 3.7 s of CPU instead of 1.1 s, and the test run starts dozens
+# of processes (its workers, the examples and scripts the tests launch). Under a prefix in the
+# venv the source tree gets no __pycache__ folders, which is what PYTHONDONTWRITEBYTECODE is
+# usually set for.
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX="$VIRTUAL_ENV/pycache"
