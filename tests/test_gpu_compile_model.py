@@ -16,6 +16,7 @@ layer: forward, recomputed forward, backward.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -32,6 +33,14 @@ pytestmark = pytest.mark.gpu_compile
 HIDDEN = 256  # two 128-wide heads, MLP 1024
 
 
+@functools.cache
+def _step(impl: str, layers: int, remat: str) -> str:
+    """The step's optimized HLO, compiled once per process: both tests read te_flax's
+    two-layer rematerialized step."""
+    hlo_text, _ = compile_gpt_step(HIDDEN, True, impl, layers=layers, remat=remat, batch=2, seq=128)
+    return hlo_text
+
+
 @pytest.mark.parametrize(("impl", "layers"), [("te_flax", 2), ("flax", 3)])
 def test_scanned_remat_step_runs_every_projection_gemm_in_fp8(impl, layers):
     h100_sharding()  # asserts the deviceless compile's XLA flags
@@ -39,7 +48,7 @@ def test_scanned_remat_step_runs_every_projection_gemm_in_fp8(impl, layers):
     # strict promotion); te_flax's layers run under it.
     promotion = "standard" if impl == "flax" else "strict"
     with jax.numpy_dtype_promotion(promotion):
-        hlo_text, _ = compile_gpt_step(HIDDEN, True, impl, layers=layers, batch=2, seq=128)
+        hlo_text = _step(impl, layers, "on")
     figures = modelled(hlo_text, HIDDEN)
     counts = {k: figures[k] for k in ("fp8_gemms", "gemms", "attention_calls")}
     assert counts == {
@@ -68,7 +77,7 @@ def test_scanned_kernels_are_quantized_without_copying_their_slices(remat):
     # transpose the whole float32 stack before the loop. The ops quantize it in the XLA stage,
     # which reads the slice in place, its float8 data pinned to row-major.
     h100_sharding()
-    hlo_text, _ = compile_gpt_step(HIDDEN, True, layers=2, remat=remat, batch=2, seq=128)
+    hlo_text = _step("te_flax", 2, remat)
     copies = [shape for shape in _SLICE_COPY.findall(hlo_text) if _elements(shape) >= HIDDEN**2]
     assert copies == [], copies
     assert _STACK_TRANSPOSE.findall(hlo_text) == []
