@@ -39,6 +39,10 @@ def corpus():
     return load_corpus()
 
 
+# The training runs' length: at least ten evaluations (eval_interval), 20% off the eval loss.
+STEPS = 20
+
+
 def _config(tmp_path, *overrides):
     return load_config(DEFAULT_CONFIG, [*TINY, f"output_dir={tmp_path}", *overrides])
 
@@ -50,13 +54,13 @@ def test_training_reduces_the_loss(tmp_path, corpus, frontend, recipe):
         tmp_path,
         f"model.frontend={frontend}",
         f"train.recipe={recipe}",
-        "train.steps=40",
-        "train.eval_every=40",
+        f"train.steps={STEPS}",
+        f"train.eval_every={STEPS}",
         "checkpoint_every=0",
     )
     result = train(config, "run", corpus=corpus, progress=False)
     # eval_every is capped at a tenth of the run: at least ten evaluations after the first.
-    assert result.eval_steps == list(range(0, 41, 4))
+    assert result.eval_steps == list(range(0, STEPS + 1, STEPS // 10))
     assert result.eval_loss[-1] < 0.8 * result.eval_loss[0]
     assert np.isfinite(result.train_loss).all()
     fp8 = result.variables.get("_overwrite_with_gradient")
@@ -91,7 +95,7 @@ def test_te_transformer_layer_blocks_train_in_fp8(tmp_path, corpus, frontend):
         f"model.frontend={frontend}",
         "model.block=te",
         "train.recipe=delayed",
-        "train.steps=40",
+        f"train.steps={STEPS}",
         "checkpoint_every=0",
     )
     result = train(config, "run", corpus=corpus, progress=False)
@@ -140,19 +144,40 @@ def _final_checkpoint(directory: Path, step: int):
         return manager.restore(step, args=ocp.args.StandardRestore())
 
 
+# The one-device run that the resume tests continue: 4 steps, checkpointed at steps 2 and 4.
+RESUMED = ["train.steps=4", "checkpoint_every=2", "train.eval_batches=1"]
+
+
+@pytest.fixture(scope="module")
+def one_device_run(tmp_path_factory, corpus):
+    """``one_device_run(frontend)``: that run's result and checkpoint directory, trained once per
+    front end for the module. Tests copy its checkpoints and leave the directory as it is."""
+    runs = {}
+
+    def run(frontend):
+        if frontend not in runs:
+            output = tmp_path_factory.mktemp(f"one_device_{frontend}")
+            config = _config(output, *RESUMED, f"model.frontend={frontend}")
+            result = train(config, "run", corpus=corpus, progress=False)
+            runs[frontend] = result, output / "run" / "checkpoints"
+        return runs[frontend]
+
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("frontend", ["linen", "nnx"])
-def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(tmp_path, frontend):
-    # Two command-line runs (each one costs its start-up, not its few steps): an uninterrupted
-    # one, checkpointed at steps 2 and 4, and one resumed in a new process from a copy of its
-    # step-2 checkpoint alone.
-    common = [*TINY, f"model.frontend={frontend}", "train.steps=4", "checkpoint_every=2"]
-    _run_cli(*common, "train.eval_batches=1", f"output_dir={tmp_path / 'whole'}")
-    whole_dir = tmp_path / "whole" / "train" / "checkpoints"
-    split_dir = tmp_path / "split" / "train" / "checkpoints"
+def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(tmp_path, one_device_run, frontend):
+    # The uninterrupted run, checkpointed at steps 2 and 4, and one resumed from a copy of its
+    # step-2 checkpoint alone in a new process (from the command line), which has nothing of
+    # the first run but that checkpoint. The new process sees the eight devices of this one:
+    # the same XLA flags, so its programs come from the compilation cache.
+    _, whole_dir = one_device_run(frontend)
+    split_dir = tmp_path / "train" / "checkpoints"
     assert sorted(path.name for path in whole_dir.iterdir()) == ["2", "4"]
     shutil.copytree(whole_dir / "2", split_dir / "2")
-    _run_cli(*common, "train.eval_batches=1", "--resume", f"output_dir={tmp_path / 'split'}")
+    common = [*TINY, *RESUMED, f"model.frontend={frontend}", f"output_dir={tmp_path}"]
+    _run_cli(*common, "--resume", devices=jax.device_count())
     whole = _final_checkpoint(whole_dir, 4)
     split = _final_checkpoint(split_dir, 4)
     assert int(split["step"]) == 4 and int(split["data_position"]) == 4
@@ -161,17 +186,17 @@ def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(tmp_path, frontend
 
 
 @pytest.mark.parametrize("frontend", ["linen", "nnx"])
-def test_one_device_checkpoint_restores_sharded_onto_eight_devices(tmp_path, corpus, frontend):
+def test_one_device_checkpoint_restores_sharded_onto_eight_devices(
+    tmp_path, corpus, one_device_run, frontend
+):
     assert jax.device_count() == 8
-    base = [f"model.frontend={frontend}", "train.steps=4", "checkpoint_every=2"]
-    base += ["train.eval_batches=1"]
     fsdp8 = ["rules=fsdp", "mesh.fsdp=8"]
-    quiet = dict(corpus=corpus, progress=False)
     # The one-device run, checkpointed at steps 2 and 4; its step-2 checkpoint alone is resumed.
-    single = train(_config(tmp_path / "single", *base), "run", **quiet)
+    single, single_dir = one_device_run(frontend)
     checkpoints = Path("run", "checkpoints", "2")
-    shutil.copytree(tmp_path / "single" / checkpoints, tmp_path / checkpoints)
-    resumed = train(_config(tmp_path, *base, *fsdp8), "run", resume=True, **quiet)
+    shutil.copytree(single_dir / "2", tmp_path / checkpoints)
+    config = _config(tmp_path, *RESUMED, f"model.frontend={frontend}", *fsdp8)
+    resumed = train(config, "run", resume=True, corpus=corpus, progress=False)
     assert single.steps == [1, 2, 3, 4] and resumed.steps == [3, 4]
     # Restored sharded as the fsdp rules say: the MLP kernels' embed axis over 8 devices.
     specs = resumed.partition_specs["params"]["blocks"]["mlp"]
@@ -187,11 +212,13 @@ def test_one_device_checkpoint_restores_sharded_onto_eight_devices(tmp_path, cor
 
 
 def test_resume_with_another_seed_is_refused(tmp_path, corpus):
-    base = ["train.steps=2", "checkpoint_every=1", "train.recipe=none"]
+    # The BF16 run of test_compare_mode_writes_the_report: its step comes from the compilation
+    # cache when that test has run.
+    base = ["train.steps=4", "checkpoint_every=2", "train.recipe=none"]
     train(_config(tmp_path, *base), "run", corpus=corpus, progress=False)
     with pytest.raises(ValueError, match="another seed"):
         train(
-            _config(tmp_path, *base, "train.seed=1", "train.steps=3"),
+            _config(tmp_path, *base, "train.seed=1", "train.steps=5"),
             "run",
             resume=True,
             corpus=corpus,
@@ -200,7 +227,10 @@ def test_resume_with_another_seed_is_refused(tmp_path, corpus):
 
 
 def test_checkpoints_belong_to_one_run_and_every_resume_says_what_it_does(tmp_path, corpus, capsys):
-    base = ["train.steps=2", "checkpoint_every=2", "train.recipe=none", "model.layers=1"]
+    # A 3-step run stopped after step 2 (train.stop_at), then resumed: every run on one schedule,
+    # so one compiled step.
+    base = ["train.steps=3", "train.stop_at=2", "checkpoint_every=2", "train.recipe=none"]
+    base += ["model.layers=1"]
     checkpoints = tmp_path / "run" / "checkpoints"
     quiet = {"corpus": corpus, "progress": False}
     train(_config(tmp_path, *base), "run", **quiet)
@@ -211,7 +241,7 @@ def test_checkpoints_belong_to_one_run_and_every_resume_says_what_it_does(tmp_pa
     out = capsys.readouterr().out
     assert "run: a fresh run; the earlier run's checkpoints (steps 2) moved to" in out
     assert (tmp_path / "run" / "checkpoints.previous" / "2").is_dir()
-    resumed = train(_config(tmp_path, *base, "train.seed=1", "train.steps=3"), "run",
+    resumed = train(_config(tmp_path, *base, "train.seed=1", "train.stop_at=null"), "run",
                     resume=True, **quiet)  # fmt: skip
     assert resumed.steps == [3]
     assert f"run: resuming from step 2 of {checkpoints}" in capsys.readouterr().out
@@ -221,7 +251,7 @@ def test_checkpoints_belong_to_one_run_and_every_resume_says_what_it_does(tmp_pa
     assert "other: nothing to resume in" in out and "checkpoints of other runs there: run" in out
     # Another front end's checkpoint: the parameter trees differ, not the FP8 state.
     with pytest.raises(ResumeError, match=r"model\.frontend=nnx") as raised:
-        train(_config(tmp_path, *base, "train.seed=1", "train.steps=4", "model.frontend=nnx"),
+        train(_config(tmp_path, *base, "train.seed=1", "train.stop_at=null", "model.frontend=nnx"),
               "run", resume=True, **quiet)  # fmt: skip
     assert "resume_migrate_fp8" not in str(raised.value)
 
