@@ -39,22 +39,19 @@ class Corpus:
         data = self.train if split == "train" else self.eval
         if len(data) <= seq_len + 1:
             raise ValueError(f"the {split} text has {len(data)} bytes; need > seq_len + 1")
-        key = _key(seed + (split == "eval") * 1_000_003)
-        starts = np.asarray(_starts(key, step, len(data) - seq_len - 1, batch))
+        seed = seed + (split == "eval") * 1_000_003
+        starts = np.asarray(_starts(seed, step, len(data) - seq_len - 1, batch))
         windows = np.stack([data[s : s + seq_len + 1] for s in starts]).astype(np.int32, copy=False)
         return jax.device_put((windows[:, :-1], windows[:, 1:]))
 
 
 # The draw compiled once instead of dispatched op by op on every call (the same numbers): a
-# small model's step takes a few milliseconds, and the eager draw took another one or two.
-@functools.cache
-def _key(seed: int) -> jax.Array:
-    return jax.random.key(seed)
-
-
+# small model's step takes a few milliseconds, and the eager draw took another one or two. The
+# key is made inside, so that no array of one run's devices outlives it into the next run's.
 @functools.partial(jax.jit, static_argnums=3)
-def _starts(key: jax.Array, step, high, batch: int) -> jax.Array:
-    return jax.random.randint(jax.random.fold_in(key, step), (batch,), 0, high)
+def _starts(seed, step, high, batch: int) -> jax.Array:
+    key = jax.random.fold_in(jax.random.key(seed), step)
+    return jax.random.randint(key, (batch,), 0, high)
 
 
 def load_corpus(path: str | None = None) -> Corpus:
