@@ -13,6 +13,7 @@ order.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import flax.linen as nn
 import jax
@@ -110,9 +111,16 @@ def _placed(variables, boxed, layout):
     return jax.tree_util.tree_map_with_path(place, variables)
 
 
-def _check_step(apply, variables, boxed, layout, merge=True):
+def _one_device(apply, boxed, variables=None, merge=True):
+    """A layer's apply, variables and step on one device: what its layouts' cases share (the
+    builders below are cached), so that the one-device step is compiled once, not per layout."""
+    variables = nn.unbox(boxed) if variables is None else variables
+    return apply, variables, boxed, merge, _loss(apply, merge)(variables, _input())
+
+
+def _check_step(layer, layout):
+    apply, variables, boxed, merge, (expected_loss, expected_grads) = layer
     x = _input()
-    expected_loss, expected_grads = _loss(apply, merge)(variables, x)
     rules = nn.logical_axis_rules(RULES) if layout == "rules" else contextlib.nullcontext()
     with jax.set_mesh(_mesh()), rules:
         placed = _placed(variables, boxed, layout)
@@ -140,11 +148,15 @@ def _cases():
                 yield pytest.param(layer, recipe, layout, id=f"{layer}-{recipe}-{layout}")
 
 
+@functools.cache
+def _linen(layer, recipe):
+    module = _linen_layer(layer, RECIPES[recipe])
+    return _one_device(module.apply, module.init(jax.random.key(0), _input()))
+
+
 @pytest.mark.parametrize(("layer", "recipe", "layout"), list(_cases()))
 def test_linen_layer_trains_on_explicit_axes_as_on_one_device(layer, recipe, layout):
-    module = _linen_layer(layer, RECIPES[recipe])
-    boxed = module.init(jax.random.key(0), _input())
-    _check_step(module.apply, nn.unbox(boxed), boxed, layout)
+    _check_step(_linen(layer, recipe), layout)
 
 
 BLOCK_RECIPES = {
@@ -165,29 +177,37 @@ def _block_cases():
             yield pytest.param(layer, "mxfp8", layout, id=f"{layer}-mxfp8-{layout}")
 
 
-@pytest.mark.parametrize(("layer", "recipe", "layout"), list(_block_cases()))
-def test_block_scaled_recipes_train_on_explicit_axes_as_on_one_device(layer, recipe, layout):
-    # Block-scaled quantization reshapes sharded axes into blocks, which JAX cannot type axis
-    # by axis: the ops run with the Explicit axes as Auto inside (sharding.on_auto_axes).
+@functools.cache
+def _block_scaled(layer, recipe):
     module = _linen_layer(layer, BLOCK_RECIPES[recipe])
-    boxed = module.init(jax.random.key(0), _input())
 
     def apply(variables, x):  # NVFP4 rounds stochastically
         return module.apply(variables, x, rngs={"sr_rng": jax.random.key(3)})
 
-    _check_step(apply, nn.unbox(boxed), boxed, layout)
+    return _one_device(apply, module.init(jax.random.key(0), _input()))
+
+
+@pytest.mark.parametrize(("layer", "recipe", "layout"), list(_block_cases()))
+def test_block_scaled_recipes_train_on_explicit_axes_as_on_one_device(layer, recipe, layout):
+    # Block-scaled quantization reshapes sharded axes into blocks, which JAX cannot type axis
+    # by axis: the ops run with the Explicit axes as Auto inside (sharding.on_auto_axes).
+    _check_step(_block_scaled(layer, recipe), layout)
+
+
+@functools.cache
+def _transformer(recipe):
+    module = te_nn.TransformerLayer(**_TRANSFORMER, recipe=RECIPES[recipe])
+
+    def apply(variables, x):
+        return module.apply(variables, x, deterministic=True)
+
+    return _one_device(apply, module.init(jax.random.key(0), _input(), deterministic=True))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("recipe", ["none", "delayed"])
 def test_transformer_layer_trains_on_explicit_axes_as_on_one_device(recipe, layout):
-    module = te_nn.TransformerLayer(**_TRANSFORMER, recipe=RECIPES[recipe])
-    boxed = module.init(jax.random.key(0), _input(), deterministic=True)
-
-    def apply(variables, x):
-        return module.apply(variables, x, deterministic=True)
-
-    _check_step(apply, nn.unbox(boxed), boxed, layout)
+    _check_step(_transformer(recipe), layout)
 
 
 _TRANSFORMER = dict(
@@ -206,10 +226,14 @@ _TRANSFORMER = dict(
 )
 def test_moe_block_trains_on_explicit_axes_as_on_one_device(recipe, capacity_factor, layout):
     # Dropless (ragged) and capacity lowerings; the routing runs with the axes as Auto.
+    _check_step(_moe(recipe, capacity_factor), layout)
+
+
+@functools.cache
+def _moe(recipe, capacity_factor):
     capacity = {} if capacity_factor is None else {"capacity_factor": capacity_factor}
     module = te_nn.MoEBlock(**_MOE, recipe=RECIPES[recipe], **capacity)
-    boxed = module.init(jax.random.key(0), _input())
-    _check_step(module.apply, nn.unbox(boxed), boxed, layout)
+    return _one_device(module.apply, module.init(jax.random.key(0), _input()))
 
 
 _MOE = dict(num_experts=4, num_experts_per_tok=2, intermediate_dim=64)
@@ -218,12 +242,21 @@ _MOE = dict(num_experts=4, num_experts_per_tok=2, intermediate_dim=64)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("recipe", ["none", "delayed"])
 def test_nnx_layernorm_mlp_trains_on_explicit_axes_as_on_one_device(recipe, layout):
+    _check_step(_nnx_layernorm_mlp(recipe), layout)
+
+
+@functools.cache
+def _nnx_layernorm_mlp(recipe):
     module = te_nnx.LayerNormMLP(
         HIDDEN, intermediate_dim=FEATURES, recipe=RECIPES[recipe], rngs=nnx.Rngs(0)
     )
+    return _nnx_one_device(module)
+
+
+def _nnx_one_device(module):
     graphdef, state = nnx.split(module)
-    variables = nnx.to_pure_dict(state)
-    _check_step(_nnx_apply(graphdef, state), variables, _nnx_boxed(state), layout, merge=False)
+    apply = _nnx_apply(graphdef, state)
+    return _one_device(apply, _nnx_boxed(state), nnx.to_pure_dict(state), merge=False)
 
 
 def _nnx_apply(graphdef, state):
@@ -251,6 +284,4 @@ def _nnx_boxed(state):
 
 def test_nnx_transformer_layer_trains_on_explicit_axes_as_on_one_device():
     module = te_nnx.TransformerLayer(**_TRANSFORMER, recipe=RECIPES["delayed"], rngs=nnx.Rngs(0))
-    graphdef, state = nnx.split(module)
-    apply = _nnx_apply(graphdef, state)
-    _check_step(apply, nnx.to_pure_dict(state), _nnx_boxed(state), "rules", merge=False)
+    _check_step(_nnx_one_device(module), "rules")

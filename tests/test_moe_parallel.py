@@ -5,6 +5,7 @@ sharded by FSDP, alone and with expert parallelism, on Auto and Explicit mesh ax
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import flax.linen as nn
@@ -84,16 +85,25 @@ def _compare(single, sharded, tolerance):
             assert relative_error(actual, expected) <= tolerance, name
 
 
+@functools.cache
+def _one_device(fp8=False):
+    """The layer (delayed scaling or no FP8), its variables and its step on one device: shared
+    by the cases that compare a sharded step with it, so that it is compiled and run once."""
+    layer = _layer(recipe=DelayedScaling(amax_history_len=4)) if fp8 else _layer()
+    variables = jax.jit(layer.init)(jax.random.key(0), X)
+    values = nn.meta.unbox(variables)
+    return layer, variables, values, _step(layer)(values, X)
+
+
 # 8 ways (and 4 x 2 with FP8 below) in the quick suite; 2 and 4 ways among the slow tests.
 @pytest.mark.parametrize("ways", [pytest.param(w, marks=pytest.mark.slow) for w in (2, 4)] + [8])
 def test_expert_parallel_equals_one_device(ways):
-    layer = _layer()
-    variables = jax.jit(layer.init)(jax.random.key(0), X)
-    values = nn.meta.unbox(variables)
-    single = _step(layer)(values, X)
+    layer, variables, values, single = _one_device()
     with use_sharding("ep", {"data": ways, "fsdp": 8 // ways}) as mesh:
-        sharded = _step(layer)(_sharded(variables, values, mesh), X)
-        hlo = _step(layer).lower(_sharded(variables, values, mesh), X).as_text()
+        placed = _sharded(variables, values, mesh)
+        step = _step(layer)  # one function: lowered from the call's trace, not traced again
+        sharded = step(placed, X)
+        hlo = step.lower(placed, X).as_text()
     assert "all_to_all" in hlo or "all-to-all" in hlo
     _compare(single, sharded, 1e-6)
 
@@ -152,16 +162,23 @@ def _dispatch(hlo_text, gradient=False):
     ]
 
 
-@pytest.mark.parametrize(("recipe", "ways"), list(_wire_cases()))
-def test_fp8_wire_equals_one_device(recipe, ways):
+@functools.cache
+def _wire_one_device(recipe):
+    """The layer, its variables and its step on one device, shared by the recipe's cases."""
     layer = _wire_layer(recipe)
     variables = jax.jit(layer.init)(jax.random.key(0), WIRE_X)
     values = nn.meta.unbox(variables)
-    single = _input_step(layer)(values, WIRE_X)
+    return layer, variables, values, _input_step(layer)(values, WIRE_X)
+
+
+@pytest.mark.parametrize(("recipe", "ways"), list(_wire_cases()))
+def test_fp8_wire_equals_one_device(recipe, ways):
+    layer, variables, values, single = _wire_one_device(recipe)
     with use_sharding("ep", {"data": ways, "fsdp": 8 // ways}) as mesh:
         placed = _sharded(variables, values, mesh)
-        sharded = _input_step(layer)(placed, WIRE_X)
-        hlo_text = _input_step(layer).lower(placed, WIRE_X).compile().as_text()
+        step = _input_step(layer).lower(placed, WIRE_X).compile()  # compiled once: run, read
+        sharded = step(placed, WIRE_X)
+    hlo_text = step.as_text()
     # The rows crossed as float8 bytes; their gradient comes back in the compute dtype.
     assert {t for c in _dispatch(hlo_text) for t, _ in c.operands} >= {"u8"}
     assert {t for c in _dispatch(hlo_text, gradient=True) for t, _ in c.operands} == {"f32"}
@@ -172,9 +189,7 @@ def test_fp8_wire_keeps_the_amax_of_values_past_the_delayed_scale():
     """A delayed scale far too small for the tokens: the wire clips them as one device's GEMM
     does, and each block's exact amax travels with them, so the new amax history (and the
     scale that grows from it) is one device's, not the clipped value's."""
-    layer = _wire_layer("delayed")
-    variables = jax.jit(layer.init)(jax.random.key(0), WIRE_X)
-    values = nn.meta.unbox(variables)
+    layer, variables, values, _ = _wire_one_device("delayed")
     state = dict(values[OVERWRITE_WITH_GRADIENT])
     state["x_0_scale_inv"] = jnp.full_like(state["x_0_scale_inv"], 1e-4)  # clips |x| > 0.0448
     values = {**values, OVERWRITE_WITH_GRADIENT: state}
@@ -193,10 +208,17 @@ def _dispatch_bytes(recipe, fp8_dispatch=True):
         recipe=recipe, fp8_dispatch=fp8_dispatch,
     )  # fmt: skip
     x = WIRE_X.astype(jnp.bfloat16)
-    variables = jax.jit(layer.init)(jax.random.key(0), x)
+    # Compiled, never run: the variables' shapes and shardings are all the compile takes.
+    variables = jax.eval_shape(layer.init, jax.random.key(0), x)
     values = nn.meta.unbox(variables)
     with use_sharding("ep", {"data": 4, "fsdp": 2}) as mesh:
-        placed = _sharded(variables, values, mesh)
+        specs = nn.get_partition_spec(variables)
+        shardings = nn.logical_to_mesh_sharding(specs, mesh, nn.get_logical_axis_rules())
+        placed = jax.tree.map(
+            lambda v, sharding: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding),
+            values,
+            shardings,
+        )
         hlo_text = _input_step(layer).lower(placed, x).compile().as_text()
     collectives = _dispatch(hlo_text)
     # XLA:CPU widens a bfloat16 collective to float32 (a GPU keeps it 2 bytes, as the deviceless
@@ -263,15 +285,13 @@ def test_fsdp_of_the_expert_kernels_equals_one_device(rules, style, recipe):
     (an all-gather over fsdp), and the outputs, gradients and new FP8 state are one device's;
     every gradient comes back with its parameter's sharding (on Explicit axes, its type)."""
     fp8 = recipe == "fp8"
-    layer = _layer(recipe=DelayedScaling(amax_history_len=4)) if fp8 else _layer()
-    variables = jax.jit(layer.init)(jax.random.key(0), X)
-    values = nn.meta.unbox(variables)
-    single = _step(layer)(values, X)
+    layer, variables, values, single = _one_device(fp8)
     with _mesh(rules, style) as mesh:
         placed = _sharded(variables, values, mesh)
         x = jax.device_put(X, jax.sharding.NamedSharding(mesh, P(("data", "fsdp"))))
-        sharded = _step(layer)(placed, x)
-        hlo_text = _step(layer).lower(placed, x).compile().as_text()
+        step = _step(layer).lower(placed, x).compile()  # compiled once: run, read
+        sharded = step(placed, x)
+    hlo_text = step.as_text()
     for name, spec in FSDP_KERNELS[rules].items():
         kernel = placed["params"][name]
         assert kernel.sharding.spec == spec, name
