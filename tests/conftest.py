@@ -23,6 +23,10 @@ _FLAGS = (
     # multiply-add into an FMA, so a test comparing two programs bit for bit (the kernels
     # against the XLA stages) compiles them at the users' level (helpers.USERS_OPTIMIZATION).
     "--xla_backend_optimization_level=0",
+    # The deviceless GPU compiles run ptxas on every kernel of the program; the tests read the
+    # optimized HLO, which ptxas's optimization level does not change. At -O0 the gpu_compile
+    # modules take about 9% less time (tests/test_gpu_compile*.py: 89 s against 81 s).
+    "--xla_gpu_disable_gpuasm_optimizations=true",
 )
 _existing = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join([_existing, *(f for f in _FLAGS if f not in _existing)]).strip()
