@@ -68,11 +68,15 @@ def _input_step(layer):
     return step
 
 
+def _shardings(variables, mesh):
+    """The shardings the boxed ``variables``' logical axes give under the active rules."""
+    specs = nn.get_partition_spec(variables)
+    return nn.logical_to_mesh_sharding(specs, mesh, nn.get_logical_axis_rules())
+
+
 def _sharded(variables, values, mesh):
     """``values`` placed as the boxed ``variables``' logical axes say under the active rules."""
-    specs = nn.get_partition_spec(variables)
-    shardings = nn.logical_to_mesh_sharding(specs, mesh, nn.get_logical_axis_rules())
-    return jax.device_put(values, shardings)
+    return jax.device_put(values, _shardings(variables, mesh))
 
 
 def _compare(single, sharded, tolerance):
@@ -212,12 +216,10 @@ def _dispatch_bytes(recipe, fp8_dispatch=True):
     variables = jax.eval_shape(layer.init, jax.random.key(0), x)
     values = nn.meta.unbox(variables)
     with use_sharding("ep", {"data": 4, "fsdp": 2}) as mesh:
-        specs = nn.get_partition_spec(variables)
-        shardings = nn.logical_to_mesh_sharding(specs, mesh, nn.get_logical_axis_rules())
         placed = jax.tree.map(
             lambda v, sharding: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding),
             values,
-            shardings,
+            _shardings(variables, mesh),
         )
         hlo_text = _input_step(layer).lower(placed, x).compile().as_text()
     collectives = _dispatch(hlo_text)
