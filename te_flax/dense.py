@@ -16,16 +16,15 @@ from te_flax._base import checks as check
 from te_flax._ops import grouped as _grouped
 from te_flax._ops.arguments import check_quantizer_set
 from te_flax._ops.custom_op import fused_op
-from te_flax._ops.gemm import dense_backward, dense_forward
-from te_flax._ops.kernels import traced_in_scan
-from te_flax._ops.stages import (
+from te_flax._ops.gemm import dense_backward, forward_contracting, gemm, gemm_out_specs
+from te_flax._ops.gemm_operands import (
     constrained,
     input_uses,
     kernel_operand,
-    run_op,
     saved_gemm_operands,
     unquantized_operand,
 )
+from te_flax._ops.kernels import traced_in_scan
 from te_flax.collective import CollectiveOpSet, check_collective_op_set, noop_collective_op_set
 from te_flax.quantize import (
     GemmOperand,
@@ -67,6 +66,15 @@ class _Config:
     grad_specs: Specs = None
 
 
+class _Operands(NamedTuple):
+    """The op's differentiable arguments, checked."""
+
+    x: Array  # [batch..., K...]
+    kernel: Array  # [K..., features...]
+    bias: Array | None  # [features...]
+    quantizer_set: QuantizerSet
+
+
 class _Residuals(NamedTuple):
     # FP8: the quantized operands as the backward GEMMs contract them (per-tensor: the forward
     # GEMM's own). Without FP8: x and the kernel themselves.
@@ -75,14 +83,8 @@ class _Residuals(NamedTuple):
     quantizers: QuantizerSet  # x and kernel already updated by the forward
 
 
-def _forward(
-    config: _Config,
-    x: Array,
-    kernel: Array,
-    bias: Array | None,
-    quantizer_set: QuantizerSet,
-    for_backward: bool = True,
-) -> tuple[Array, _Residuals]:
+def _forward(config: _Config, operands: _Operands, for_backward: bool) -> tuple[Array, _Residuals]:
+    x, kernel, bias, quantizer_set = operands
     # The forward GEMM contracts x's trailing axes and the kernel's leading ones; wgrad then
     # contracts x's leading (token) axes, dgrad the kernel's trailing (feature) axes.
     n_batch = x.ndim - config.n_contract
@@ -100,8 +102,10 @@ def _forward(
         config.kernel_axes,
         config.kernel_in_scan,
     )
-    # [batch..., K...] x [K..., features...] -> [batch..., features...]
-    out = dense_forward(lhs, rhs, config.n_contract, x.dtype, bias, quantizer_set.precision)
+    # [batch..., K...] x [K..., features...] -> [batch..., features...], by default with fast
+    # accumulation (the recipe's fp8_gemm_fprop can ask for split accumulation).
+    contracting = forward_contracting(lhs, config.n_contract)
+    out, _ = gemm(lhs, rhs, contracting, x.dtype, quantizer_set.precision.fprop, bias=bias)
     out = with_logical_constraint(out, config.output_axes)
     quantizers = dataclasses.replace(quantizer_set, x=x_quantizer, kernel=kernel_quantizer)
     if quantizer_set.is_noop:
@@ -110,16 +114,7 @@ def _forward(
     return out, _Residuals(*saved_gemm_operands(lhs, rhs, quantizer_set), quantizers)
 
 
-def _primal(
-    config: _Config, x: Array, kernel: Array, bias: Array | None, quantizer_set: QuantizerSet
-) -> Array:
-    # Not differentiated: no quantization for the backward GEMMs.
-    return _forward(config, x, kernel, bias, quantizer_set, for_backward=False)[0]
-
-
-def _backward(
-    config: _Config, residuals: _Residuals, grad: Array
-) -> tuple[Array, Array, Array | None, QuantizerSet]:
+def _backward(config: _Config, residuals: _Residuals, grad: Array) -> _Operands:
     quantizers = residuals.quantizers
     grad = with_logical_constraint(grad, config.output_axes)
     lhs: GemmOperand
@@ -146,10 +141,14 @@ def _backward(
     d_kernel = with_logical_constraint(grads.rhs, config.kernel_axes)
     new_state = dataclasses.replace(quantizers, dgrad=grads.dgrad_quantizer)
     d_x, d_kernel, d_bias = with_explicit_specs((d_x, d_kernel, grads.bias), config.grad_specs)
-    return d_x, d_kernel, d_bias, as_cotangent(new_state)
+    return _Operands(d_x, d_kernel, d_bias, as_cotangent(new_state))
 
 
-_dense = fused_op(_primal, _forward, _backward)
+def _out_specs(config: _Config, operands: _Operands) -> Any:
+    return gemm_out_specs(operands.x, operands.kernel, config.n_contract)
+
+
+_dense = fused_op(_forward, _backward, _out_specs)
 
 
 class _LastAxis(tuple):  # type: ignore[type-arg]
@@ -264,28 +263,6 @@ def dense(
       >>> dense(jnp.ones((2, 5, 8)), jnp.ones((8, 4)), bias=jnp.ones(4))[0, 0]
       Array([9., 9., 9., 9.], dtype=float32)
     """
-    config, operands = _check(
-        x, kernel, bias, contracting_dims, transpose_batch_sequence, input_axes, kernel_axes,
-        output_axes, collective_op_set, quantizer_set,
-    )  # fmt: skip
-    kernel, block_scaled = operands[1], operands[-1].block_scaled
-    return cast(Array, run_op(_dense, config, operands, kernel, block_scaled, config.n_contract))
-
-
-def _check(
-    x: Array,
-    kernel: Array,
-    bias: Array | None,
-    contracting_dims: tuple[Sequence[int], Sequence[int]] | None,
-    transpose_batch_sequence: bool,
-    input_axes: LogicalAxes,
-    kernel_axes: LogicalAxes,
-    output_axes: LogicalAxes,
-    collective_op_set: CollectiveOpSet,
-    quantizer_set: QuantizerSet,
-) -> tuple[_Config, tuple[Any, ...]]:
-    """Validates ``dense``'s arguments: its static configuration and the operands of its
-    ``custom_vjp``, ``(x, kernel, bias, quantizer_set)``."""
     check.check_input(x, "x")
     check.check_floating(kernel, "kernel")
     n_contract = _contraction_size(x, kernel, contracting_dims)
@@ -296,7 +273,6 @@ def _check(
         )
     check.check_bool(transpose_batch_sequence, "transpose_batch_sequence")
     check_collective_op_set(collective_op_set)
-    quantizer_set = check_quantizer_set(quantizer_set)
     out_ndim = x.ndim - n_contract + kernel.ndim - n_contract
     config = _Config(
         n_contract=n_contract,
@@ -309,7 +285,8 @@ def _check(
         grad_specs=explicit_specs((x, kernel, bias)),
     )
     kernel, bias = vary_like(x, (kernel, bias))
-    return config, (x, kernel, bias, float32_state(quantizer_set))
+    quantizer_set = float32_state(check_quantizer_set(quantizer_set))
+    return cast(Array, _dense(config, _Operands(x, kernel, bias, quantizer_set)))
 
 
 # ----------------------------------------------------------------------------- grouped_dense
@@ -491,7 +468,8 @@ def grouped_dense(
         distinct_axes=scaling.distinct_axes(),
     )
     if path == "ragged":
-        return _grouped.ragged_grouped_dense(config, x, kernel, group_sizes, bias, quantizer_set)
+        operands = _grouped.GroupedOperands(x, kernel, group_sizes, bias, quantizer_set)
+        return cast(Array, _grouped.ragged_grouped_dense(config, operands))
     rows = x.shape[0]
     capacity = rows if capacity is None else int(capacity)
     packed = _grouped.pack_rows(x, group_sizes, capacity)  # [G, C, K]
@@ -499,7 +477,8 @@ def grouped_dense(
         # The packed rows as groups of C rows on the grouped GEMM kernels (a GPU).
         full = jnp.full((n_groups,), capacity, jnp.int32)
         flat = packed.reshape(n_groups * capacity, x.shape[1])
-        out = _grouped.ragged_grouped_dense(config, flat, kernel, full, bias, quantizer_set)
+        operands = _grouped.GroupedOperands(flat, kernel, full, bias, quantizer_set)
+        out = _grouped.ragged_grouped_dense(config, operands)
         return _grouped.unpack_rows(out.reshape(n_groups, capacity, -1), group_sizes, rows)
     # Capacity: dense's own op under vmap over groups, so each GEMM becomes one batched GEMM
     # and each per-tensor quantizer one scale per group.
@@ -513,8 +492,9 @@ def grouped_dense(
     )
     state_axes = jax.tree.map(lambda _: 0, quantizer_set)
     per_group = jax.vmap(
-        partial(_dense.with_statistics, dense_config), in_axes=(0, 0, 0, state_axes)
+        partial(_dense.with_statistics, dense_config),
+        in_axes=(_Operands(0, 0, 0, state_axes),),  # type: ignore[arg-type]
     )
-    out, statistics = per_group(packed, kernel, bias, quantizer_set)  # [G, C, N]
+    out, statistics = per_group(_Operands(packed, kernel, bias, quantizer_set))  # [G, C, N]
     inspection.deliver((quantizer_set,), statistics)  # te_flax.inspect_fp8(): [G] per group
     return _grouped.unpack_rows(out, group_sizes, rows).astype(out_dtype)

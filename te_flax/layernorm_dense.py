@@ -10,7 +10,8 @@ from jax import Array
 from te_flax._base import checks as check
 from te_flax._ops.arguments import check_norm, check_quantizer_set
 from te_flax._ops.custom_op import fused_op
-from te_flax._ops.gemm import dense_backward
+from te_flax._ops.gemm import dense_backward, gemm_out_specs
+from te_flax._ops.gemm_operands import saved_gemm_operands, unquantized_operand
 from te_flax._ops.kernels import traced_in_scan
 from te_flax._ops.norm import NormInput, NormSpec, normalize_backward
 from te_flax._ops.norm_gemm import (
@@ -18,7 +19,6 @@ from te_flax._ops.norm_gemm import (
     recomputed_norm_operand,
     split_norm_output_grad,
 )
-from te_flax._ops.stages import run_op, same_arguments, saved_gemm_operands, unquantized_operand
 from te_flax.quantize import (
     GemmOperand,
     QuantizerSet,
@@ -53,6 +53,17 @@ class _Config:
     grad_specs: Specs = None
 
 
+class _Operands(NamedTuple):
+    """The op's differentiable arguments, checked."""
+
+    x: Array  # [batch..., hidden]
+    kernel: Array  # [hidden, features...]
+    gamma: Array  # [hidden]
+    beta: Array | None  # [hidden], None for rmsnorm
+    bias: Array | None  # [features...]
+    quantizer_set: QuantizerSet
+
+
 class _Residuals(NamedTuple):
     norm: NormInput
     # FP8: the quantized norm output and kernel as the backward GEMMs contract them (per-tensor:
@@ -69,16 +80,9 @@ _Output = Array | tuple[Array, Array]
 
 
 def _forward(
-    config: _Config,
-    x: Array,
-    kernel: Array,
-    gamma: Array,
-    beta: Array | None,
-    bias: Array | None,
-    quantizer_set: QuantizerSet,
-    *,
-    for_backward: bool = True,
+    config: _Config, operands: _Operands, for_backward: bool
 ) -> tuple[_Output, _Residuals]:
+    x, kernel, gamma, beta, bias, quantizer_set = operands
     fp8 = not quantizer_set.is_noop
     axes = (config.layernorm_input_axes, config.dot_input_axes, config.kernel_axes)
     # [batch..., hidden] -> norm -> x [hidden, features...] -> [batch..., features...]
@@ -102,15 +106,7 @@ def _forward(
     return step.out, residuals
 
 
-def _primal(config: _Config, *operands: Any) -> _Output:
-    """``_forward``'s output on ``(x, kernel, gamma, beta, bias, quantizer_set)``."""
-    # Not differentiated: no quantization for the backward GEMMs.
-    return _forward(config, *operands, for_backward=False)[0]
-
-
-def _backward(
-    config: _Config, residuals: _Residuals, grad: _Output
-) -> tuple[Array, Array, Array, Array | None, Array | None, QuantizerSet]:
+def _backward(config: _Config, residuals: _Residuals, grad: _Output) -> _Operands:
     norm, quantizers = residuals.norm, residuals.quantizers
     out_grad, d_ln_output = split_norm_output_grad(grad, config.return_norm_output)
     lhs: GemmOperand
@@ -143,10 +139,14 @@ def _backward(
     d_x, d_gamma, d_beta = normalize_backward(d_ln, *norm, config.norm, grads.lhs_scale)
     new_state = dataclasses.replace(quantizers, dgrad=grads.dgrad_quantizer)
     primal_grads = (d_x, d_kernel, d_gamma, d_beta, grads.bias)
-    return (*with_explicit_specs(primal_grads, config.grad_specs), as_cotangent(new_state))
+    return _Operands(*with_explicit_specs(primal_grads, config.grad_specs), as_cotangent(new_state))
 
 
-_layernorm_dense = fused_op(_primal, _forward, _backward)
+def _out_specs(config: _Config, operands: _Operands) -> Any:
+    return gemm_out_specs(operands.x, operands.kernel, 1, config.return_norm_output)
+
+
+_layernorm_dense = fused_op(_forward, _backward, _out_specs)
 
 
 def layernorm_dense(
@@ -163,6 +163,8 @@ def layernorm_dense(
     dot_input_axes: LogicalAxes = None,
     kernel_axes: LogicalAxes = None,
     quantizer_set: QuantizerSet = noop_quantizer_set,
+    *,
+    return_norm_output: bool = False,
 ) -> Array:
     """Layernorm (or rmsnorm) over the last axis of ``x``, then a GEMM with ``kernel``.
 
@@ -188,6 +190,8 @@ def layernorm_dense(
       dot_input_axes: logical axes of the GEMM input, the (quantized) norm output.
       kernel_axes: logical axes of the (quantized) kernel and of its gradient.
       quantizer_set: the GEMM's quantizers (default ``noop_quantizer_set``: no FP8).
+      return_norm_output: te_flax's; also return the norm output, ``(out, norm(x))``, as
+        ``layernorm_dense_with_norm_output`` does (whose return type says so).
 
     Returns:
       ``[batch..., features...]`` in ``x.dtype``.
@@ -203,11 +207,37 @@ def layernorm_dense(
       >>> layernorm_dense(x, kernel, gamma, beta, quantizer_set=qs).shape
       (4, 8, 3, 32)
     """
-    config, operands = _check(
-        x, kernel, gamma, beta, bias, norm_type, zero_centered_gamma, epsilon,
-        transpose_batch_sequence, layernorm_input_axes, dot_input_axes, kernel_axes, quantizer_set,
-    )  # fmt: skip
-    return cast(Array, _run(config, operands))
+    check.check_input(x, "x")
+    check.check_floating(kernel, "kernel")
+    if kernel.ndim < 2 or kernel.shape[0] != x.shape[-1]:
+        raise ValueError(
+            f"kernel has shape {kernel.shape} but must be [hidden, features...] with hidden = "
+            f"x.shape[-1] = {x.shape[-1]}; the GEMM contracts x's last axis with kernel axis 0"
+        )
+    norm = check_norm(x, gamma, beta, norm_type, zero_centered_gamma, epsilon)
+    if bias is not None:
+        check.check_floating(bias, "bias")
+        check.check_shape(bias, kernel.shape[1:], "bias", "it matches the kernel's feature axes")
+    check.check_bool(transpose_batch_sequence, "transpose_batch_sequence")
+    check.check_bool(return_norm_output, "return_norm_output")
+    config = _Config(
+        norm=norm,
+        layernorm_input_axes=check.check_axes(
+            layernorm_input_axes, x.ndim, "layernorm_input_axes", "x"
+        ),
+        dot_input_axes=check.check_axes(dot_input_axes, x.ndim, "dot_input_axes", "x"),
+        kernel_axes=check.check_axes(kernel_axes, kernel.ndim, "kernel_axes", "kernel"),
+        kernel_dtype=kernel.dtype,
+        bias_dtype=None if bias is None else bias.dtype,
+        return_norm_output=return_norm_output,
+        kernel_in_scan=traced_in_scan(kernel),
+        grad_specs=explicit_specs((x, kernel, gamma, beta, bias)),
+    )
+    kernel, gamma, beta, bias = vary_like(x, (kernel, gamma, beta, bias))
+    quantizer_set = float32_state(check_quantizer_set(quantizer_set))
+    return cast(
+        Array, _layernorm_dense(config, _Operands(x, kernel, gamma, beta, bias, quantizer_set))
+    )
 
 
 def layernorm_dense_with_norm_output(*args: Any, **kwargs: Any) -> tuple[Array, Array]:
@@ -227,64 +257,4 @@ def layernorm_dense_with_norm_output(*args: Any, **kwargs: Any) -> tuple[Array, 
       >>> out.shape, ln.shape
       ((2, 4), (2, 8))
     """
-    arguments = same_arguments(layernorm_dense, args, kwargs)
-    config, operands = _check(**arguments, return_norm_output=True)
-    return cast(tuple[Array, Array], _run(config, operands))
-
-
-def _run(config: _Config, operands: tuple[Any, ...]) -> _Output:
-    """The op on the checked ``(x, kernel, gamma, beta, bias, quantizer_set)``."""
-    kernel, block_scaled = operands[1], operands[-1].block_scaled
-    norm_output = config.return_norm_output
-    return cast(
-        _Output,
-        run_op(_layernorm_dense, config, operands, kernel, block_scaled, norm_output=norm_output),
-    )
-
-
-def _check(
-    x: Array,
-    kernel: Array,
-    gamma: Array,
-    beta: Array | None,
-    bias: Array | None,
-    norm_type: str,
-    zero_centered_gamma: bool,
-    epsilon: float,
-    transpose_batch_sequence: bool,
-    layernorm_input_axes: LogicalAxes,
-    dot_input_axes: LogicalAxes,
-    kernel_axes: LogicalAxes,
-    quantizer_set: QuantizerSet,
-    return_norm_output: bool = False,
-) -> tuple[_Config, tuple[Any, ...]]:
-    """Validates ``layernorm_dense``'s arguments: its static configuration and the operands of
-    its ``custom_vjp``, ``(x, kernel, gamma, beta, bias, quantizer_set)``."""
-    check.check_input(x, "x")
-    check.check_floating(kernel, "kernel")
-    if kernel.ndim < 2 or kernel.shape[0] != x.shape[-1]:
-        raise ValueError(
-            f"kernel has shape {kernel.shape} but must be [hidden, features...] with hidden = "
-            f"x.shape[-1] = {x.shape[-1]}; the GEMM contracts x's last axis with kernel axis 0"
-        )
-    norm = check_norm(x, gamma, beta, norm_type, zero_centered_gamma, epsilon)
-    if bias is not None:
-        check.check_floating(bias, "bias")
-        check.check_shape(bias, kernel.shape[1:], "bias", "it matches the kernel's feature axes")
-    check.check_bool(transpose_batch_sequence, "transpose_batch_sequence")
-    check_quantizer_set(quantizer_set)
-    config = _Config(
-        norm=norm,
-        layernorm_input_axes=check.check_axes(
-            layernorm_input_axes, x.ndim, "layernorm_input_axes", "x"
-        ),
-        dot_input_axes=check.check_axes(dot_input_axes, x.ndim, "dot_input_axes", "x"),
-        kernel_axes=check.check_axes(kernel_axes, kernel.ndim, "kernel_axes", "kernel"),
-        kernel_dtype=kernel.dtype,
-        bias_dtype=None if bias is None else bias.dtype,
-        return_norm_output=return_norm_output,
-        kernel_in_scan=traced_in_scan(kernel),
-        grad_specs=explicit_specs((x, kernel, gamma, beta, bias)),
-    )
-    kernel, gamma, beta, bias = vary_like(x, (kernel, gamma, beta, bias))
-    return config, (x, kernel, gamma, beta, bias, float32_state(quantizer_set))
+    return cast(tuple[Array, Array], layernorm_dense(*args, **kwargs, return_norm_output=True))

@@ -22,16 +22,39 @@ from jax import Array, lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 
-from te_flax._ops.activations import activation_backward
+from te_flax._base import checks as check
+from te_flax._ops.activations import (
+    activation_backward,
+    canonical_activation_params,
+    canonical_activation_type,
+)
+from te_flax._ops.arguments import check_norm
 from te_flax._ops.custom_op import fused_op
-from te_flax._ops.gemm import DenseGrads, dense_backward, dense_forward
+from te_flax._ops.gemm import DenseGrads, dense_backward, forward_contracting, gemm, gemm_out_specs
+from te_flax._ops.gemm_operands import (
+    constrained,
+    input_uses,
+    kernel_operand,
+    saved_gemm_operands,
+    unquantized_operand,
+)
+from te_flax._ops.kernels import GradOperand, traced_in_scan
 from te_flax._ops.lora import lora_delta
 from te_flax._ops.mlp import (
     LoraKernels,
     MlpConfig,
+    MlpOperands,
     activation_gemm_operand,
+    activation_grad,
+    activation_operand,
     apply_dropout,
-    check_arguments,
+    check_collective_op_sets,
+    check_dropout,
+    check_kernels_and_biases,
+    check_lora,
+    check_lora_alpha,
+    check_name,
+    check_quantizer_sets,
     dropout_mask,
     dropped_activation,
     with_dropout,
@@ -43,18 +66,6 @@ from te_flax._ops.norm_gemm import (
     recomputed_norm_operand,
     split_norm_output_grad,
 )
-from te_flax._ops.stages import (
-    GradOperand,
-    activation_grad,
-    activation_operand,
-    constrained,
-    input_uses,
-    kernel_operand,
-    run_op,
-    same_arguments,
-    saved_gemm_operands,
-    unquantized_operand,
-)
 from te_flax.collective import CollectiveOpSet, noop_collective_op_set
 from te_flax.quantize import (
     GemmOperand,
@@ -62,9 +73,16 @@ from te_flax.quantize import (
     QuantizerSet,
     ScaledTensor,
     as_cotangent,
+    float32_state,
     noop_quantizer_set,
 )
-from te_flax.sharding import LogicalAxes, with_explicit_specs, with_logical_constraint
+from te_flax.sharding import (
+    LogicalAxes,
+    explicit_specs,
+    vary_like,
+    with_explicit_specs,
+    with_logical_constraint,
+)
 
 __all__ = [
     "LoraKernels",
@@ -105,27 +123,9 @@ def _lora(config: MlpConfig, x: Array, a: Array, b: Array) -> Array:
 # ----------------------------------------------------------------------------- forward
 
 
-def _gemm_1(
-    config: MlpConfig,
-    x: Array,
-    gamma: Array,
-    beta: Array | None,
-    kernel_1: Array,
-    bias_1: Array | None,
-    set_1: QuantizerSet,
-    lora_kernels: LoraKernels | None,
-    for_backward: bool,
-    fp8: bool,
-) -> tuple[NormGemm, Array]:
-    """Norm and GEMM 1 (+ its adapter): the norm stage and ``[batch..., n_act, intermediate]``,
-    the pre-activation, named ``ffn1_ckpt_name``."""
-    axes = (config.norm_input_axes, config.dot_1_input_axes, config.kernel_1_axes)
-    with_norm_output = config.return_norm_output or lora_kernels is not None
-    # [batch..., hidden] x [hidden, n_act, intermediate] -> [batch..., n_act, intermediate]
-    step = norm_gemm_forward(
-        x, gamma, beta, kernel_1, bias_1, config.norm, set_1, axes, config.kernels_in_scan[0],
-        for_backward, with_norm_output, fp8,
-    )  # fmt: skip
+def _pre_activation(config: MlpConfig, step: NormGemm, lora_kernels: LoraKernels | None) -> Array:
+    """GEMM 1's output (+ its adapter's), ``[batch..., n_act, intermediate]``, named
+    ``ffn1_ckpt_name``."""
     pre_activation = step.out
     if lora_kernels is not None:
         norm_output = cast(Array, step.norm_output)
@@ -136,7 +136,7 @@ def _gemm_1(
         # does), and then fails to emit an FP8 cuBLASLt GEMM with an auxiliary output. The
         # barrier (no copy) keeps the activation out of the FP8 GEMM.
         pre_activation = lax.optimization_barrier(pre_activation)
-    return step, checkpoint_name(pre_activation, config.ffn1_ckpt_name)
+    return checkpoint_name(pre_activation, config.ffn1_ckpt_name)
 
 
 def _gemm_2_input(
@@ -168,24 +168,21 @@ def _gemm_2_input(
 
 
 def _forward(
-    config: MlpConfig,
-    x: Array,
-    gamma: Array,
-    beta: Array | None,
-    kernels: Sequence[Array],
-    biases: Sequence[Array | None],
-    quantizer_sets: tuple[QuantizerSet, QuantizerSet],
-    dropout_rng: Array | None,
-    lora_kernels: LoraKernels | None,
-    *,
-    for_backward: bool = True,
+    config: MlpConfig, operands: MlpOperands, for_backward: bool
 ) -> tuple[_Output, _Residuals]:
-    set_1, set_2 = quantizer_sets
-    kernel_1, kernel_2 = kernels
-    fp8 = not (set_1.is_noop and set_2.is_noop)
-    step_1, pre_activation = _gemm_1(
-        config, x, gamma, beta, kernel_1, biases[0], set_1, lora_kernels, for_backward, fp8
+    x, gamma, beta, (kernel_1, kernel_2), biases, quantizer_sets, dropout_rng, lora_kernels = (
+        operands
     )
+    set_1, set_2 = quantizer_sets
+    fp8 = not (set_1.is_noop and set_2.is_noop)
+    # Norm and GEMM 1: [batch..., hidden] x [hidden, n_act, intermediate]
+    axes = (config.norm_input_axes, config.dot_1_input_axes, config.kernel_1_axes)
+    with_norm_output = config.return_norm_output or lora_kernels is not None
+    step_1 = norm_gemm_forward(
+        x, gamma, beta, kernel_1, biases[0], config.norm, set_1, axes, config.kernels_in_scan[0],
+        for_backward, with_norm_output, fp8,
+    )  # fmt: skip
+    pre_activation = _pre_activation(config, step_1, lora_kernels)
     # [batch..., n_act, intermediate] -> [batch..., intermediate]
     with_lora, uses = lora_kernels is not None, input_uses(for_backward)
     activated, x_2, dropped = _gemm_2_input(
@@ -196,7 +193,8 @@ def _forward(
         config.kernels_in_scan[1],
     )  # fmt: skip
     # [batch..., intermediate] x [intermediate, hidden] -> [batch..., hidden]
-    out = dense_forward(activated, k_2, 1, x.dtype, biases[1], set_2.precision)
+    contracting = forward_contracting(activated, 1)
+    out, _ = gemm(activated, k_2, contracting, x.dtype, set_2.precision.fprop, bias=biases[1])
     if lora_kernels is not None:
         out = out + _lora(config, cast(Array, dropped), *lora_kernels[2:])
     ln_operand, kernel_1_residual = (
@@ -222,13 +220,6 @@ def _forward(
     if config.return_norm_output:
         return (out, cast(Array, step_1.norm_output)), residuals
     return out, residuals
-
-
-def _primal(config: MlpConfig, *operands: Any) -> _Output:
-    """``_forward``'s output on ``(x, gamma, beta, kernels, biases, quantizer_sets,
-    dropout_rng, lora_kernels)``."""
-    # Not differentiated: no quantization for the backward GEMMs.
-    return _forward(config, *operands, for_backward=False)[0]
 
 
 # ----------------------------------------------------------------------------- backward
@@ -323,18 +314,7 @@ def _norm_backward(
     return normalize_backward(d_ln, *residuals.norm, config.norm, grads_1.lhs_scale)
 
 
-def _backward(
-    config: MlpConfig, residuals: _Residuals, grad: _Output
-) -> tuple[
-    Array,
-    Array,
-    Array | None,
-    tuple[Array, Array],
-    tuple[Array | None, Array | None],
-    tuple[QuantizerSet, QuantizerSet],
-    None,
-    LoraKernels | None,
-]:
+def _backward(config: MlpConfig, residuals: _Residuals, grad: _Output) -> MlpOperands:
     dtype = residuals.norm.x.dtype
     out_grad, norm_output_grad = split_norm_output_grad(grad, config.return_norm_output)
     set_1, set_2 = residuals.quantizer_sets
@@ -376,19 +356,19 @@ def _backward(
         (d_x, d_gamma, d_beta, d_kernels, (grads_1.bias, grads_2.bias)), config.grad_specs
     )
     # No gradient for the dropout key.
-    return (
-        d_x,
-        d_gamma,
-        d_beta,
-        d_kernels,
-        d_biases,
-        as_cotangent(new_sets),
-        None,
-        d_activation.lora,
+    return MlpOperands(
+        d_x, d_gamma, d_beta, d_kernels, d_biases, as_cotangent(new_sets), None, d_activation.lora
     )
 
 
-_layernorm_mlp = fused_op(_primal, _forward, _backward)
+def _out_specs(config: MlpConfig, operands: MlpOperands) -> Any:
+    return gemm_out_specs(operands.x, operands.kernels[1], 1, config.return_norm_output)
+
+
+# The output is named ffn2_ckpt_name for jax.checkpoint policies.
+_layernorm_mlp = fused_op(
+    _forward, _backward, _out_specs, output_name=lambda config: config.ffn2_ckpt_name
+)
 
 
 # ----------------------------------------------------------------------------- the op
@@ -424,6 +404,7 @@ def layernorm_mlp(
     intermediate_dropout_dims: Sequence[int] = (),
     low_rank_adaptation_kernels: Sequence[Array] | None = None,
     low_rank_adaptation_alpha: float | None = None,
+    return_norm_output: bool = False,
 ) -> Array:
     """Norm, GEMM 1 (+ bias 1), activation, dropout, GEMM 2 (+ bias 2), as one differentiable op.
 
@@ -483,6 +464,8 @@ def layernorm_mlp(
         hidden])``: GEMM 1's output gains ``norm(x) . A_1 . B_1 * alpha / r`` and GEMM 2's
         ``d . A_2 . B_2 * alpha / r``, both in high precision.
       low_rank_adaptation_alpha: the LoRA ``alpha``; None (default) scales by 1.
+      return_norm_output: also return the norm output, ``(out, norm(x))``, as
+        ``layernorm_mlp_with_norm_output`` does (whose return type says so).
 
     Returns:
       ``[batch..., hidden]`` in ``x.dtype``.
@@ -500,18 +483,59 @@ def layernorm_mlp(
       >>> out.shape, out.dtype
       ((2, 8, 16), dtype(bfloat16))
     """
-    config, operands = check_arguments(
-        x, gamma, beta, kernels, biases, norm_type, zero_centered_gamma, epsilon,
-        transpose_batch_sequence, norm_input_axes, dot_1_input_axes, dot_2_input_axes,
-        kernel_1_axes, kernel_2_axes, ffn1_ckpt_name, ffn2_ckpt_name, activation_type,
-        activation_params, collective_op_sets, quantizer_sets,
-        intermediate_dropout_rate=intermediate_dropout_rate,
-        intermediate_dropout_rng=intermediate_dropout_rng,
-        intermediate_dropout_dims=intermediate_dropout_dims,
-        low_rank_adaptation_kernels=low_rank_adaptation_kernels,
-        low_rank_adaptation_alpha=low_rank_adaptation_alpha,
-    )  # fmt: skip
-    return cast(Array, _run(config, operands))
+    check_collective_op_sets(collective_op_sets)
+    check.check_input(x, "x")
+    activation_type = canonical_activation_type(activation_type)
+    checked_params = canonical_activation_params(activation_type, activation_params)
+    check_kernels_and_biases(x, kernels, biases, len(activation_type))
+    norm = check_norm(x, gamma, beta, norm_type, zero_centered_gamma, epsilon)
+    check.check_bool(transpose_batch_sequence, "transpose_batch_sequence")
+    check.check_bool(return_norm_output, "return_norm_output")
+    quantizer_sets = check_quantizer_sets(quantizer_sets)
+    (kernel_1, kernel_2), (bias_1, bias_2) = kernels, biases
+    dropout_rate, dropout_dims = check_dropout(
+        intermediate_dropout_rate, intermediate_dropout_rng, intermediate_dropout_dims, x.ndim
+    )
+    lora_kernels = check_lora(low_rank_adaptation_kernels, x, *kernel_1.shape[1:])
+    config = MlpConfig(
+        norm=norm,
+        activation_type=activation_type,
+        activation_params=checked_params,
+        norm_input_axes=check.check_axes(norm_input_axes, x.ndim, "norm_input_axes", "x"),
+        dot_1_input_axes=check.check_axes(dot_1_input_axes, x.ndim, "dot_1_input_axes", "x"),
+        dot_2_input_axes=check.check_axes(
+            dot_2_input_axes, x.ndim, "dot_2_input_axes", "the activation output"
+        ),
+        kernel_1_axes=check.check_axes(kernel_1_axes, 3, "kernel_1_axes", "kernels[0]"),
+        kernel_2_axes=check.check_axes(kernel_2_axes, 2, "kernel_2_axes", "kernels[1]"),
+        ffn1_ckpt_name=check_name(ffn1_ckpt_name, "ffn1_ckpt_name"),
+        ffn2_ckpt_name=check_name(ffn2_ckpt_name, "ffn2_ckpt_name"),
+        kernel_dtypes=(kernel_1.dtype, kernel_2.dtype),
+        bias_dtypes=(
+            None if bias_1 is None else bias_1.dtype,
+            None if bias_2 is None else bias_2.dtype,
+        ),
+        dropout_rate=dropout_rate,
+        dropout_dims=dropout_dims,
+        lora_alpha=check_lora_alpha(low_rank_adaptation_alpha),
+        return_norm_output=return_norm_output,
+        kernels_in_scan=(traced_in_scan(kernel_1), traced_in_scan(kernel_2)),
+        grad_specs=explicit_specs((x, gamma, beta, tuple(kernels), tuple(biases))),
+    )
+    gamma, beta, (kernel_1, kernel_2), (bias_1, bias_2) = vary_like(
+        x, (gamma, beta, (kernel_1, kernel_2), (bias_1, bias_2))
+    )
+    operands = MlpOperands(
+        x=x,
+        gamma=gamma,
+        beta=beta,
+        kernels=(kernel_1, kernel_2),
+        biases=(bias_1, bias_2),
+        quantizer_sets=float32_state(quantizer_sets),
+        dropout_rng=None if dropout_rate == 0.0 else intermediate_dropout_rng,
+        lora_kernels=None if lora_kernels is None else vary_like(x, lora_kernels),
+    )
+    return cast(Array, _layernorm_mlp(config, operands))
 
 
 def layernorm_mlp_with_norm_output(*args: Any, **kwargs: Any) -> tuple[Array, Array]:
@@ -531,22 +555,4 @@ def layernorm_mlp_with_norm_output(*args: Any, **kwargs: Any) -> tuple[Array, Ar
       >>> out.shape, ln.shape
       ((2, 8), (2, 8))
     """
-    arguments = same_arguments(layernorm_mlp, args, kwargs)
-    config, operands = check_arguments(**arguments, return_norm_output=True)
-    return cast(tuple[Array, Array], _run(config, operands))
-
-
-def _run(config: MlpConfig, operands: tuple[Any, ...]) -> _Output:
-    """The op on the checked ``(x, gamma, beta, kernels, biases, quantizer_sets, dropout_rng,
-    lora_kernels)``; the output named ``ffn2_ckpt_name``."""
-    kernels, (set_1, set_2) = operands[3], operands[5]
-    block_scaled = set_1.block_scaled or set_2.block_scaled
-    output = run_op(
-        _layernorm_mlp, config, operands, kernels[-1], block_scaled,
-        norm_output=config.return_norm_output,
-    )  # fmt: skip
-    # Named outside the custom_vjp, where remat policies see the op's output as a value.
-    if config.return_norm_output:
-        out, norm_output = cast(tuple[Array, Array], output)
-        return checkpoint_name(out, config.ffn2_ckpt_name), norm_output
-    return checkpoint_name(cast(Array, output), config.ffn2_ckpt_name)
+    return cast(tuple[Array, Array], layernorm_mlp(*args, **kwargs, return_norm_output=True))

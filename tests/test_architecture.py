@@ -220,3 +220,79 @@ def test_functions_are_short():
                 if count > MAX_FUNCTION_CODE_LINES:
                     long.append(f"{module}.{node.name}: {count} code lines")
     assert long == []
+
+
+# ----------------------------------------------------------------------------- the call's depth
+
+# From a layer's __call__ to lax.dot_general (docs/architecture.md, "How a call flows"): the
+# shell, the layer description, the public op, the fused-op wrapper (whose custom_vjp rule is
+# its second frame), the op's forward rule, the norm+GEMM stage and the GEMM stage.
+LAYER_NORM_MLP_WALK = [
+    "{front}/modules.py:__call__",
+    "_layers/linear.py:forward",
+    "layernorm_mlp.py:layernorm_mlp",
+    "_ops/custom_op.py:__call__",
+    "_ops/custom_op.py:{rule}",
+    "layernorm_mlp.py:_forward",
+    "_ops/norm_gemm.py:norm_gemm_forward",
+    "_ops/gemm.py:gemm",
+]
+
+
+def _frames_to_first_gemm(call) -> list[str]:
+    """The te_flax frames on the stack when ``call`` first reaches ``lax.dot_general``,
+    outermost first, as ``path:function`` relative to the package."""
+    import inspect
+    from unittest import mock
+
+    import jax
+
+    found: list[list[str]] = []
+    dot_general = jax.lax.dot_general
+
+    def spy(*args, **kwargs):
+        if not found:
+            stack = inspect.stack(context=0)
+            found.append(
+                [
+                    f"{pathlib.Path(f.filename).relative_to(PACKAGE).as_posix()}:{f.function}"
+                    for f in reversed(stack)
+                    if pathlib.Path(f.filename).is_relative_to(PACKAGE)
+                ]
+            )
+        return dot_general(*args, **kwargs)
+
+    with mock.patch.object(jax.lax, "dot_general", spy):
+        call()
+    return found[0]
+
+
+@pytest.mark.parametrize("front", ["linen", "nnx"])
+@pytest.mark.parametrize("differentiated", [False, True], ids=["primal", "grad"])
+def test_a_layers_call_reaches_its_gemm_in_seven_steps(front, differentiated):
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import te_flax.linen as te_nn
+    import te_flax.nnx as te_nnx
+    from te_flax.quantize import DelayedScaling
+
+    x = jnp.ones((2, 8, 16), jnp.bfloat16)
+    recipe = DelayedScaling(amax_history_len=4)
+    if front == "linen":
+        layer = te_nn.LayerNormMLP(intermediate_dim=32, recipe=recipe)
+        variables = layer.init(jax.random.key(0), x)
+        apply = lambda x: layer.apply(variables, x)[0]  # noqa: E731
+    else:
+        module = te_nnx.LayerNormMLP(16, intermediate_dim=32, recipe=recipe, rngs=nnx.Rngs(0))
+        apply = lambda x: module(x)[0]  # noqa: E731
+    if differentiated:
+        call = lambda: jax.grad(lambda x: jnp.sum(apply(x).astype(jnp.float32)))(x)  # noqa: E731
+    else:
+        call = lambda: apply(x)  # noqa: E731
+    walk = [
+        step.format(front=front, rule="op_forward" if differentiated else "op")
+        for step in LAYER_NORM_MLP_WALK
+    ]
+    assert _frames_to_first_gemm(call) == walk

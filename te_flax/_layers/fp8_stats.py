@@ -7,8 +7,9 @@ writes a variable (``StatsVariables``); the slot and the statistics are
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -28,7 +29,7 @@ from te_flax.quantize.inspection import (
     with_slot,
 )
 
-__all__ = ["StatsVariables", "fp8_stats_slots", "inspected_forward", "kept_statistics"]
+__all__ = ["StatsVariables", "fp8_stats_slots", "inspected", "kept_statistics"]
 
 Statistics = dict[str, Array]
 
@@ -105,20 +106,22 @@ def _slotted(
     return slotted, flat
 
 
-def inspected_forward(
-    forward: Callable[[tuple[QuantizerSet, ...]], Any],
+@contextlib.contextmanager
+def inspected(
     sets: Sequence[QuantizerSet],
     postfixes: Sequence[str],
     n_groups: int | None,
     variables: StatsVariables,
-) -> Any:
-    """``forward(sets)``; inside ``te_flax.inspect_fp8()`` with statistics slots on the sets
-    and the forward statistics the ops report written to the module's variables."""
+) -> Iterator[tuple[QuantizerSet, ...]]:
+    """The sets a layer's forward takes: inside ``te_flax.inspect_fp8()`` with statistics
+    slots, and the forward statistics the ops report in the block written to the module's
+    variables when it ends; elsewhere the sets themselves."""
     if not inspecting():
-        return forward(tuple(sets))
+        yield tuple(sets)
+        return
     slotted, read = _slotted(sets, postfixes, n_groups, variables)
     with collecting() as found:
-        out = forward(slotted)
+        yield slotted
     kept: dict[str, Statistics] = {}
     for postfix, roles in found:
         for role, stats in roles.items():
@@ -129,7 +132,6 @@ def inspected_forward(
         if name in read:
             variables.write(name, stats)
             _remember(stats, read[name])
-    return out
 
 
 def fp8_stats_slots(

@@ -30,16 +30,21 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import jax
-from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero, zero_from_primal
+from jax.ad_checkpoint import checkpoint_name
+from jax.custom_derivatives import SymbolicZero, zero_from_primal
 
-from te_flax.quantize import DelayedScaleQuantizer, inspection
+from te_flax.quantize import DelayedScaleQuantizer, QuantizerSet, inspection
 from te_flax.quantize.statistics import recording
 from te_flax.quantize.tensors import static_field
+from te_flax.sharding import on_auto_axes
 
 __all__ = ["FusedOp", "fused_op"]
+
+ConfigT = TypeVar("ConfigT")
+OperandsT = TypeVar("OperandsT")
 
 
 def _is_delayed(node: object) -> bool:
@@ -117,27 +122,30 @@ class _Saved:
     modes: tuple[bool, ...] = static_field(())
 
 
-def _plain_op(
-    primal: Callable[..., Any],
-    forward: Callable[..., tuple[Any, Any]],
-    backward: Callable[..., tuple[Any, ...]],
-) -> Callable[..., Any]:
-    """The op's ``custom_vjp``: ``op(config, *operands) -> out``."""
+# An op's rules: forward(config, operands, for_backward) -> (out, residuals), where
+# for_backward=False (the op is not differentiated) may skip what only the backward reads, and
+# backward(config, residuals, cotangent) -> the operands' cotangents, a record of their type.
+Forward = Callable[[Any, Any, bool], tuple[Any, Any]]
+Backward = Callable[[Any, Any, Any], Any]
+
+
+def _plain_op(forward: Forward, backward: Backward) -> Callable[[Any, Any], Any]:
+    """The op's ``custom_vjp``: ``op(config, operands) -> out``."""
 
     @partial(jax.custom_vjp, nondiff_argnums=(0,))
-    def op(config: Any, *operands: Any) -> Any:
-        return primal(config, *_just_in_time(operands))
+    def op(config: Any, operands: Any) -> Any:
+        return forward(config, _just_in_time(operands), False)[0]
 
-    def op_forward(config: Any, *primals: CustomVJPPrimal) -> tuple[Any, _Saved]:
+    def op_forward(config: Any, primals: Any) -> tuple[Any, _Saved]:
         operands, modes = _decided(primals)
-        out, residuals = forward(config, *operands)
+        out, residuals = forward(config, operands, True)
         return out, _Saved(residuals, modes)
 
-    def op_backward(config: Any, saved: _Saved, cotangent: Any) -> tuple[Any, ...]:
+    def op_backward(config: Any, saved: _Saved, cotangent: Any) -> tuple[Any]:
         cotangent = jax.tree.map(
             _instantiated, cotangent, is_leaf=lambda c: isinstance(c, SymbolicZero)
         )
-        return _restored(backward(config, saved.residuals, cotangent), saved.modes)
+        return (_restored(backward(config, saved.residuals, cotangent), saved.modes),)
 
     op.defvjp(op_forward, op_backward, symbolic_zeros=True)
     return op
@@ -153,83 +161,121 @@ class _InspectedSaved:
     modes: tuple[bool, ...] = static_field(())
 
 
-def _inspected_op(
-    primal: Callable[..., Any],
-    forward: Callable[..., tuple[Any, Any]],
-    backward: Callable[..., tuple[Any, ...]],
-) -> Callable[..., Any]:
+def _inspected_op(forward: Forward, backward: Backward) -> Callable[[Any, Any], Any]:
     """The same rules as ``_plain_op``, recording what they quantize:
-    ``op(config, *operands) -> (out, forward statistics)``, the statistics of every slot
+    ``op(config, operands) -> (out, forward statistics)``, the statistics of every slot
     (forward's and gradient's) as its cotangent (``te_flax.quantize.inspection``)."""
 
     @partial(jax.custom_vjp, nondiff_argnums=(0,))
-    def op(config: Any, *operands: Any) -> Any:
+    def op(config: Any, operands: Any) -> Any:
         operands = _just_in_time(operands)
         with recording() as records:
-            out = primal(config, *operands)
+            out = forward(config, operands, False)[0]
         return out, inspection.forward_statistics(records, operands)
 
-    def op_forward(config: Any, *primals: CustomVJPPrimal) -> tuple[Any, _InspectedSaved]:
+    def op_forward(config: Any, primals: Any) -> tuple[Any, _InspectedSaved]:
         operands, modes = _decided(primals)
         with recording() as records:
-            out, residuals = forward(config, *operands)
+            out, residuals = forward(config, operands, True)
         statistics = inspection.forward_statistics(records, operands)
         return (out, statistics), _InspectedSaved(residuals, statistics, modes)
 
-    def op_backward(config: Any, saved: _InspectedSaved, cotangent: Any) -> tuple[Any, ...]:
+    def op_backward(config: Any, saved: _InspectedSaved, cotangent: Any) -> tuple[Any]:
         out_cotangent = jax.tree.map(
             _instantiated, cotangent[0], is_leaf=lambda c: isinstance(c, SymbolicZero)
         )
         with recording() as records:
             cotangents = backward(config, saved.residuals, out_cotangent)
         cotangents = _restored(cotangents, saved.modes)
-        return inspection.with_statistics(cotangents, saved.residuals, records, saved.statistics)
+        stats = inspection.with_statistics(cotangents, saved.residuals, records, saved.statistics)
+        return (stats,)
 
     op.defvjp(op_forward, op_backward, symbolic_zeros=True)
     return op
 
 
-class FusedOp:
-    """A fused op ``op(config, *operands) -> out`` (see ``fused_op``)."""
+def _is_set(node: object) -> bool:
+    return isinstance(node, QuantizerSet)
+
+
+def _block_scaled(operands: Any) -> bool:
+    """Whether a quantizer set among ``operands`` scales per block (MXFP8, NVFP4)."""
+    sets = jax.tree.leaves(operands, is_leaf=_is_set)
+    return any(isinstance(node, QuantizerSet) and node.block_scaled for node in sets)
+
+
+class FusedOp(Generic[ConfigT, OperandsT]):
+    """A fused op ``op(config, operands) -> out`` (see ``fused_op``)."""
 
     def __init__(
         self,
-        primal: Callable[..., Any],
-        forward: Callable[..., tuple[Any, Any]],
-        backward: Callable[..., tuple[Any, ...]],
+        forward: Forward,
+        backward: Backward,
+        out_specs: Callable[[ConfigT, OperandsT], Any] | None = None,
+        output_name: Callable[[ConfigT], str | None] | None = None,
     ) -> None:
-        self._plain = _plain_op(primal, forward, backward)
-        self._inspected = _inspected_op(primal, forward, backward)
+        self._plain = _plain_op(forward, backward)
+        self._inspected = _inspected_op(forward, backward)
+        self._out_specs = out_specs
+        self._output_name = output_name
 
-    def __call__(self, config: Any, *operands: Any) -> Any:
-        """The op's output; the forward statistics of sets with a slot go to the layer that
-        called it (``inspection.deliver``)."""
-        if not inspection.slotted_sets(operands):
-            return self._plain(config, *operands)
-        out, statistics = self.with_statistics(config, *operands)
+    def __call__(self, config: ConfigT, operands: OperandsT) -> Any:
+        """The op's output, named for ``jax.checkpoint`` policies; the forward statistics of
+        sets with a slot go to the layer that called it (``inspection.deliver``)."""
+        op = self._plain if not inspection.slotted_sets(operands) else self._delivered
+        if (
+            self._out_specs is None
+            or config.grad_specs is None  # type: ignore[attr-defined]
+            or not _block_scaled(operands)
+        ):
+            out = op(config, operands)
+        else:
+            # On Explicit mesh axes a block-scaled op runs with the axes as Auto inside: its
+            # quantization reshapes sharded axes into blocks, which JAX cannot type axis by
+            # axis. Its outputs then take the shardings ``out_specs`` gives.
+            inside = dataclasses.replace(config, grad_specs=None)  # type: ignore[type-var]
+            out = on_auto_axes(partial(op, inside), self._out_specs(config, operands), operands)
+        name = None if self._output_name is None else self._output_name(config)
+        if name is None:
+            return out
+        # Named outside the custom_vjp, where remat policies see the output as a value.
+        if isinstance(out, tuple):
+            return (checkpoint_name(out[0], name), *out[1:])
+        return checkpoint_name(out, name)
+
+    def _delivered(self, config: ConfigT, operands: OperandsT) -> Any:
+        out, statistics = self.with_statistics(config, operands)
         inspection.deliver(operands, statistics)
         return out
 
-    def with_statistics(self, config: Any, *operands: Any) -> tuple[Any, tuple[Any, ...]]:
+    def with_statistics(self, config: ConfigT, operands: OperandsT) -> tuple[Any, tuple[Any, ...]]:
         """``(out, forward statistics per slotted set)``, for a caller that transforms the op
-        (a ``vmap`` over groups) and delivers them itself."""
+        (a ``vmap`` over groups) and delivers them itself; the output is not named."""
         if not inspection.slotted_sets(operands):
-            return self._plain(config, *operands), ()
+            return self._plain(config, operands), ()
         result: tuple[Any, tuple[Any, ...]] = self._inspected(
-            config, *inspection.positioned(operands)
+            config, inspection.positioned(operands)
         )
         return result
 
 
 def fused_op(
-    primal: Callable[..., Any],
-    forward: Callable[..., tuple[Any, Any]],
-    backward: Callable[..., tuple[Any, ...]],
-) -> FusedOp:
-    """A fused op ``op(config, *operands)``: a ``jax.custom_vjp`` with the static ``config``
-    first, and the rules ``primal(config, *operands) -> out``, ``forward(config, *operands) ->
-    (out, residuals)`` and ``backward(config, residuals, cotangent) -> operand cotangents``,
-    the delayed-scaling quantizers of the operands set just in time where their update cannot
-    leave the step (the module docstring's cases). Operands whose quantizer sets carry a
-    statistics slot run its inspected twin."""
-    return FusedOp(primal, forward, backward)
+    forward: Forward,
+    backward: Backward,
+    out_specs: Callable[[ConfigT, OperandsT], Any] | None = None,
+    output_name: Callable[[ConfigT], str | None] | None = None,
+) -> FusedOp[ConfigT, OperandsT]:
+    """The one wrapper of every fused op: ``op(config, operands)``, a ``jax.custom_vjp`` of
+    the static ``config`` (a frozen dataclass) and the typed
+    ``operands`` record (a ``NamedTuple``) that the op's one check returns.
+
+    ``forward(config, operands, for_backward) -> (out, residuals)`` and ``backward(config,
+    residuals, cotangent) -> the operands' cotangents`` are the op's rules. The wrapper sets
+    the delayed-scaling quantizers of the operands just in time where their update cannot
+    leave the step (the module docstring's cases), runs the inspected twin for operands whose
+    quantizer sets carry a statistics slot, runs a block-scaled op on ``Explicit`` mesh axes
+    (``config.grad_specs`` is set there) as ``Auto`` with its outputs resharded to
+    ``out_specs(config, operands)`` (None: an op that never runs so), and names the (first)
+    output ``output_name(config)`` with ``jax.ad_checkpoint.checkpoint_name``.
+    """
+    return FusedOp(forward, backward, out_specs, output_name)

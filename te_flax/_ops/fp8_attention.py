@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax.numpy as jnp
 from jax import Array, lax
 
-from te_flax._ops.custom_op import fused_op
+from te_flax._ops.custom_op import FusedOp, fused_op
 from te_flax.quantize import (
     CurrentScaleQuantizer,
     DelayedScaleQuantizer,
@@ -132,6 +132,12 @@ def _quantize(
     return quantizer.quantize(x)
 
 
+class _Operands(NamedTuple):
+    lhs: Array
+    rhs: Array
+    quantizer_set: QuantizerSet
+
+
 class _Residuals(NamedTuple):
     lhs: ScaledTensor  # the float8 operands the forward multiplied
     rhs: ScaledTensor
@@ -139,8 +145,10 @@ class _Residuals(NamedTuple):
 
 
 def _forward(
-    product: _Product, lhs: Array, rhs: Array, quantizer_set: QuantizerSet
+    product: _Product, operands: _Operands, for_backward: bool
 ) -> tuple[Array, _Residuals]:
+    # The backward reads the forward's own float8 operands: nothing to skip without it.
+    lhs, rhs, quantizer_set = operands
     lhs_q, x_quantizer = _quantize(quantizer_set.x, lhs)
     rhs_q, kernel_quantizer = _quantize(quantizer_set.kernel, rhs)
     out = _scaled_einsum(product.forward, lhs_q, rhs_q, quantizer_set.precision.fprop)
@@ -148,13 +156,7 @@ def _forward(
     return out.astype(product.out_dtype), _Residuals(lhs_q, rhs_q, quantizers)
 
 
-def _primal(product: _Product, lhs: Array, rhs: Array, quantizer_set: QuantizerSet) -> Array:
-    return _forward(product, lhs, rhs, quantizer_set)[0]
-
-
-def _backward(
-    product: _Product, residuals: _Residuals, grad: Array
-) -> tuple[Array, Array, QuantizerSet]:
+def _backward(product: _Product, residuals: _Residuals, grad: Array) -> _Operands:
     quantizers = residuals.quantizers
     # The output gradient quantized once (e5m2 under HYBRID), read by both backward GEMMs,
     # which sum over many terms: split (float32) accumulation, as the GEMMs' dgrad and wgrad.
@@ -163,14 +165,12 @@ def _backward(
     d_lhs = _scaled_einsum(product.lhs_grad, grad_q, residuals.rhs, precision.dgrad)
     d_rhs = _scaled_einsum(product.rhs_grad, grad_q, residuals.lhs, precision.wgrad)
     new_state = dataclasses.replace(quantizers, dgrad=dgrad_quantizer)
-    return (
-        d_lhs.astype(product.lhs_dtype),
-        d_rhs.astype(product.rhs_dtype),
-        as_cotangent(new_state),
+    return _Operands(
+        d_lhs.astype(product.lhs_dtype), d_rhs.astype(product.rhs_dtype), as_cotangent(new_state)
     )
 
 
-_fp8_product = fused_op(_primal, _forward, _backward)
+_fp8_product: FusedOp[_Product, _Operands] = fused_op(_forward, _backward)
 
 
 def fp8_logits(grouped: Array, key: Array, quantizer_set: QuantizerSet) -> Array:
@@ -197,4 +197,4 @@ def _fp8_einsum(
 ) -> Array:
     """The FP8 product of ``specs`` (forward, lhs gradient, rhs gradient einsums)."""
     product = _Product(*specs, out_dtype=out_dtype, lhs_dtype=lhs.dtype, rhs_dtype=rhs.dtype)
-    return _fp8_product(product, lhs, rhs, float32_state(quantizer_set))
+    return cast(Array, _fp8_product(product, _Operands(lhs, rhs, float32_state(quantizer_set))))

@@ -15,15 +15,16 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import Array, lax
+from jax.sharding import PartitionSpec
 from jax.typing import DTypeLike
 
+from te_flax._ops.gemm_operands import grad_operand, leading_ones
 from te_flax._ops.kernels import GradOperand, dispatch
 from te_flax._ops.kernels.blockwise import blockwise_gemm_kernel, whole_operands
 from te_flax._ops.kernels.blockwise_mosaic import (
     blockwise_gemm_kernel as blockwise_gemm_kernel_mosaic,
 )
 from te_flax._ops.kernels.switch import MOSAIC
-from te_flax._ops.stages import grad_operand, leading_ones
 from te_flax.quantize import (
     BlockOperand,
     BlockScaledTensor,
@@ -33,13 +34,15 @@ from te_flax.quantize import (
     ScaledTensor,
     block_scaling,
 )
-from te_flax.sharding import LogicalAxes, gemm_out_sharding
+from te_flax.sharding import LogicalAxes, gemm_out_sharding, spec_of
 
 __all__ = [
     "DenseGrads",
     "blockwise_gemm_exact",
     "dense_backward",
-    "dense_forward",
+    "forward_contracting",
+    "gemm",
+    "gemm_out_specs",
     "operand_ndim",
 ]
 
@@ -233,19 +236,25 @@ def _contraction_layout(
     return transposed, tuple(range(data.ndim - n, data.ndim))
 
 
-def _gemm(
+def gemm(
     lhs: GemmOperand,
     rhs: GemmOperand,
     contracting: tuple[tuple[int, ...], tuple[int, ...]],
     out_dtype: DTypeLike,
     fp8_precision: lax.Precision,
+    *,
+    bias: Array | None = None,
     like: Array | None = None,
     defer_scale: bool = False,
 ) -> tuple[Array, Array | None]:
-    """``lhs . rhs`` over ``contracting``: a float8 GEMM when both operands carry a scale.
+    """``lhs . rhs`` over ``contracting`` (+ ``bias``): the one GEMM stage, a float8 GEMM when
+    both operands carry a scale.
 
-    Block-scaled operands use the quantization they prepared for this contraction. ``like``:
-    the primal whose cotangent this product is (its sharding is the product's, see
+    Block-scaled operands use the quantization they prepared for this contraction; per-tensor
+    operands are read in the layout the contraction needs (``_contraction_layout``). ``bias``
+    (the output's trailing axes) is added in the output dtype, so that XLA fuses it as the
+    GEMM's BIAS epilogue (cuBLASLt takes no float32 bias for FP8 GEMMs). ``like``: the primal
+    whose cotangent this product is (its sharding is the product's, see
     ``gemm_out_sharding``). Returns ``(product, scale)``: ``scale`` is None but with
     ``defer_scale`` for a per-tensor FP8 product, which then comes back without its scale.
 
@@ -259,41 +268,54 @@ def _gemm(
     if isinstance(lhs, BlockOperand):
         assert isinstance(rhs, BlockOperand), "mixed block-scaled and per-tensor GEMM"
         lhs_matrix = lhs.for_contraction(contracting[0])
-        return _block_gemm(lhs_matrix, rhs.for_contraction(contracting[1]), out_dtype), None
+        out = _block_gemm(lhs_matrix, rhs.for_contraction(contracting[1]), out_dtype)
+        return _plus_bias(out, bias), None
     assert not isinstance(rhs, BlockOperand), "mixed block-scaled and per-tensor GEMM"
-    if lhs.scale_inv is None and rhs.scale_inv is None:
-        return _dot(lhs, rhs, contracting, out_dtype, None, like), None
+    fp8 = lhs.scale_inv is not None or rhs.scale_inv is not None
     # float8 x float8 with the scales applied to the product: XLA folds the multiply into the
     # cuBLASLt FP8 GEMM as its alpha. Precision DEFAULT selects fast accumulation there.
-    gemm_dtype = _accumulation_dtype(out_dtype)
-    product = _dot(lhs, rhs, contracting, gemm_dtype, fp8_precision, like)
-    scale = _product_scale(lhs, rhs)
-    if defer_scale and gemm_dtype == out_dtype:
-        return product, scale
-    return (product * scale.astype(gemm_dtype)).astype(out_dtype), None
-
-
-def _dot(
-    lhs: ScaledTensor,
-    rhs: ScaledTensor,
-    contracting: tuple[tuple[int, ...], tuple[int, ...]],
-    out_dtype: DTypeLike,
-    precision: lax.Precision | None,
-    like: Array | None = None,
-) -> Array:
-    """The product of two per-tensor operands' data (no scale), in the layouts it needs."""
+    gemm_dtype = _accumulation_dtype(out_dtype) if fp8 else out_dtype
     lhs_data, lhs_axes = _contraction_layout(lhs, contracting[0])
     rhs_data, rhs_axes = _contraction_layout(rhs, contracting[1])
-    dimension_numbers = ((lhs_axes, rhs_axes), ((), ()))
-    out_sharding = gemm_out_sharding(lhs_data, rhs_data, (lhs_axes, rhs_axes), like)
-    return lax.dot_general(
+    product = lax.dot_general(
         lhs_data,
         rhs_data,
-        dimension_numbers,
-        precision=precision,
-        preferred_element_type=out_dtype,
-        out_sharding=out_sharding,
+        ((lhs_axes, rhs_axes), ((), ())),
+        precision=fp8_precision if fp8 else None,
+        preferred_element_type=gemm_dtype,
+        out_sharding=gemm_out_sharding(lhs_data, rhs_data, (lhs_axes, rhs_axes), like),
     )
+    if not fp8:
+        return _plus_bias(product, bias), None
+    scale = _product_scale(lhs, rhs)
+    if defer_scale and gemm_dtype == out_dtype:
+        assert bias is None, "a deferred scale applies before the bias"
+        return product, scale
+    return _plus_bias((product * scale.astype(gemm_dtype)).astype(out_dtype), bias), None
+
+
+def _plus_bias(out: Array, bias: Array | None) -> Array:
+    return out if bias is None else out + leading_ones(bias.astype(out.dtype), out)
+
+
+def forward_contracting(
+    lhs: GemmOperand, n_contract: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A forward GEMM's contraction: ``lhs[batch..., K...]``'s ``n_contract`` trailing axes
+    with ``rhs[K..., F...]``'s as many leading ones."""
+    lhs_ndim = operand_ndim(lhs)
+    return (tuple(range(lhs_ndim - n_contract, lhs_ndim)), tuple(range(n_contract)))
+
+
+def gemm_out_specs(
+    x: Array, kernel: Array, n_contract: int = 1, norm_output: bool = False
+) -> PartitionSpec | tuple[PartitionSpec | None, PartitionSpec] | None:
+    """The ``out_specs`` of a fused op that ends in the GEMM of ``x``'s ``n_contract`` trailing
+    axes by ``kernel``'s leading ones: that GEMM's output sharding (``gemm_out_sharding``), and
+    with ``norm_output`` also x's, which the norm output keeps."""
+    contracting = (range(x.ndim - n_contract, x.ndim), range(n_contract))
+    out_spec = gemm_out_sharding(x, kernel, contracting)
+    return (out_spec, spec_of(x)) if norm_output else out_spec
 
 
 def _primal_layout(operand: GemmOperand) -> Array | None:
@@ -309,28 +331,6 @@ def _product_scale(lhs: ScaledTensor, rhs: ScaledTensor) -> Array:
 
 
 _DEFAULT_PRECISION = GemmPrecision()
-
-
-def dense_forward(
-    lhs: GemmOperand,
-    rhs: GemmOperand,
-    n_contract: int,
-    out_dtype: DTypeLike,
-    bias: Array | None,
-    precision: GemmPrecision = _DEFAULT_PRECISION,
-) -> Array:
-    """``lhs[batch..., K...] . rhs[K..., F...] (+ bias[F...])`` -> ``[batch..., F...]``.
-
-    A per-tensor FP8 GEMM runs with ``precision.fprop`` (the quantizer set's ``precision``).
-    """
-    lhs_ndim = operand_ndim(lhs)
-    contracting = (tuple(range(lhs_ndim - n_contract, lhs_ndim)), tuple(range(n_contract)))
-    # By default the forward GEMM uses fast accumulation: its error is far below e4m3's
-    # rounding (the recipe's fp8_gemm_fprop can ask for split accumulation).
-    out, _ = _gemm(lhs, rhs, contracting, out_dtype, precision.fprop)
-    # The bias is added in the output dtype so that XLA fuses it as the GEMM's BIAS epilogue
-    # (cuBLASLt takes no float32 bias for FP8 GEMMs).
-    return out if bias is None else out + leading_ones(bias.astype(out_dtype), out)
 
 
 def operand_ndim(operand: GemmOperand) -> int:
@@ -360,7 +360,7 @@ def dense_backward(
     precision: GemmPrecision = _DEFAULT_PRECISION,
     defer_dgrad_scale: bool = False,
 ) -> DenseGrads:
-    """dgrad and wgrad of ``dense_forward`` (and dbias when ``bias_dtype`` is given).
+    """dgrad and wgrad of a forward ``gemm`` (and dbias when ``bias_dtype`` is given).
 
     ``grad`` (``[batch..., F...]``) is quantized once with ``grad_quantizer`` and feeds both
     GEMMs, which reuse the operands saved by the forward: ``dlhs = q(grad) . q(rhs)`` and
@@ -373,7 +373,7 @@ def dense_backward(
     then not used. Per-tensor FP8 GEMMs run with ``precision.dgrad`` and ``precision.wgrad``.
 
     ``defer_dgrad_scale``: a per-tensor FP8 ``dlhs`` is returned without its scale, which is
-    then ``lhs_scale`` (see ``_gemm``'s ``defer_scale``), for a consumer that applies it in its
+    then ``lhs_scale`` (see ``gemm``'s ``defer_scale``), for a consumer that applies it in its
     own pass.
     """
     n_features = operand_ndim(rhs) - n_contract
@@ -390,17 +390,17 @@ def dense_backward(
     dgrad_axes = (feature_axes_of_grad, feature_axes_of_rhs)
     # Each gradient takes its primal's sharding (JAX asks for one under Explicit mesh axes).
     lhs_like, rhs_like = _primal_layout(lhs), _primal_layout(rhs)
-    d_lhs, d_lhs_scale = _gemm(
+    d_lhs, d_lhs_scale = gemm(
         grad_gemm_operand,
         rhs,
         dgrad_axes,
         lhs_dtype,
         precision.dgrad,
-        lhs_like,
+        like=lhs_like,
         defer_scale=defer_dgrad_scale,
     )
     # [batch..., K...] x [batch..., F...] -> [K..., F...]
     batch_axes = tuple(range(n_batch))
     wgrad_axes = (batch_axes, batch_axes)
-    d_rhs, _ = _gemm(lhs, grad_gemm_operand, wgrad_axes, rhs_dtype, precision.wgrad, rhs_like)
+    d_rhs, _ = gemm(lhs, grad_gemm_operand, wgrad_axes, rhs_dtype, precision.wgrad, like=rhs_like)
     return DenseGrads(d_lhs, d_rhs, grad.bias, grad.quantizer, d_lhs_scale)

@@ -28,7 +28,7 @@ import numpy as np
 from jax import Array, lax
 from jax.typing import DTypeLike
 
-from te_flax._ops.custom_op import fused_op
+from te_flax._ops.custom_op import FusedOp, fused_op
 from te_flax._ops.grouped_kernels import kernel_tiles, rows_kernel, wgrad_kernel
 from te_flax._ops.kernels.grouped_gemm import (
     Accumulation,
@@ -401,6 +401,16 @@ class GroupedConfig:
     distinct_axes: frozenset[str] = frozenset()
 
 
+class GroupedOperands(NamedTuple):
+    """The ragged grouped GEMM's differentiable arguments, checked."""
+
+    x: Array  # [M, K], rows sorted by group
+    kernel: Array  # [G, K, N]
+    group_sizes: Any  # int32 [G]; its cotangent float0 zeros
+    bias: Array | None  # [G, N]
+    quantizer_set: QuantizerSet
+
+
 class _Residuals(NamedTuple):
     # FP8: x and the kernel as quantized by the forward (one scale per group), as wgrad and
     # dgrad contract them. Without FP8: x and the kernel cast to x's dtype.
@@ -412,13 +422,10 @@ class _Residuals(NamedTuple):
 
 
 def _forward(
-    config: GroupedConfig,
-    x: Array,
-    kernel: Array,
-    group_sizes: Array,
-    bias: Array | None,
-    quantizer_set: QuantizerSet,
+    config: GroupedConfig, operands: GroupedOperands, for_backward: bool
 ) -> tuple[Array, _Residuals]:
+    # The backward reads the forward's own operands: nothing to skip without it.
+    x, kernel, group_sizes, bias, quantizer_set = operands
     ids = group_ids(group_sizes, x.shape[0])  # [M]
     lhs, x_quantizer = quantize_rows(
         x, quantizer_set.x, ids, config.n_groups, x.dtype, config.distinct_axes
@@ -453,9 +460,7 @@ def _forward(
     return out, residuals
 
 
-def _backward(
-    config: GroupedConfig, residuals: _Residuals, grad: Array
-) -> tuple[Array, Array, Any, Array | None, QuantizerSet]:
+def _backward(config: GroupedConfig, residuals: _Residuals, grad: Array) -> GroupedOperands:
     quantizers = residuals.quantizers
     lhs, rhs, ids = residuals.lhs, residuals.rhs, residuals.ids
     fp8 = not quantizers.is_noop
@@ -495,13 +500,8 @@ def _backward(
     )
     d_sizes = np.zeros(residuals.group_sizes.shape, jax.dtypes.float0)
     new_state = dataclasses.replace(quantizers, dgrad=grad_quantizer)
-    return d_x, d_kernel, d_sizes, d_bias, as_cotangent(new_state)
+    return GroupedOperands(d_x, d_kernel, d_sizes, d_bias, as_cotangent(new_state))
 
 
-def _primal(config: GroupedConfig, *operands: Any) -> Array:
-    return _forward(config, *operands)[0]
-
-
-# The ragged lowering of grouped_dense on its checked operands (x, kernel, group_sizes, bias,
-# quantizer_set), as _forward takes them.
-ragged_grouped_dense = fused_op(_primal, _forward, _backward)
+# The ragged lowering of grouped_dense on its checked operands.
+ragged_grouped_dense: FusedOp[GroupedConfig, GroupedOperands] = fused_op(_forward, _backward)

@@ -1,13 +1,15 @@
-"""``layernorm_mlp``'s static configuration and the one check of its arguments that returns it,
-and the op's parts besides the shared stages: the intermediate dropout (the same draw as
-``flax.linen.Dropout``) and the activation output that GEMM 2 reads. Each error names the
-argument, what was received, and how to fix it."""
+"""``layernorm_mlp``'s records (its static configuration and its operands) and the checks of
+its arguments that build them (each error names the argument, what was received, and how to fix
+it), and the op's stages besides the shared ones: the activation between its GEMMs, forward
+(the activation output as GEMM 2's operand, quantized in one pass on GPUs) and backward (its
+gradient as GEMM 1's output gradient), and the intermediate dropout (the same draw as
+``flax.linen.Dropout``)."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -17,23 +19,33 @@ from jax.typing import DTypeLike
 from te_flax._base import checks as check
 from te_flax._ops.activations import (
     ClampedSwigluParams,
-    canonical_activation_params,
-    canonical_activation_type,
+    activation_backward,
+    activation_forward,
 )
-from te_flax._ops.arguments import check_norm, check_quantizer_set
-from te_flax._ops.kernels import traced_in_scan
+from te_flax._ops.arguments import check_quantizer_set
+from te_flax._ops.gemm_operands import constrained, grad_operand, one_pass_layouts
+from te_flax._ops.kernels import GradOperand, activation_grad_operand, activation_quantize_operand
 from te_flax._ops.norm import NormSpec
-from te_flax._ops.stages import activation_output, constrained, one_pass_layouts
-from te_flax.collective import CollectiveOpSet, check_collective_op_set
-from te_flax.quantize import GemmOperand, Quantizer, QuantizerSet, float32_state, quantize_operand
-from te_flax.sharding import LogicalAxes, Specs, explicit_specs, vary_like
+from te_flax.collective import check_collective_op_set
+from te_flax.quantize import GemmOperand, Quantizer, QuantizerSet, quantize_operand
+from te_flax.sharding import Specs
 
 __all__ = [
     "LoraKernels",
     "MlpConfig",
+    "MlpOperands",
     "activation_gemm_operand",
+    "activation_grad",
+    "activation_operand",
+    "activation_output",
     "apply_dropout",
-    "check_arguments",
+    "check_collective_op_sets",
+    "check_dropout",
+    "check_kernels_and_biases",
+    "check_lora",
+    "check_lora_alpha",
+    "check_name",
+    "check_quantizer_sets",
     "dropout_mask",
     "dropped_activation",
     "with_dropout",
@@ -61,7 +73,7 @@ def apply_dropout(values: Array, mask: Array, rate: float) -> Array:
     return lax.select(mask, values / (1.0 - rate), jnp.zeros_like(values))
 
 
-def _check_kernels_and_biases(x: Array, kernels: object, biases: object, n_act: int) -> None:
+def check_kernels_and_biases(x: Array, kernels: object, biases: object, n_act: int) -> None:
     if not isinstance(kernels, Sequence) or len(kernels) != 2:
         raise TypeError(
             "kernels must be a pair [kernel_1 [hidden, n_act, intermediate], kernel_2 "
@@ -102,13 +114,13 @@ def _check_kernels_and_biases(x: Array, kernels: object, biases: object, n_act: 
             check.check_shape(bias, shape, f"biases[{index}]", f"it matches {what}")
 
 
-def _check_name(name: object, argument: str) -> str:
+def check_name(name: object, argument: str) -> str:
     if not isinstance(name, str):
         raise TypeError(f"{argument} must be a str (a jax.checkpoint name), got {name!r}")
     return name
 
 
-def _check_lora(kernels: object, x: Array, n_act: int, intermediate: int) -> LoraKernels | None:
+def check_lora(kernels: object, x: Array, n_act: int, intermediate: int) -> LoraKernels | None:
     if kernels is None:
         return None
     if not isinstance(kernels, Sequence) or len(kernels) != 4:
@@ -136,7 +148,7 @@ def _check_lora(kernels: object, x: Array, n_act: int, intermediate: int) -> Lor
     return cast(LoraKernels, tuple(kernels))
 
 
-def _check_dropout(
+def check_dropout(
     rate: object, rng: Array | None, dims: object, ndim: int
 ) -> tuple[float, tuple[int, ...]]:
     rate = check.check_rate(rate, "intermediate_dropout_rate")
@@ -158,7 +170,7 @@ def _check_dropout(
     return rate, tuple(canonical)
 
 
-def _check_collective_op_sets(collective_op_sets: object) -> None:
+def check_collective_op_sets(collective_op_sets: object) -> None:
     if not isinstance(collective_op_sets, Sequence) or len(collective_op_sets) != 2:
         raise TypeError(
             "collective_op_sets must be a pair of CollectiveOpSet (one per GEMM), got "
@@ -168,7 +180,7 @@ def _check_collective_op_sets(collective_op_sets: object) -> None:
         check_collective_op_set(collective_op_set, f"collective_op_sets[{index}]")
 
 
-def _check_quantizer_sets(quantizer_sets: object) -> tuple[QuantizerSet, QuantizerSet]:
+def check_quantizer_sets(quantizer_sets: object) -> tuple[QuantizerSet, QuantizerSet]:
     if not isinstance(quantizer_sets, Sequence) or len(quantizer_sets) != 2:
         raise TypeError(
             "quantizer_sets must be a pair of QuantizerSets, one per GEMM, e.g. "
@@ -180,14 +192,29 @@ def _check_quantizer_sets(quantizer_sets: object) -> tuple[QuantizerSet, Quantiz
     return set_1, set_2
 
 
-def _check_lora_alpha(alpha: object) -> float | None:
+def check_lora_alpha(alpha: object) -> float | None:
     if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, int | float)):
         raise TypeError(f"low_rank_adaptation_alpha must be a number or None, got {alpha!r}")
     return cast(float | None, alpha)
 
 
+class MlpOperands(NamedTuple):
+    """``layernorm_mlp``'s differentiable arguments, checked: what its ``custom_vjp`` takes."""
+
+    x: Array  # [batch..., hidden]
+    gamma: Array  # [hidden]
+    beta: Array | None  # [hidden], None for rmsnorm
+    kernels: tuple[Array, Array]  # [hidden, n_act, intermediate], [intermediate, hidden]
+    biases: tuple[Array | None, Array | None]  # [n_act, intermediate], [hidden]
+    quantizer_sets: tuple[QuantizerSet, QuantizerSet]
+    dropout_rng: Array | None  # the intermediate dropout's key; None without dropout
+    lora_kernels: LoraKernels | None
+
+
 @dataclasses.dataclass(frozen=True)
 class MlpConfig:
+    """``layernorm_mlp``'s static arguments, checked."""
+
     norm: NormSpec
     activation_type: tuple[str, ...]
     activation_params: ClampedSwigluParams | None
@@ -246,80 +273,74 @@ def activation_gemm_operand(
     return constrained(operand, config.dot_2_input_axes), new_quantizer
 
 
-def check_arguments(
-    x: Array,
-    gamma: Array,
-    beta: Array | None,
-    kernels: Sequence[Array],
-    biases: Sequence[Array | None],
-    norm_type: str,
-    zero_centered_gamma: bool,
-    epsilon: float,
-    transpose_batch_sequence: bool,
-    norm_input_axes: LogicalAxes,
-    dot_1_input_axes: LogicalAxes,
-    dot_2_input_axes: LogicalAxes,
-    kernel_1_axes: LogicalAxes,
-    kernel_2_axes: LogicalAxes,
-    ffn1_ckpt_name: str,
-    ffn2_ckpt_name: str,
-    activation_type: Sequence[str],
-    activation_params: dict[str, float] | None,
-    collective_op_sets: tuple[CollectiveOpSet, CollectiveOpSet],
-    quantizer_sets: tuple[QuantizerSet, QuantizerSet],
-    *,
-    intermediate_dropout_rate: float,
-    intermediate_dropout_rng: Array | None,
-    intermediate_dropout_dims: Sequence[int],
-    low_rank_adaptation_kernels: Sequence[Array] | None,
-    low_rank_adaptation_alpha: float | None,
-    return_norm_output: bool = False,
-) -> tuple[MlpConfig, tuple[Any, ...]]:
-    """Validates ``layernorm_mlp``'s arguments (``return_norm_output``: for
-    ``layernorm_mlp_with_norm_output``): its static configuration and the operands of
-    its ``custom_vjp``, ``(x, gamma, beta, kernels, biases, quantizer_sets, dropout_rng,
-    lora_kernels)``."""
-    _check_collective_op_sets(collective_op_sets)
-    check.check_input(x, "x")
-    activation_type = canonical_activation_type(activation_type)
-    checked_params = canonical_activation_params(activation_type, activation_params)
-    _check_kernels_and_biases(x, kernels, biases, len(activation_type))
-    norm = check_norm(x, gamma, beta, norm_type, zero_centered_gamma, epsilon)
-    check.check_bool(transpose_batch_sequence, "transpose_batch_sequence")
-    sets = _check_quantizer_sets(quantizer_sets)
-    (kernel_1, kernel_2), (bias_1, bias_2) = kernels, biases
-    dropout_rate, dropout_dims = _check_dropout(
-        intermediate_dropout_rate, intermediate_dropout_rng, intermediate_dropout_dims, x.ndim
+def activation_operand(
+    pre_activation: Array,
+    activation_type: tuple[str, ...],
+    activation_params: ClampedSwigluParams | None,
+    quantizer: Quantizer | None,
+    dtype: DTypeLike,
+    uses: tuple[str, ...],
+) -> tuple[GemmOperand, Quantizer | None]:
+    """``activation_forward``'s ``[batch..., intermediate]`` output as a GEMM input (see
+    ``input_uses``): quantized by ``quantizer`` (the activation computed in float32 and
+    rounded once to the pre-activation's dtype), or cast to ``dtype``.
+
+    Per-tensor FP8 on GPUs: one kernel reads the pre-activation once and writes the float8
+    activation in the layouts of both GEMMs that read it, and the amax; the activation in high
+    precision is never written (see te_flax._ops.kernels). Elsewhere the XLA stage.
+    """
+
+    def xla_stage() -> tuple[GemmOperand, Quantizer | None]:
+        activated = activation_output(
+            pre_activation, activation_type, activation_params, quantizer is not None
+        )
+        operand = quantize_operand(activated, quantizer, dtype, activated.ndim - 1, uses)
+        return one_pass_layouts(operand, uses)
+
+    return activation_quantize_operand(pre_activation, activation_type, quantizer, uses, xla_stage)
+
+
+def activation_output(
+    pre_activation: Array,
+    activation_type: tuple[str, ...],
+    activation_params: ClampedSwigluParams | None,
+    quantized: bool,
+) -> Array:
+    """``activation_forward(pre_activation)`` in the pre-activation's dtype. For a quantized
+    GEMM input (``quantized``) computed in float32 and rounded once to that dtype, as the
+    activation kernel (and TransformerEngine's activation kernels) compute it."""
+    if not quantized:
+        return activation_forward(pre_activation, activation_type, activation_params)
+    pre32 = pre_activation.astype(jnp.float32)
+    activated = activation_forward(pre32, activation_type, activation_params)
+    return activated.astype(pre_activation.dtype)
+
+
+def activation_grad(
+    grad: Array,
+    pre_activation: Array,
+    activation_type: tuple[str, ...],
+    grad_quantizer: Quantizer | None,
+    bias_dtype: DTypeLike | None,
+    activation_params: ClampedSwigluParams | None = None,
+) -> Array | GradOperand:
+    """The gradient of ``activation_forward``'s ``[batch..., n_act, intermediate]`` input, as
+    ``dense_backward`` takes its output gradient: in high precision (the XLA stage), or
+    prepared with ``grad_quantizer`` and ``bias_dtype`` by the kernel that fuses the
+    activation's backward with the quantization (on GPUs, per-tensor FP8). The kernel takes
+    no activation parameters: the clamped SwiGLU always runs the XLA stage."""
+
+    def xla_stage() -> Array:
+        # The barrier (no copy) keeps XLA from sharing the float32 backward's first operations
+        # with the forward's activation when both are in one program: it would write the
+        # shared float32 values from the forward and read them back here, and give up fusing
+        # this backward into the gradient's quantization.
+        pre = lax.optimization_barrier(pre_activation)
+        return activation_backward(grad, pre, activation_type, activation_params)
+
+    def prepare(d_pre_activation: Array) -> GradOperand:
+        return grad_operand(d_pre_activation, grad_quantizer, 2, bias_dtype)
+
+    return activation_grad_operand(
+        grad, pre_activation, activation_type, grad_quantizer, bias_dtype, xla_stage, prepare
     )
-    n_act, intermediate = len(activation_type), kernel_1.shape[2]
-    lora_kernels = _check_lora(low_rank_adaptation_kernels, x, n_act, intermediate)
-    config = MlpConfig(
-        norm=norm,
-        activation_type=activation_type,
-        activation_params=checked_params,
-        norm_input_axes=check.check_axes(norm_input_axes, x.ndim, "norm_input_axes", "x"),
-        dot_1_input_axes=check.check_axes(dot_1_input_axes, x.ndim, "dot_1_input_axes", "x"),
-        dot_2_input_axes=check.check_axes(
-            dot_2_input_axes, x.ndim, "dot_2_input_axes", "the activation output"
-        ),
-        kernel_1_axes=check.check_axes(kernel_1_axes, 3, "kernel_1_axes", "kernels[0]"),
-        kernel_2_axes=check.check_axes(kernel_2_axes, 2, "kernel_2_axes", "kernels[1]"),
-        ffn1_ckpt_name=_check_name(ffn1_ckpt_name, "ffn1_ckpt_name"),
-        ffn2_ckpt_name=_check_name(ffn2_ckpt_name, "ffn2_ckpt_name"),
-        kernel_dtypes=(kernel_1.dtype, kernel_2.dtype),
-        bias_dtypes=(
-            None if bias_1 is None else bias_1.dtype,
-            None if bias_2 is None else bias_2.dtype,
-        ),
-        dropout_rate=dropout_rate,
-        dropout_dims=dropout_dims,
-        lora_alpha=_check_lora_alpha(low_rank_adaptation_alpha),
-        return_norm_output=return_norm_output,
-        kernels_in_scan=(traced_in_scan(kernel_1), traced_in_scan(kernel_2)),
-        grad_specs=explicit_specs((x, gamma, beta, tuple(kernels), tuple(biases))),
-    )
-    params = vary_like(x, (gamma, beta, tuple(kernels), tuple(biases)))
-    if lora_kernels is not None:
-        lora_kernels = vary_like(x, lora_kernels)
-    dropout_rng = None if dropout_rate == 0.0 else intermediate_dropout_rng
-    return config, (x, *params, float32_state(sets), dropout_rng, lora_kernels)

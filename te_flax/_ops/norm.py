@@ -15,8 +15,8 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jax import Array, lax
 
+from te_flax._ops.gemm_operands import constrained, leading_ones, one_pass_layouts
 from te_flax._ops.kernels import norm_backward_grads, norm_quantize_operand
-from te_flax._ops.stages import constrained, leading_ones, one_pass_layouts
 from te_flax.quantize import TRAILING, GemmOperand, Quantizer, quantize_operand
 from te_flax.sharding import LogicalAxes, whole_last_axis
 

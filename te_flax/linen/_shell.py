@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, cast
 
 import flax.linen as nn
@@ -10,10 +12,11 @@ import jax.numpy as jnp
 from jax import Array
 
 from te_flax._base.checks import check_dtype
+from te_flax._layers.base import Params, ParamSpec
 from te_flax._layers.fp8_state import merge_reuse, watch_fp8_state
-from te_flax._layers.fp8_stats import Statistics, inspected_forward
-from te_flax._layers.linear import ParamSpec
+from te_flax._layers.fp8_stats import Statistics, inspected
 from te_flax.linen._base import TransformerEngineBase, fp8_variables
+from te_flax.quantize import QuantizerSet
 from te_flax.quantize.inspection import STATS_COLLECTION
 from te_flax.quantize.state import SR_RNG, needs_sr_key, quantizer_set, resolve_recipe
 
@@ -49,7 +52,12 @@ class LinenShell(TransformerEngineBase):
     Built on ``TransformerEngineBase`` as TransformerEngine's modules are: the layers' FP8 state
     and a subclass's ``generate_quantizer_set`` are the same variables."""
 
-    def _run(self, inputs: Array, dropout_rng: Array | None = None) -> Any:
+    @contextlib.contextmanager
+    def _variables(self, inputs: Array) -> Iterator[tuple[Params, tuple[QuantizerSet, ...]]]:
+        """The layer's parameters and one quantizer set per GEMM, for its ``forward`` in the
+        block: the parameters and FP8 state created on first use, a reused state merged by
+        max, and inside ``te_flax.inspect_fp8()`` the statistics the block's ops report
+        written to the module's variables when it ends (``fp8_stats.inspected``)."""
         specs = self.param_specs(self.in_features(inputs))
         params = {spec.name: self._param(spec) for spec in specs}
         recipe = resolve_recipe(self.recipe) if self.fp8_postfixes else None
@@ -68,14 +76,9 @@ class LinenShell(TransformerEngineBase):
             )
             for postfix in self.fp8_postfixes
         )
-        # Inside te_flax.inspect_fp8(), with statistics slots (else forward(sets) itself).
-        return inspected_forward(
-            lambda sets: self.forward(params, inputs, sets, dropout_rng),
-            sets,
-            self.fp8_postfixes,
-            self.fp8_groups,
-            _LinenStats(self),
-        )
+        stats = _LinenStats(self)
+        with inspected(sets, self.fp8_postfixes, self.fp8_groups, stats) as inspected_sets:
+            yield params, inspected_sets
 
     def _param(self, spec: ParamSpec) -> Array:
         if self.has_variable("params", spec.name):

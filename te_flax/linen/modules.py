@@ -58,7 +58,8 @@ class LayerNorm(LinenShell, LayerNormSpec):
     @nn.compact
     def __call__(self, x: Array) -> Array:
         """``[batch..., hidden]`` -> ``[batch..., hidden]`` (TE's parameter name, ``x``)."""
-        return self._run(x)
+        with self._variables(x) as (params, sets):
+            return self.forward(params, x, sets)
 
 
 class DenseGeneral(LinenShell, DenseGeneralSpec):
@@ -92,7 +93,8 @@ class DenseGeneral(LinenShell, DenseGeneralSpec):
     @nn.compact
     def __call__(self, inputs: Array) -> Array:
         """``[batch..., in...]`` -> ``[batch..., *features]``."""
-        return self._run(inputs)
+        with self._variables(inputs) as (params, sets):
+            return self.forward(params, inputs, sets)
 
 
 class LayerNormDenseGeneral(LinenShell, LayerNormDenseGeneralSpec):
@@ -131,7 +133,8 @@ class LayerNormDenseGeneral(LinenShell, LayerNormDenseGeneralSpec):
     @nn.compact
     def __call__(self, inputs: Array) -> tuple[Array, Array | None]:
         """``[batch..., hidden]`` -> ``([batch..., *features], ln_output or None)``."""
-        return self._run(inputs)
+        with self._variables(inputs) as (params, sets):
+            return self.forward(params, inputs, sets)
 
 
 class LayerNormMLP(LinenShell, LayerNormMLPSpec):
@@ -182,4 +185,5 @@ class LayerNormMLP(LinenShell, LayerNormMLPSpec):
         if self.intermediate_dropout_rate > 0 and not deterministic:
             # The key the fused op draws the dropout mask from.
             dropout_rng = self.make_rng(self.intermediate_dropout_rng_name)
-        return self._run(inputs, dropout_rng)
+        with self._variables(inputs) as (params, sets):
+            return self.forward(params, inputs, sets, dropout_rng)

@@ -70,7 +70,8 @@ class MoEBlock(LinenShell, MoEBlockSpec):
     @nn.compact
     def __call__(self, inputs: Array) -> tuple[Array, Array]:
         """``[batch..., hidden]`` -> ``([batch..., hidden], aux_loss [])``."""
-        (out, aux_loss), stats = self._run(inputs)
+        with self._variables(inputs) as (params, sets):
+            (out, aux_loss), stats = self.forward(params, inputs, sets)
         self.sow("intermediates", "aux_loss", aux_loss)
         self.sow("intermediates", "tokens_per_expert", stats.tokens_per_expert)
         self.sow("intermediates", "tokens_dropped", stats.tokens_dropped)

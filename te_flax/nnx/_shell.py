@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import flax.linen as nn
@@ -14,9 +15,9 @@ from jax import Array
 from jax.typing import DTypeLike
 
 from te_flax._base.checks import check_dtype, check_sizes
-from te_flax._layers.base import ParamSpec
+from te_flax._layers.base import Params, ParamSpec
 from te_flax._layers.fp8_state import merge_reuse, watch_fp8_state
-from te_flax._layers.fp8_stats import inspected_forward
+from te_flax._layers.fp8_stats import inspected
 from te_flax.nnx._fp8_meta import NnxStats, create_fp8_variables, fp8_variables, sr_key
 from te_flax.quantize import QuantizerSet, Recipe
 from te_flax.quantize.state import SR_RNG, needs_sr_key, quantizer_set, resolve_recipe
@@ -148,7 +149,12 @@ class NnxShell(nnx.Module):
         # Stochastic rounding draws a key per call from its own stream ("sr_rng", else default).
         self.sr_rngs = rngs[SR_RNG].fork() if needs_sr_key(recipe) else None
 
-    def _run(self, inputs: Array, dropout_rng: Array | None = None) -> Any:
+    @contextlib.contextmanager
+    def _variables(self, inputs: Array) -> Iterator[tuple[Params, tuple[QuantizerSet, ...]]]:
+        """The layer's parameters and one quantizer set per GEMM, for its ``forward`` in the
+        block: a reused FP8 state merged by max, and inside ``te_flax.inspect_fp8()`` the
+        statistics the block's ops report written to the module's variables when it ends
+        (``fp8_stats.inspected``)."""
         if tuple(self.in_features(inputs)) != self.in_features_:
             raise ValueError(
                 f"{type(self).__name__} was built for input features {self.in_features_} but got "
@@ -169,11 +175,6 @@ class NnxShell(nnx.Module):
             quantizer_set(recipe, postfix, states.get(postfix, {}), sr_key(self, recipe))
             for postfix in self.fp8_postfixes
         )
-        # Inside te_flax.inspect_fp8(), with statistics slots (else forward(sets) itself).
-        return inspected_forward(
-            lambda sets: self.forward(params, inputs, sets, dropout_rng),
-            sets,
-            self.fp8_postfixes,
-            self.fp8_groups,
-            NnxStats(self),
-        )
+        stats = NnxStats(self)
+        with inspected(sets, self.fp8_postfixes, self.fp8_groups, stats) as inspected_sets:
+            yield params, inspected_sets

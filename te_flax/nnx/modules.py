@@ -55,7 +55,8 @@ class LayerNorm(NnxShell, LayerNormSpec):
 
     def __call__(self, inputs: Array) -> Array:
         """``[batch..., num_features]`` -> the same shape."""
-        return self._run(inputs)
+        with self._variables(inputs) as (params, sets):
+            return self.forward(params, inputs, sets)
 
 
 @described_by(DenseGeneralSpec)
@@ -93,7 +94,8 @@ class DenseGeneral(NnxShell, DenseGeneralSpec):
 
     def __call__(self, inputs: Array) -> Array:
         """``[batch..., in_features...]`` -> ``[batch..., *features]``."""
-        return self._run(inputs)
+        with self._variables(inputs) as (params, sets):
+            return self.forward(params, inputs, sets)
 
 
 @described_by(LayerNormDenseGeneralSpec)
@@ -128,7 +130,8 @@ class LayerNormDenseGeneral(NnxShell, LayerNormDenseGeneralSpec):
 
     def __call__(self, inputs: Array) -> tuple[Array, Array | None]:
         """``[batch..., in_features]`` -> ``([batch..., *features], ln_output or None)``."""
-        return self._run(inputs)
+        with self._variables(inputs) as (params, sets):
+            return self.forward(params, inputs, sets)
 
 
 @described_by(LayerNormMLPSpec)
@@ -174,4 +177,5 @@ class LayerNormMLP(NnxShell, LayerNormMLPSpec):
         if self.dropout is not None and not deterministic:
             # The key nnx.Dropout would draw; the fused op draws the mask from it.
             dropout_rng = self.dropout.rngs()
-        return self._run(inputs, dropout_rng)
+        with self._variables(inputs) as (params, sets):
+            return self.forward(params, inputs, sets, dropout_rng)

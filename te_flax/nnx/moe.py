@@ -44,7 +44,8 @@ class MoEBlock(NnxShell, MoEBlockSpec):
 
     def __call__(self, inputs: Array) -> tuple[Array, Array]:
         """``[batch..., in_features]`` -> ``([batch..., in_features], aux_loss [])``."""
-        (out, aux_loss), stats = self._run(inputs)
+        with self._variables(inputs) as (params, sets):
+            (out, aux_loss), stats = self.forward(params, inputs, sets)
         self.aux_loss[...] = aux_loss
         self.tokens_per_expert[...] = stats.tokens_per_expert
         self.tokens_dropped[...] = stats.tokens_dropped

@@ -21,7 +21,7 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +54,8 @@ __all__ = [
     "with_statistics",
     "without_slots",
 ]
+
+T = TypeVar("T")
 
 # The Flax collection of the statistics (NNX: the ``te_flax.nnx.Fp8Stats`` variable type).
 STATS_COLLECTION = "fp8_stats"
@@ -210,8 +212,9 @@ def slotted_sets(tree: Any) -> list[InspectedQuantizerSet]:
     ]
 
 
-def positioned(operands: tuple[Any, ...]) -> tuple[Any, ...]:
-    """``operands`` with each slot's ``position`` its set's index among the slotted sets."""
+def positioned(operands: T) -> T:
+    """``operands`` (a pytree) with each slot's ``position`` its set's index among the slotted
+    sets."""
     count = iter(range(len(jax.tree.leaves(operands, is_leaf=_is_set))))
 
     def place(node: Any) -> Any:
@@ -220,7 +223,8 @@ def positioned(operands: tuple[Any, ...]) -> tuple[Any, ...]:
             return dataclasses.replace(node, stats=slot)
         return node
 
-    return tuple(jax.tree.map(place, operands, is_leaf=_is_set))
+    placed: T = jax.tree.map(place, operands, is_leaf=_is_set)
+    return placed
 
 
 # ----------------------------------------------------------------------------- matching

@@ -1,21 +1,15 @@
-"""The stages every op's forward and backward rule is built from, and how an op is run.
+"""The operand stage of every GEMM: a tensor prepared for the GEMMs that read it.
 
-A fused op composes normalize (``te_flax._ops.norm``), GEMM (``te_flax._ops.gemm``) and the
-stages here: prepare an operand for the GEMMs that read it (quantize a kernel, an output
-gradient, an activation output; constrain it to its logical axes; keep it for the backward),
-and the activation's forward and backward. ``layernorm``, ``dense``, ``layernorm_dense`` and
-``layernorm_mlp`` compose these; none of them re-implements a stage. All functions here are
-pure and run inside ``jax.custom_vjp`` rules; each kernel-backed stage has an XLA fallback
-behind the kernel switch (``te_flax._ops.kernels``).
+A fused op composes normalize (``te_flax._ops.norm``), GEMM (``te_flax._ops.gemm``), the
+activation (``te_flax._ops.mlp``) and the stages here: quantize a kernel or an output gradient
+once for every GEMM that contracts it (in the layouts they read), constrain it to its logical
+axes, and keep it for the backward. ``dense``, ``layernorm_dense`` and ``layernorm_mlp``
+compose these; none of them re-implements a stage. All functions here are pure and run inside
+``jax.custom_vjp`` rules; each kernel-backed stage has an XLA fallback behind the kernel switch
+(``te_flax._ops.kernels``).
 """
 
 from __future__ import annotations
-
-import dataclasses
-import inspect
-from collections.abc import Callable
-from functools import partial
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,13 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.layout import Layout, with_layout_constraint
 from jax.typing import DTypeLike
 
-from te_flax._ops.activations import ClampedSwigluParams, activation_backward, activation_forward
-from te_flax._ops.kernels import (
-    GradOperand,
-    activation_grad_operand,
-    activation_quantize_operand,
-    tiled_quantize_operand,
-)
+from te_flax._ops.kernels import GradOperand, tiled_quantize_operand
 from te_flax.quantize import (
     LEADING,
     TRAILING,
@@ -44,18 +32,12 @@ from te_flax.quantize import (
 )
 from te_flax.sharding import (
     LogicalAxes,
-    gemm_out_sharding,
-    on_auto_axes,
     sharded_along,
-    spec_of,
     with_logical_constraint,
 )
 
 __all__ = [
     "GradOperand",
-    "activation_grad",
-    "activation_operand",
-    "activation_output",
     "constrained",
     "grad_operand",
     "input_uses",
@@ -63,51 +45,11 @@ __all__ = [
     "kernel_uses",
     "leading_ones",
     "one_pass_layouts",
-    "run_op",
-    "same_arguments",
     "saved_gemm_operands",
     "saved_operand",
     "sum_to_bias",
     "unquantized_operand",
 ]
-
-
-def run_op(
-    op: Callable[..., Any],
-    config: Any,
-    operands: tuple[Any, ...],
-    kernel: Array,
-    block_scaled: bool,
-    n_contract: int = 1,
-    norm_output: bool = False,
-) -> Any:
-    """``op(config, *operands)``: a fused op's ``custom_vjp``, ``operands[0]`` its input x.
-
-    On ``Explicit`` mesh axes (``config.grad_specs`` is set there) a block-scaled op runs with
-    the axes as ``Auto`` inside (``sharding.on_auto_axes``): its quantization reshapes sharded
-    axes into blocks, which JAX cannot type axis by axis. Its output then takes the sharding of
-    the GEMM of x (its ``n_contract`` trailing axes) by ``kernel`` that the op ends in, and its
-    norm output (``norm_output``) x's.
-    """
-    if config.grad_specs is None or not block_scaled:
-        return op(config, *operands)
-    x = operands[0]
-    contracting = (range(x.ndim - n_contract, x.ndim), range(n_contract))
-    out_spec = gemm_out_sharding(x, kernel, contracting)
-    out_specs = (out_spec, spec_of(x)) if norm_output else out_spec
-    config = dataclasses.replace(config, grad_specs=None)
-    return on_auto_axes(partial(op, config), out_specs, *operands)
-
-
-def same_arguments(
-    op: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> dict[str, Any]:
-    """``args`` and ``kwargs`` by ``op``'s parameter names, with ``op``'s defaults: the
-    arguments of a variant that takes exactly ``op``'s (``layernorm_dense_with_norm_output``),
-    so that ``op``'s signature, defaults and errors for a wrong call hold for it too."""
-    arguments = inspect.signature(op).bind(*args, **kwargs)
-    arguments.apply_defaults()
-    return dict(arguments.arguments)
 
 
 def leading_ones(vector: Array, x: Array) -> Array:
@@ -266,76 +208,3 @@ def grad_operand(
     quantized = quantize_operand(grad, grad_quantizer, grad.dtype, n_batch, uses)
     operand, new_quantizer = one_pass_layouts(quantized, uses)
     return GradOperand(constrained(operand, grad_axes), new_quantizer, d_bias)
-
-
-def activation_operand(
-    pre_activation: Array,
-    activation_type: tuple[str, ...],
-    activation_params: ClampedSwigluParams | None,
-    quantizer: Quantizer | None,
-    dtype: DTypeLike,
-    uses: tuple[str, ...],
-) -> tuple[GemmOperand, Quantizer | None]:
-    """``activation_forward``'s ``[batch..., intermediate]`` output as a GEMM input (see
-    ``input_uses``): quantized by ``quantizer`` (the activation computed in float32 and
-    rounded once to the pre-activation's dtype), or cast to ``dtype``.
-
-    Per-tensor FP8 on GPUs: one kernel reads the pre-activation once and writes the float8
-    activation in the layouts of both GEMMs that read it, and the amax; the activation in high
-    precision is never written (see te_flax._ops.kernels). Elsewhere the XLA stage.
-    """
-
-    def xla_stage() -> tuple[GemmOperand, Quantizer | None]:
-        activated = activation_output(
-            pre_activation, activation_type, activation_params, quantizer is not None
-        )
-        operand = quantize_operand(activated, quantizer, dtype, activated.ndim - 1, uses)
-        return one_pass_layouts(operand, uses)
-
-    return activation_quantize_operand(pre_activation, activation_type, quantizer, uses, xla_stage)
-
-
-def activation_output(
-    pre_activation: Array,
-    activation_type: tuple[str, ...],
-    activation_params: ClampedSwigluParams | None,
-    quantized: bool,
-) -> Array:
-    """``activation_forward(pre_activation)`` in the pre-activation's dtype. For a quantized
-    GEMM input (``quantized``) computed in float32 and rounded once to that dtype, as the
-    activation kernel (and TransformerEngine's activation kernels) compute it."""
-    if not quantized:
-        return activation_forward(pre_activation, activation_type, activation_params)
-    pre32 = pre_activation.astype(jnp.float32)
-    activated = activation_forward(pre32, activation_type, activation_params)
-    return activated.astype(pre_activation.dtype)
-
-
-def activation_grad(
-    grad: Array,
-    pre_activation: Array,
-    activation_type: tuple[str, ...],
-    grad_quantizer: Quantizer | None,
-    bias_dtype: DTypeLike | None,
-    activation_params: ClampedSwigluParams | None = None,
-) -> Array | GradOperand:
-    """The gradient of ``activation_forward``'s ``[batch..., n_act, intermediate]`` input, as
-    ``dense_backward`` takes its output gradient: in high precision (the XLA stage), or
-    prepared with ``grad_quantizer`` and ``bias_dtype`` by the kernel that fuses the
-    activation's backward with the quantization (on GPUs, per-tensor FP8). The kernel takes
-    no activation parameters: the clamped SwiGLU always runs the XLA stage."""
-
-    def xla_stage() -> Array:
-        # The barrier (no copy) keeps XLA from sharing the float32 backward's first operations
-        # with the forward's activation when both are in one program: it would write the
-        # shared float32 values from the forward and read them back here, and give up fusing
-        # this backward into the gradient's quantization.
-        pre = lax.optimization_barrier(pre_activation)
-        return activation_backward(grad, pre, activation_type, activation_params)
-
-    def prepare(d_pre_activation: Array) -> GradOperand:
-        return grad_operand(d_pre_activation, grad_quantizer, 2, bias_dtype)
-
-    return activation_grad_operand(
-        grad, pre_activation, activation_type, grad_quantizer, bias_dtype, xla_stage, prepare
-    )
