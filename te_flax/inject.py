@@ -10,8 +10,8 @@ and operation; by default embeddings, the output head and MoE router gates stay 
 precision.
 
 The layers are reached through Flax's own hooks: Linen's method interceptor
-(``te_flax.linen.inject.hooks``) and, in NNX, the layers' ``dot_general`` / ``einsum_op``
-attributes (``te_flax.nnx.inject.hook_layers``). Bare ``jnp`` / ``lax`` calls have no hook;
+(``te_flax.linen.quantized.hooks``) and, in NNX, the layers' ``dot_general`` / ``einsum_op``
+attributes (``te_flax.nnx.quantized.hook_layers``). Bare ``jnp`` / ``lax`` calls have no hook;
 ``bare_products=True`` reaches them by replacing JAX's four product functions for the whole
 process while the model runs (``te_flax._layers.products.intercepting``); without it, those
 that read a parameter are found in the jaxpr of one trace of the quantized model
@@ -40,8 +40,8 @@ from te_flax._layers.products import (
     note_once,
     postfix,
 )
-from te_flax.linen.inject import QuantizedModule, hooks
-from te_flax.nnx.inject import add_fp8_state, discovering, hook_layers
+from te_flax.linen.quantized import QuantizedModule, hooks
+from te_flax.nnx.quantized import add_fp8_state, discovering, hook_layers
 from te_flax.quantize import Recipe
 from te_flax.quantize.recipes import check_recipe
 from te_flax.quantize.state import SR_RNG, fresh_state, needs_sr_key

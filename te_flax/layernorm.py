@@ -10,7 +10,7 @@ from jax import Array
 
 from te_flax._base import checks as check
 from te_flax._ops.arguments import check_norm
-from te_flax._ops.norm import NormSpec, NormStats, normalize, normalize_backward
+from te_flax._ops.norm import NormConfig, NormStats, normalize, normalize_backward
 from te_flax.quantize import (
     TRAILING,
     BlockOperand,
@@ -34,9 +34,9 @@ class _Residuals(NamedTuple):
 
 
 def _forward(
-    spec: NormSpec, x: Array, gamma: Array, beta: Array | None, quantizer: Quantizer | None
+    config: NormConfig, x: Array, gamma: Array, beta: Array | None, quantizer: Quantizer | None
 ) -> tuple[Array, _Residuals]:
-    out, stats = normalize(x, gamma, beta, spec)  # f32
+    out, stats = normalize(x, gamma, beta, config)  # f32
     if quantizer is not None:
         # Fake quantization: the output is the quantized value, dequantized to x's dtype
         # (block-scaled: in blocks along the hidden axis, as the next GEMM contracts it).
@@ -52,17 +52,17 @@ def _forward(
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _layernorm(
-    spec: NormSpec, x: Array, gamma: Array, beta: Array | None, quantizer: Quantizer | None
+    config: NormConfig, x: Array, gamma: Array, beta: Array | None, quantizer: Quantizer | None
 ) -> Array:
-    return _forward(spec, x, gamma, beta, quantizer)[0]
+    return _forward(config, x, gamma, beta, quantizer)[0]
 
 
 def _backward(
-    spec: NormSpec, residuals: _Residuals, grad: Array
+    config: NormConfig, residuals: _Residuals, grad: Array
 ) -> tuple[Array, Array, Array | None, Quantizer | None]:
     # The quantization of the output is treated as the identity (straight-through).
     d_x, d_gamma, d_beta = normalize_backward(
-        grad, residuals.x, residuals.stats, residuals.gamma, residuals.beta, spec
+        grad, residuals.x, residuals.stats, residuals.gamma, residuals.beta, config
     )
     # Under Explicit mesh axes each gradient has its primal's sharding (x, gamma and beta are
     # the residuals themselves).
@@ -111,8 +111,8 @@ def layernorm(
       Array([[-1.,  1.]], dtype=float32)
     """
     check.check_input(x, "x")
-    spec = check_norm(x, gamma, beta, norm_type, zero_centered_gamma, epsilon)
+    config = check_norm(x, gamma, beta, norm_type, zero_centered_gamma, epsilon)
     if quantizer is not None:
         check_quantizer(quantizer, "quantizer")
     gamma, beta = vary_like(x, (gamma, beta))  # inside shard_map: their gradients summed
-    return _layernorm(spec, x, gamma, beta, float32_state(quantizer))
+    return _layernorm(config, x, gamma, beta, float32_state(quantizer))

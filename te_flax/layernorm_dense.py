@@ -13,7 +13,7 @@ from te_flax._ops.custom_op import fused_op
 from te_flax._ops.gemm import dense_backward, gemm_out_specs
 from te_flax._ops.gemm_operands import saved_gemm_operands, unquantized_operand
 from te_flax._ops.kernels import traced_in_scan
-from te_flax._ops.norm import NormInput, NormSpec, normalize_backward
+from te_flax._ops.norm import NormConfig, NormInput, normalize_backward
 from te_flax._ops.norm_gemm import (
     norm_gemm_forward,
     recomputed_norm_operand,
@@ -40,7 +40,7 @@ __all__ = ["layernorm_dense", "layernorm_dense_with_norm_output"]
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
-    norm: NormSpec
+    norm: NormConfig
     layernorm_input_axes: tuple[str | None, ...] | None
     dot_input_axes: tuple[str | None, ...] | None
     kernel_axes: tuple[str | None, ...] | None

@@ -31,7 +31,7 @@ from jax import Array, lax
 from jax.sharding import PartitionSpec
 
 from te_flax._base import checks as check
-from te_flax._layers.moe import MoEBlockSpec
+from te_flax._layers.moe import MoEBlockDescription
 from te_flax.quantize import QuantizerSet, noop_quantizer_set
 from te_flax.router import ScoreFunction, fused_moe_aux_loss, fused_topk_with_score_function
 from te_flax.sharding import on_auto_axes, spec_of, with_logical_constraint
@@ -253,7 +253,7 @@ def moe(
     _check_bootstrap(call, num_experts)
     sets = _stateless_sets(quantizer_sets, num_experts, call.data_size)
     expert_bias = _routing_bias(expert_bias, score_function, num_experts)
-    spec = MoEBlockSpec(
+    description = MoEBlockDescription(
         num_experts=num_experts,
         num_experts_per_tok=num_experts_per_tok,
         intermediate_dim=call.intermediate,
@@ -275,9 +275,9 @@ def moe(
         num_experts,
     )
     with _expert_rules(ep_axis, tuple(data_parallelism_axes)):
-        (out, _), _ = spec.forward(params, x, sets)  # [B, S, H]
+        (out, _), _ = description.forward(params, x, sets)  # [B, S, H]
     extras = _RoutingExtras(
-        spec, aux_loss_coeff, apply_topk_weights_early, call, dtype, wo_bias is not None
+        description, aux_loss_coeff, apply_topk_weights_early, call, dtype, wo_bias is not None
     )
     tokens = x.reshape(-1, call.hidden)  # [T, H]
     scalar = PartitionSpec()
@@ -442,7 +442,8 @@ def _params(
     biases: tuple[Array | None, Array | None, Array | None],
     num_experts: int,
 ) -> dict[str, Array]:
-    """TE's arrays as ``MoEBlockSpec``'s parameters (``wi [E, H, 2, F]``: gate half first)."""
+    """TE's arrays as ``MoEBlockDescription``'s parameters (``wi [E, H, 2, F]``: gate half
+    first)."""
     wi_0_bias, wi_1_bias, expert_bias = biases
     experts, hidden, double = wi.shape
     params = {
@@ -476,7 +477,7 @@ class _RoutingExtras(NamedTuple):
     """What TE's ``moe`` returns beside ``MoEBlock``'s output, from the same routing choice:
     the wo bias, TE's aux loss and the ranks' received slots."""
 
-    spec: MoEBlockSpec
+    description: MoEBlockDescription
     aux_loss_coeff: float
     early: bool
     call: _Call
@@ -486,15 +487,15 @@ class _RoutingExtras(NamedTuple):
     def compute(
         self, params: dict[str, Array], wo_bias: Array | None, tokens: Array
     ) -> tuple[Array, Array, Array]:
-        spec, call = self.spec, self.call
-        routed = spec.route(params, tokens)  # the choice MoEBlock makes: [T, k]
+        description, call = self.description, self.call
+        routed = description.route(params, tokens)  # the choice MoEBlock makes: [T, k]
         selected, weights = routed.selected, routed.weights
         bias = jnp.zeros((tokens.shape[0], 1), jnp.float32)
         if self.has_wo_bias and wo_bias is not None:
             scale = jnp.ones_like(weights) if self.early else weights  # [T, k]
             picked = wo_bias.astype(jnp.float32)[selected]  # [T, k, H]
             bias = jnp.einsum("tk,tkh->th", scale, picked)
-        counts = _counts(selected.reshape(call.data_size, -1), spec.num_experts)  # [dp, E]
+        counts = _counts(selected.reshape(call.data_size, -1), description.num_experts)  # [dp, E]
         aux_loss = jnp.zeros((), self.dtype)
         if self.aux_loss_coeff > 0:
             logits = jnp.matmul(
@@ -504,12 +505,12 @@ class _RoutingExtras(NamedTuple):
             )  # [T, H] x [H, E] -> [T, E], as the router computes them
             scores, _ = fused_topk_with_score_function(
                 logits,
-                spec.num_experts_per_tok,
-                score_function=spec.score_function,
+                description.num_experts_per_tok,
+                score_function=description.score_function,
                 compute_aux_scores=True,
             )
             aux = fused_moe_aux_loss(
-                scores, jnp.sum(counts, 0), spec.num_experts_per_tok, self.aux_loss_coeff
+                scores, jnp.sum(counts, 0), description.num_experts_per_tok, self.aux_loss_coeff
             )
             aux_loss = aux.astype(self.dtype)
         slots = _round_up_array(counts, ALIGN_SIZE)  # [dp, E]

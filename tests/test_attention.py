@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from te_flax import attention as attn
-from te_flax._layers.attention import ATTENTION_FROM_MHA, MultiHeadAttentionSpec
+from te_flax._layers.attention import ATTENTION_FROM_MHA, MultiHeadAttentionDescription
 from te_flax._layers.transformer import (
     ATTENTION_FROM_LAYER,
     MLP_FROM_LAYER,
     NORM_FROM_LAYER,
-    TransformerLayerSpec,
+    TransformerLayerDescription,
 )
 
 BATCH, SEQ, HEADS, GROUPS, HEAD_DIM = 2, 6, 4, 2, 8
@@ -78,10 +78,10 @@ def test_padding_mask_in_te_forms_equals_the_reference():
 
 
 TABLES = [
-    (ATTENTION_FROM_MHA, MultiHeadAttentionSpec),
-    (ATTENTION_FROM_LAYER, TransformerLayerSpec),
-    (MLP_FROM_LAYER, TransformerLayerSpec),
-    (NORM_FROM_LAYER, TransformerLayerSpec),
+    (ATTENTION_FROM_MHA, MultiHeadAttentionDescription),
+    (ATTENTION_FROM_LAYER, TransformerLayerDescription),
+    (MLP_FROM_LAYER, TransformerLayerDescription),
+    (NORM_FROM_LAYER, TransformerLayerDescription),
 ]
 
 
@@ -97,17 +97,17 @@ def test_shared_attribute_tables_name_real_fields(table, owner):
 
 
 def test_transformer_layer_names_its_sublayers_by_description_type():
-    from te_flax._layers.attention import RelativePositionBiasesSpec
-    from te_flax._layers.composite import DropoutSpec
-    from te_flax._layers.linear import LayerNormMLPSpec
+    from te_flax._layers.attention import RelativePositionBiasesDescription
+    from te_flax._layers.composite import DropoutDescription
+    from te_flax._layers.linear import LayerNormMLPDescription
 
-    children = TransformerLayerSpec(hidden_size=32, num_attention_heads=4).children()
+    children = TransformerLayerDescription(hidden_size=32, num_attention_heads=4).children()
     kinds = {name: child.kind for name, child in children.items()}
     assert kinds == {
-        "relpos_bias": RelativePositionBiasesSpec,
-        "attention": MultiHeadAttentionSpec,
-        "dropout": DropoutSpec,
-        "mlp": LayerNormMLPSpec,
+        "relpos_bias": RelativePositionBiasesDescription,
+        "attention": MultiHeadAttentionDescription,
+        "dropout": DropoutDescription,
+        "mlp": LayerNormMLPDescription,
     }
     assert children["mlp"].attributes["intermediate_dim"] == 2048
     assert children["attention"].attributes["head_dim"] == 8

@@ -152,12 +152,12 @@ def _cases(*axes: list) -> list:
     _cases(SHAPES, NORMS, [(r,) for r in sorted(RECIPES)]),
 )
 def test_norm_quantize_matches_xla_stage(shape, dtype, norm_type, zero_centered, recipe):
-    spec = _norm.NormSpec(norm_type, zero_centered, 1e-6)
+    config = _norm.NormConfig(norm_type, zero_centered, 1e-6)
     x, gamma, beta = _inputs(shape, dtype, norm_type)
 
     def operand(x, gamma, beta, quantizer):
-        _, stats = _norm.normalize(x, gamma, beta, spec)
-        return _norm.norm_operand(x, stats, gamma, beta, spec, quantizer, None)
+        _, stats = _norm.normalize(x, gamma, beta, config)
+        return _norm.norm_operand(x, stats, gamma, beta, config, quantizer, None)
 
     expected, actual = both(operand, x, gamma, beta, _quantizer(recipe))
     assert actual[0].data.dtype == jnp.float8_e4m3fn
@@ -167,7 +167,7 @@ def test_norm_quantize_matches_xla_stage(shape, dtype, norm_type, zero_centered,
 def test_norm_quantize_e5m2_saturation_and_nonfinite():
     """e5m2 data; values beyond the format's range (a stale delayed scale) saturate; a NaN
     row stays NaN and makes the amax NaN (Triton's maximum would drop it)."""
-    spec = _norm.NormSpec("layernorm", False, 1e-6)
+    config = _norm.NormConfig("layernorm", False, 1e-6)
     x, gamma, beta = _inputs((9, 64), jnp.float32, "layernorm", seed=1)
     x = x.at[4, 10].set(jnp.nan)
     for fp8_format, scale_inv in ((Format.E4M3, 1e-3), (Format.HYBRID, 1.0)):
@@ -181,8 +181,8 @@ def test_norm_quantize_e5m2_saturation_and_nonfinite():
         )
 
         def operand(x, gamma, beta, quantizer):
-            _, stats = _norm.normalize(x, gamma, beta, spec)
-            return _norm.norm_operand(x, stats, gamma, beta, spec, quantizer, None)
+            _, stats = _norm.normalize(x, gamma, beta, config)
+            return _norm.norm_operand(x, stats, gamma, beta, config, quantizer, None)
 
         expected, actual = both(operand, x, gamma, beta, quantizer)
         assert_same_bits(actual, expected)
@@ -190,12 +190,12 @@ def test_norm_quantize_e5m2_saturation_and_nonfinite():
 
 def test_norm_quantize_leaves_other_quantizers_to_xla():
     """No quantizer (bf16 GEMMs): the kernel is not used, and the stage's result is unchanged."""
-    spec = _norm.NormSpec("layernorm", False, 1e-6)
+    config = _norm.NormConfig("layernorm", False, 1e-6)
     x, gamma, beta = _inputs((4, 32), jnp.bfloat16, "layernorm")
 
     def operand(x, gamma, beta):
-        _, stats = _norm.normalize(x, gamma, beta, spec)
-        return _norm.norm_operand(x, stats, gamma, beta, spec, None, None)
+        _, stats = _norm.normalize(x, gamma, beta, config)
+        return _norm.norm_operand(x, stats, gamma, beta, config, None, None)
 
     with pallas_kernels("1"):
         lowered = jax.jit(lambda *a: operand(*a)).lower(x, gamma, beta).as_text()
@@ -565,13 +565,13 @@ def test_switch_reads_environment(monkeypatch):
 
 def test_auto_traces_the_xla_stages_on_cpu():
     """Without a GPU ``auto`` traces exactly the program of ``0``: CPU programs are unchanged."""
-    spec = _norm.NormSpec("layernorm", False, 1e-6)
+    config = _norm.NormConfig("layernorm", False, 1e-6)
     x, gamma, beta = _inputs((8, 32), jnp.float32, "layernorm")
 
     def step(x, gamma, beta, quantizer):
-        _, stats = _norm.normalize(x, gamma, beta, spec)
-        operand, _ = _norm.norm_operand(x, stats, gamma, beta, spec, quantizer, None)
-        grads = _norm.normalize_backward(x, x, stats, gamma, beta, spec)
+        _, stats = _norm.normalize(x, gamma, beta, config)
+        operand, _ = _norm.norm_operand(x, stats, gamma, beta, config, quantizer, None)
+        grads = _norm.normalize_backward(x, x, stats, gamma, beta, config)
         kernel, _ = _stages.kernel_operand(x, quantizer, x.dtype, 1, True, None)
         return operand, grads, kernel
 
@@ -594,13 +594,13 @@ def test_auto_traces_the_xla_stages_on_cpu():
 def test_norm_backward_matches_xla_stage(shape, dtype, norm_type, zero_centered):
     """dx in x's dtype, dgamma and dbeta in float32; (2100, 64) has several row blocks per
     program and a partial last one."""
-    spec = _norm.NormSpec(norm_type, zero_centered, 1e-6)
+    config = _norm.NormConfig(norm_type, zero_centered, 1e-6)
     x, gamma, beta = _inputs(shape, dtype, norm_type)
     d_out = normal(jax.random.key(7), shape).astype(dtype)
 
     def grads(d_out, x, gamma, beta):
-        _, stats = _norm.normalize(x, gamma, beta, spec)
-        return _norm.normalize_backward(d_out, x, stats, gamma, beta, spec)
+        _, stats = _norm.normalize(x, gamma, beta, config)
+        return _norm.normalize_backward(d_out, x, stats, gamma, beta, config)
 
     expected, actual = both(grads, d_out, x, gamma, beta)
     if dtype == jnp.float32:
@@ -619,15 +619,15 @@ def test_norm_backward_matches_xla_stage(shape, dtype, norm_type, zero_centered)
 def test_norm_backward_applies_a_deferred_scale(norm_type, zero_centered):
     """``d_out_scale`` (a dgrad GEMM's scale left to the norm backward) gives the gradients of
     the scaled ``d_out``, with the kernel (on gamma and the partial sums) and the XLA stage."""
-    spec = _norm.NormSpec(norm_type, zero_centered, 1e-6)
+    config = _norm.NormConfig(norm_type, zero_centered, 1e-6)
     shape = (4, 16, 128)
     x, gamma, beta = _inputs(shape, jnp.float32, norm_type)
     d_out = normal(jax.random.key(7), shape) * 1e4  # an unscaled FP8 product's magnitude
     scale = jnp.array([3.1e-5], jnp.float32)
 
     def grads(d_out, x, gamma, beta, scale):
-        _, stats = _norm.normalize(x, gamma, beta, spec)
-        return _norm.normalize_backward(d_out, x, stats, gamma, beta, spec, scale)
+        _, stats = _norm.normalize(x, gamma, beta, config)
+        return _norm.normalize_backward(d_out, x, stats, gamma, beta, config, scale)
 
     def prescaled(d_out, x, gamma, beta, scale):
         return grads(d_out * scale[0], x, gamma, beta, None)
@@ -644,13 +644,13 @@ def test_norm_backward_applies_a_deferred_scale(norm_type, zero_centered):
 def test_identical_kernel_calls_are_lowered_once():
     """Two calls of a kernel with the same shapes and settings (a model's repeated layers) are
     one lowered function called twice: the Pallas kernel is traced and lowered once."""
-    spec = _norm.NormSpec("rmsnorm", False, 1e-6)
+    config = _norm.NormConfig("rmsnorm", False, 1e-6)
     x, gamma, _ = _inputs((64, 128), jnp.float32, "rmsnorm")
 
     def twice(d_out, x, gamma):
-        _, stats = _norm.normalize(x, gamma, None, spec)
-        first = _norm.normalize_backward(d_out, x, stats, gamma, None, spec)
-        return first, _norm.normalize_backward(d_out * 2.0, x, stats, gamma, None, spec)
+        _, stats = _norm.normalize(x, gamma, None, config)
+        first = _norm.normalize_backward(d_out, x, stats, gamma, None, config)
+        return first, _norm.normalize_backward(d_out * 2.0, x, stats, gamma, None, config)
 
     with pallas_kernels("1"):
         text = jax.jit(twice).lower(x, x, gamma).as_text()

@@ -18,7 +18,7 @@ from te_flax._base.jax_compat import mosaic_gpu_interpreted
 from te_flax._ops.kernels import norm_backward_mosaic, pallas_kernels
 from te_flax._ops.kernels.common import RowBlocks
 from te_flax._ops.kernels.norm_backward_mosaic import fits, norm_backward
-from te_flax._ops.norm import NormSpec, normalize, normalize_backward
+from te_flax._ops.norm import NormConfig, normalize, normalize_backward
 from tests.helpers import USERS_OPTIMIZATION, normal
 
 pytestmark = pytest.mark.skipif(
@@ -37,27 +37,27 @@ SHAPES = [
 NORMS = [("layernorm", False), ("rmsnorm", False), ("layernorm", True), ("rmsnorm", True)]
 
 
-def _inputs(rows, hidden, dtype, spec):
+def _inputs(rows, hidden, dtype, config):
     keys = jax.random.split(jax.random.key(rows + hidden), 4)
     x = (normal(keys[0], (rows, hidden)) * 2.0 + 0.5).astype(dtype)
     d_out = normal(keys[1], (rows, hidden)).astype(dtype)
-    gamma = normal(keys[2], (hidden,)) * 0.2 + (0.0 if spec.zero_centered_gamma else 1.0)
+    gamma = normal(keys[2], (hidden,)) * 0.2 + (0.0 if config.zero_centered_gamma else 1.0)
     beta = normal(keys[3], (hidden,)) * 0.1
     return d_out, x, gamma, beta
 
 
-def _xla_stage(d_out, x, gamma, beta, spec):
-    _, stats = normalize(x, gamma, beta, spec)
+def _xla_stage(d_out, x, gamma, beta, config):
+    _, stats = normalize(x, gamma, beta, config)
     with pallas_kernels("0"):
-        return normalize_backward(d_out, x, stats, gamma, beta, spec)
+        return normalize_backward(d_out, x, stats, gamma, beta, config)
 
 
-def _kernel(d_out, x, gamma, beta, spec):
+def _kernel(d_out, x, gamma, beta, config):
     """The kernel on ``normalize_backward``'s operands (the effective gamma, the statistics),
     its partial sums added up as the kernel switch does."""
-    _, stats = normalize(x, gamma, beta, spec)
+    _, stats = normalize(x, gamma, beta, config)
     rows, hidden = x.shape
-    effective = gamma + 1.0 if spec.zero_centered_gamma else gamma
+    effective = gamma + 1.0 if config.zero_centered_gamma else gamma
     mean = None if stats.mean is None else stats.mean.reshape(rows)
     d_x, d_gamma, d_beta = norm_backward(
         d_out, x, mean, stats.rsigma.reshape(rows), effective, beta is not None, x.dtype,
@@ -88,11 +88,11 @@ def _few_programs(monkeypatch):
 @pytest.mark.parametrize(("norm_type", "zero_centered"), NORMS)
 @pytest.mark.parametrize(("rows", "hidden", "dtype"), SHAPES)
 def test_norm_backward_matches_xla_stage(rows, hidden, dtype, norm_type, zero_centered):
-    spec = NormSpec(norm_type, zero_centered, 1e-6)
-    d_out, x, gamma, beta = _inputs(rows, hidden, dtype, spec)
+    config = NormConfig(norm_type, zero_centered, 1e-6)
+    d_out, x, gamma, beta = _inputs(rows, hidden, dtype, config)
     beta = beta if norm_type == "layernorm" else None
-    run = jax.jit(lambda *a: _kernel(*a, spec), compiler_options=USERS_OPTIMIZATION)
-    stage = jax.jit(lambda *a: _xla_stage(*a, spec), compiler_options=USERS_OPTIMIZATION)
+    run = jax.jit(lambda *a: _kernel(*a, config), compiler_options=USERS_OPTIMIZATION)
+    stage = jax.jit(lambda *a: _xla_stage(*a, config), compiler_options=USERS_OPTIMIZATION)
     (d_x, d_gamma, d_beta), expected = run(d_out, x, gamma, beta), stage(d_out, x, gamma, beta)
     assert d_x.dtype == x.dtype and d_x.shape == x.shape
     _assert_close(d_x, expected[0], dtype)
@@ -108,9 +108,9 @@ def test_partial_sums_per_program():
     """One partial row per program: 17 rows in 8 programs of 3 make 6 rows of sums; a hidden
     size the kernel does not take gives one."""
     assert fits(768) and not fits(100)
-    spec = NormSpec("layernorm", False, 1e-6)
-    d_out, x, gamma, beta = _inputs(17, 768, jnp.bfloat16, spec)
-    _, stats = normalize(x, gamma, beta, spec)
+    config = NormConfig("layernorm", False, 1e-6)
+    d_out, x, gamma, beta = _inputs(17, 768, jnp.bfloat16, config)
+    _, stats = normalize(x, gamma, beta, config)
     args = (stats.mean.reshape(-1), stats.rsigma.reshape(-1), gamma, True, x.dtype)
     _, d_gamma, d_beta = norm_backward(d_out, x, *args, RowBlocks(17, 768), interpret=True)
     assert d_gamma.shape == d_beta.shape == (6, 768)

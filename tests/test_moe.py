@@ -210,8 +210,8 @@ def test_transformer_layer_with_moe_in_place_of_the_mlp():
 
 
 def test_expert_activation_rounds_once_and_saves_only_the_pre_activation():
-    """The experts' gated activation (``MoEBlockSpec.expert_ffn``): float32, rounded once; its
-    gradient is ``activation_backward``'s, and the pre-activation is all it saves for the
+    """The experts' gated activation (``MoEBlockDescription.expert_ffn``): float32, rounded once;
+    its gradient is ``activation_backward``'s, and the pre-activation is all it saves for the
     backward (JAX's derivative of the bfloat16 chain also saved the activated slice)."""
     from te_flax._ops.activations import (
         activation_backward,

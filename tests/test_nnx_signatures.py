@@ -82,45 +82,56 @@ def test_shared_parts_are_whole_in_every_layer_that_has_their_fields():
     part's methods, never a copy), each of the type the part reads, with one default in all."""
     from te_flax._layers import attention, base, linear, moe, relative_position, transformer
 
-    specs = [
-        linear.LayerNormSpec,
-        linear.DenseGeneralSpec,
-        linear.LayerNormDenseGeneralSpec,
-        linear.LayerNormMLPSpec,
-        moe.MoEBlockSpec,
-        attention.DotProductAttentionSpec,
-        attention.MultiHeadAttentionSpec,
-        relative_position.RelativePositionBiasesSpec,
-        transformer.TransformerLayerSpec,
+    descriptions = [
+        linear.LayerNormDescription,
+        linear.DenseGeneralDescription,
+        linear.LayerNormDenseGeneralDescription,
+        linear.LayerNormMLPDescription,
+        moe.MoEBlockDescription,
+        attention.DotProductAttentionDescription,
+        attention.MultiHeadAttentionDescription,
+        relative_position.RelativePositionBiasesDescription,
+        transformer.TransformerLayerDescription,
     ]
     expected = {
         base.Norm: {
-            "LayerNormSpec",
-            "LayerNormDenseGeneralSpec",
-            "LayerNormMLPSpec",
-            "MoEBlockSpec",
+            "LayerNormDescription",
+            "LayerNormDenseGeneralDescription",
+            "LayerNormMLPDescription",
+            "MoEBlockDescription",
         },
-        base.FusedNorm: {"LayerNormDenseGeneralSpec", "LayerNormMLPSpec", "MoEBlockSpec"},
-        base.LowRank: {"DenseGeneralSpec", "LayerNormDenseGeneralSpec", "LayerNormMLPSpec"},
+        base.FusedNorm: {
+            "LayerNormDenseGeneralDescription",
+            "LayerNormMLPDescription",
+            "MoEBlockDescription",
+        },
+        base.LowRank: {
+            "DenseGeneralDescription",
+            "LayerNormDenseGeneralDescription",
+            "LayerNormMLPDescription",
+        },
     }
     for part, layers in expected.items():
         annotations = _annotations(part)
         assert annotations and not dataclasses.is_dataclass(part), part
         having = set()
-        for spec in specs:
-            fields = {field.name: field for field in dataclasses.fields(spec)}
+        for description in descriptions:
+            fields = {field.name: field for field in dataclasses.fields(description)}
             if annotations.keys() <= fields.keys():
-                having.add(spec.__name__)
+                having.add(description.__name__)
                 for name, kind in annotations.items():
-                    assert fields[name].type == kind, (spec.__name__, name)
-            assert (spec.__name__ in having) == issubclass(spec, part), (spec.__name__, part)
+                    assert fields[name].type == kind, (description.__name__, name)
+            assert (description.__name__ in having) == issubclass(description, part), (
+                description.__name__,
+                part,
+            )
         assert having == layers, part
         for name in annotations:
             defaults = [
                 field.default
-                for spec in specs
-                if issubclass(spec, part)
-                for field in dataclasses.fields(spec)
+                for description in descriptions
+                if issubclass(description, part)
+                for field in dataclasses.fields(description)
                 if field.name == name
             ]
             assert all(d == defaults[0] for d in defaults), (part, name, defaults)

@@ -12,7 +12,7 @@ from flax import nnx
 
 import te_flax.linen as te_nn
 import te_flax.nnx as te_nnx
-from te_flax._layers.linear import LayerNormMLPSpec
+from te_flax._layers.linear import LayerNormMLPDescription
 from te_flax.quantize import DelayedScaling
 from tests.helpers import normal
 
@@ -55,8 +55,10 @@ def test_stacked_kernel_is_drawn_as_transformer_engine_draws_it():
     """``wi_kernel [hidden, n_act, intermediate]``: slice i initialised as a 2-D kernel from the
     i-th key of the chain ``key, slice_key = split(key)``, as TE draws it."""
     init = jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
-    spec = LayerNormMLPSpec(intermediate_dim=INTERMEDIATE, activations=("silu", "linear"))
-    (wi,) = [p for p in spec.param_specs((HIDDEN,)) if p.name == "wi_kernel"]
+    description = LayerNormMLPDescription(
+        intermediate_dim=INTERMEDIATE, activations=("silu", "linear")
+    )
+    (wi,) = [p for p in description.param_records((HIDDEN,)) if p.name == "wi_kernel"]
     key = jax.random.key(3)
     rest, first = jax.random.split(key)
     _, second = jax.random.split(rest)

@@ -22,7 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from te_flax import attention as attn
 from te_flax._layers import kv_cache
-from te_flax._layers.base import Initializer, ParamSpec, scaled_init, stacked_init
+from te_flax._layers.base import Initializer, ParamRecord, scaled_init, stacked_init
 from te_flax._layers.composite import (
     AttentionHeads,
     Axes,
@@ -32,9 +32,9 @@ from te_flax._layers.composite import (
     lora_scope,
     normal_fan_in,
 )
-from te_flax._layers.dot_product_attention import DotProductAttentionSpec
-from te_flax._layers.linear import DenseGeneralSpec, LayerNormDenseGeneralSpec
-from te_flax._layers.relative_position import RelativePositionBiasesSpec
+from te_flax._layers.dot_product_attention import DotProductAttentionDescription
+from te_flax._layers.linear import DenseGeneralDescription, LayerNormDenseGeneralDescription
+from te_flax._layers.relative_position import RelativePositionBiasesDescription
 from te_flax._ops.fp8_attention import AttentionQuantizers
 from te_flax._ops.packing import SequenceDescriptor, segment_ids_and_pos
 from te_flax.quantize import Recipe
@@ -42,9 +42,9 @@ from te_flax.sharding import with_logical_constraint
 
 __all__ = [
     "ATTENTION_FROM_MHA",
-    "DotProductAttentionSpec",
-    "MultiHeadAttentionSpec",
-    "RelativePositionBiasesSpec",
+    "DotProductAttentionDescription",
+    "MultiHeadAttentionDescription",
+    "RelativePositionBiasesDescription",
 ]
 
 
@@ -52,7 +52,7 @@ __all__ = [
 
 
 @dataclasses.dataclass
-class MultiHeadAttentionSpec(AttentionHeads):
+class MultiHeadAttentionDescription(AttentionHeads):
     """Norm + Q/K/V projections, rotary embeddings, attention (with a KV cache), output GEMM."""
 
     # TransformerEngine's fields, in its order, after AttentionHeads'.
@@ -118,8 +118,8 @@ class MultiHeadAttentionSpec(AttentionHeads):
         self._attention().check()
         lora_scope(self.low_rank_adaptation_scope)
 
-    def _attention(self) -> DotProductAttentionSpec:
-        return DotProductAttentionSpec(
+    def _attention(self) -> DotProductAttentionDescription:
+        return DotProductAttentionDescription(
             **ATTENTION_FROM_MHA.copy(
                 self,
                 num_gqa_groups=self.groups,
@@ -128,9 +128,9 @@ class MultiHeadAttentionSpec(AttentionHeads):
             )
         )
 
-    def param_specs(self) -> list[ParamSpec]:
+    def param_records(self) -> list[ParamRecord]:
         """The attention's own parameters (the learned sink), besides the projections'."""
-        return self._attention().param_specs()
+        return self._attention().param_records()
 
     def fused_qkv(self, self_attention: bool) -> bool:
         """One ``qkv`` kernel (self-attention, no GQA), else ``query`` + ``kv`` (or key, value)."""
@@ -166,7 +166,7 @@ class MultiHeadAttentionSpec(AttentionHeads):
         projections = dict(enable_low_rank_adaptation=lora_qkv, input_axes=axes.gemm_input)
         children = {}
         if self.fused_qkv(self_attention):
-            children["qkv"] = Child(LayerNormDenseGeneralSpec, dict(
+            children["qkv"] = Child(LayerNormDenseGeneralDescription, dict(
                 features=(3, heads * head_dim),
                 kernel_init=stacked_init(kernel_init, 3, query_scale),
                 kernel_axes=("embed", "qkv", "heads"),
@@ -175,7 +175,7 @@ class MultiHeadAttentionSpec(AttentionHeads):
                 **norm, **common,
             ), in_features)  # fmt: skip
         else:
-            children["query"] = Child(LayerNormDenseGeneralSpec, dict(
+            children["query"] = Child(LayerNormDenseGeneralDescription, dict(
                 features=heads * head_dim,
                 kernel_init=scaled_init(kernel_init, query_scale),
                 kernel_axes=("embed", "heads"),
@@ -184,7 +184,7 @@ class MultiHeadAttentionSpec(AttentionHeads):
                 **norm, **common,
             ), in_features)  # fmt: skip
             if self.fuse_qkv_params:
-                children["kv"] = Child(DenseGeneralSpec, dict(
+                children["kv"] = Child(DenseGeneralDescription, dict(
                     features=(2, groups * head_dim),
                     kernel_init=stacked_init(kernel_init, 2),
                     kernel_axes=("embed", "qkv", "heads"),
@@ -193,14 +193,14 @@ class MultiHeadAttentionSpec(AttentionHeads):
                 ))  # fmt: skip
             else:
                 for name in ("key", "value"):
-                    children[name] = Child(DenseGeneralSpec, dict(
+                    children[name] = Child(DenseGeneralDescription, dict(
                         features=groups * head_dim,
                         kernel_init=kernel_init,
                         kernel_axes=("embed", "heads"),
                         bias_axes=("heads",),
                         **projections, **common,
                     ))  # fmt: skip
-        children["out"] = Child(DenseGeneralSpec, dict(
+        children["out"] = Child(DenseGeneralDescription, dict(
             features=in_features,
             kernel_init=kernel_init,
             kernel_axes=("heads", "embed"),
@@ -313,7 +313,7 @@ class MultiHeadAttentionSpec(AttentionHeads):
 
 # The attributes MultiHeadAttention hands its DotProductAttention unchanged.
 ATTENTION_FROM_MHA = SharedAttributes(
-    DotProductAttentionSpec,
+    DotProductAttentionDescription,
     names=(
         "head_dim",
         "num_attention_heads",

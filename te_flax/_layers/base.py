@@ -31,7 +31,7 @@ __all__ = [
     "Initializer",
     "LowRank",
     "Norm",
-    "ParamSpec",
+    "ParamRecord",
     "Params",
     "check_last_axis",
     "compute_input",
@@ -46,7 +46,7 @@ __all__ = [
 Initializer = Callable[..., Array]  # init(key, shape, dtype)
 # The key of a layer's dropout, None when its dropout is off.
 Dropout = Array | None
-# A layer's parameters by name (ParamSpec.name -> array).
+# A layer's parameters by name (ParamRecord.name -> array).
 Params = dict[str, Array]
 zeros = jax.nn.initializers.zeros
 ones = jax.nn.initializers.ones
@@ -58,7 +58,7 @@ def default_kernel_init() -> Initializer:
 
 
 @dataclasses.dataclass(frozen=True)
-class ParamSpec:
+class ParamRecord:
     """One parameter: its name, shape, ``init(key, shape, dtype)`` and logical axis names."""
 
     name: str
@@ -69,8 +69,8 @@ class ParamSpec:
 
 def param(
     name: str, shape: Sequence[int], init: Initializer, axes: Sequence[str | None]
-) -> ParamSpec:
-    """A ``ParamSpec`` with its logical axes checked against its shape (no axes: all None)."""
+) -> ParamRecord:
+    """A ``ParamRecord`` with its logical axes checked against its shape (no axes: all None)."""
     dims = tuple(int(d) for d in shape)
     names = tuple(axes) if axes else (None,) * len(dims)
     if len(names) != len(dims):
@@ -78,7 +78,7 @@ def param(
             f"the logical axes {names} of parameter {name!r} name {len(names)} dimensions but it "
             f"has shape {dims}; give one logical axis name (or None) per dimension"
         )
-    return ParamSpec(name, dims, init, names)
+    return ParamRecord(name, dims, init, names)
 
 
 def flat_fan_in(init: Initializer, n_in: int) -> Initializer:
@@ -183,7 +183,7 @@ class Norm:
 
     def norm_params(
         self, hidden: int, bias_init: Initializer, bias_axes: tuple[str | None, ...]
-    ) -> list[ParamSpec]:
+    ) -> list[ParamRecord]:
         norm_type = check.canonical_norm_type(self.layernorm_type, "layernorm_type")
         scale_init = self.scale_init or (zeros if self.zero_centered_gamma else ones)
         params = [param("scale", (hidden,), scale_init, self.scale_axes)]
@@ -211,7 +211,7 @@ class FusedNorm(Norm):
     ln_bias_init: Initializer
     ln_bias_axes: tuple[str | None, ...]
 
-    def fused_norm_params(self, hidden: int) -> list[ParamSpec]:
+    def fused_norm_params(self, hidden: int) -> list[ParamRecord]:
         return self.norm_params(hidden, self.ln_bias_init, self.ln_bias_axes)
 
 
@@ -231,7 +231,7 @@ class LowRank:
         in_features: Sequence[int],
         features: Sequence[int],
         kernel_init: Initializer | None,
-    ) -> list[ParamSpec]:
+    ) -> list[ParamRecord]:
         if not self.enable_low_rank_adaptation:
             return []
         a_shape, b_shape = lora_shapes(

@@ -2,11 +2,11 @@
 
 A composite layer (attention, transformer) is a description like ``te_flax._layers.linear``'s, with
 ``children(...)``, the sublayers it is made of as ``Child`` records naming each sublayer's
-*description type* (``LayerNormMLPSpec``, ``MultiHeadAttentionSpec``, ``DropoutSpec``...), and
-``forward(host, ...)``, which reaches those sublayers, RNG streams, parameters and decoding
-cache through ``host``. The Linen and NNX shells map each description type to their module
-class, so a reader (or a tool) follows a layer into its parts by type. Attributes a sublayer
-shares with its owner are copied by one ``SharedAttributes`` table per pair, never by hand.
+*description type* (``LayerNormMLPDescription``, ``MultiHeadAttentionDescription``,
+``DropoutDescription``...), and ``forward(host, ...)``, which reaches those sublayers, RNG streams,
+parameters and decoding cache through ``host``. The Linen and NNX shells map each description type
+to their module class, so a reader (or a tool) follows a layer into its parts by type. Attributes a
+sublayer shares with its owner are copied by one ``SharedAttributes`` table per pair, never by hand.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import jax.numpy as jnp
 from jax import Array
 
 from te_flax._base import checks as check
-from te_flax._layers.base import ParamSpec
+from te_flax._layers.base import ParamRecord
 from te_flax._layers.kv_cache import CacheSlots
 
 __all__ = [
     "AttentionHeads",
     "Axes",
     "Child",
-    "DropoutSpec",
+    "DropoutDescription",
     "Host",
     "SharedAttributes",
     "lora_scope",
@@ -53,7 +53,7 @@ class AttentionHeads:
 
 
 @dataclasses.dataclass
-class DropoutSpec:
+class DropoutDescription:
     """Flax's dropout (``nn.Dropout`` / ``nnx.Dropout``) with these attributes."""
 
     rate: float = 0.0
@@ -105,8 +105,8 @@ class Host(Protocol):
         """The cache slots, and whether they were created by this call (nothing cached yet)."""
         ...
 
-    def param(self, spec: ParamSpec) -> Array:
-        """The module's own parameter ``spec.name`` (created from ``spec`` where needed)."""
+    def param(self, record: ParamRecord) -> Array:
+        """The module's own parameter ``record.name`` (created from ``record`` where needed)."""
         ...
 
 

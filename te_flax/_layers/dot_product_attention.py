@@ -16,7 +16,7 @@ from jax import Array
 from jax.ad_checkpoint import checkpoint_name
 
 from te_flax import attention as attn
-from te_flax._layers.base import ParamSpec
+from te_flax._layers.base import ParamRecord
 from te_flax._layers.composite import (
     AttentionHeads,
     Child,
@@ -32,7 +32,7 @@ from te_flax._ops.packing import SequenceDescriptor, padding_mask, segment_ids_a
 from te_flax._parallel import context as cp
 from te_flax.quantize import Recipe
 
-__all__ = ["DotProductAttentionSpec"]
+__all__ = ["DotProductAttentionDescription"]
 
 # TE's layouts -> how the tensors are laid out: thd is bshd with several documents per row.
 _LAYOUTS = {
@@ -55,7 +55,7 @@ _WITH_PADDING = {
 
 
 @dataclasses.dataclass
-class DotProductAttentionSpec(AttentionHeads):
+class DotProductAttentionDescription(AttentionHeads):
     """Scaled dot-product attention over ``[batch, seq, heads, head_dim]`` (no parameters)."""
 
     # TransformerEngine's fields, in its order, after AttentionHeads'.
@@ -221,13 +221,13 @@ class DotProductAttentionSpec(AttentionHeads):
     def children(self) -> dict[str, Child]:
         return {}
 
-    def param_specs(self) -> list[ParamSpec]:
+    def param_records(self) -> list[ParamRecord]:
         """The learned attention sink of ``softmax_type="learnable"``: one logit per head,
         float32 whatever the parameter dtype, zero at first (TE's ``softmax_offset``)."""
         if attn.canonical_softmax_type(self.softmax_type) != "learnable":
             return []
         shape = (1, self.num_attention_heads, 1, 1)
-        return [ParamSpec("softmax_offset", shape, float32_zeros, (None, "heads", None, None))]
+        return [ParamRecord("softmax_offset", shape, float32_zeros, (None, "heads", None, None))]
 
     def forward(
         self,
@@ -279,7 +279,7 @@ class DotProductAttentionSpec(AttentionHeads):
         dropout_rng = None
         if not deterministic and self.attention_dropout > 0:
             dropout_rng = host.rng(self.dropout_rng_name)
-        offsets = {spec.name: host.param(spec) for spec in self.param_specs()}
+        offsets = {record.name: host.param(record) for record in self.param_records()}
         mask_type = self.attn_mask_type
         descriptor = None
         if isinstance(mask, SequenceDescriptor):

@@ -2,7 +2,7 @@
 
 Each description is a dataclass of the layer's attributes (TransformerEngine's names and
 defaults, Flax's ``dtype``/``param_dtype``) with three methods: ``in_features(x)`` checks an
-input and returns the sizes the kernel contracts, ``param_specs(in_features)`` lists the
+input and returns the sizes the kernel contracts, ``param_records(in_features)`` lists the
 parameters (name, shape, initializer, logical axes), and ``forward(params, x, quantizer_sets,
 dropout)`` runs the functional ops. The shells only create variables and call these, so Linen
 and NNX cannot drift apart.
@@ -28,8 +28,8 @@ from te_flax._layers.base import (
     Initializer,
     LowRank,
     Norm,
+    ParamRecord,
     Params,
-    ParamSpec,
     check_last_axis,
     compute_input,
     default_kernel_init,
@@ -56,11 +56,11 @@ from te_flax.layernorm_mlp import (
 from te_flax.quantize import QuantizerSet, Recipe
 
 __all__ = [
-    "DenseGeneralSpec",
-    "LayerNormDenseGeneralSpec",
-    "LayerNormMLPSpec",
-    "LayerNormSpec",
-    "ParamSpec",
+    "DenseGeneralDescription",
+    "LayerNormDenseGeneralDescription",
+    "LayerNormDescription",
+    "LayerNormMLPDescription",
+    "ParamRecord",
 ]
 
 
@@ -95,7 +95,7 @@ def _features(features: int | Sequence[int] | None) -> tuple[int, ...]:
 
 
 @dataclasses.dataclass
-class LayerNormSpec(Norm, Fp8Layer):
+class LayerNormDescription(Norm, Fp8Layer):
     """Layernorm or rmsnorm over the last axis (parameters ``scale`` and ``ln_bias``)."""
 
     # TransformerEngine's fields, in its order.
@@ -115,7 +115,7 @@ class LayerNormSpec(Norm, Fp8Layer):
         check.check_input(x, f"{type(self).__name__}'s input")
         return (x.shape[-1],)
 
-    def param_specs(self, in_features: tuple[int, ...]) -> list[ParamSpec]:
+    def param_records(self, in_features: tuple[int, ...]) -> list[ParamRecord]:
         return self.norm_params(in_features[-1], self.bias_init, self.bias_axes)
 
     def forward(
@@ -133,7 +133,7 @@ class LayerNormSpec(Norm, Fp8Layer):
 
 
 @dataclasses.dataclass
-class DenseGeneralSpec(LowRank, Fp8Layer):
+class DenseGeneralDescription(LowRank, Fp8Layer):
     """``x . kernel + bias`` over one or more trailing axes of x."""
 
     # TransformerEngine's fields, in its order.
@@ -172,7 +172,7 @@ class DenseGeneralSpec(LowRank, Fp8Layer):
         check.check_input(x, f"{type(self).__name__}'s input", contracted)
         return tuple(x.shape[a] for a in self._axes(x.ndim))
 
-    def param_specs(self, in_features: tuple[int, ...]) -> list[ParamSpec]:
+    def param_records(self, in_features: tuple[int, ...]) -> list[ParamRecord]:
         features = _features(self.features)
         kernel_init = flat_fan_in(self.kernel_init or default_kernel_init(), len(in_features))
         params = [param("kernel", (*in_features, *features), kernel_init, self.kernel_axes)]
@@ -207,7 +207,7 @@ class DenseGeneralSpec(LowRank, Fp8Layer):
 
 
 @dataclasses.dataclass
-class LayerNormDenseGeneralSpec(FusedNorm, LowRank, Fp8Layer):
+class LayerNormDenseGeneralDescription(FusedNorm, LowRank, Fp8Layer):
     """A norm fused with the GEMM after it; returns ``(out, norm output or None)``."""
 
     # TransformerEngine's fields, in its order.
@@ -247,10 +247,10 @@ class LayerNormDenseGeneralSpec(FusedNorm, LowRank, Fp8Layer):
         check_last_axis(self.axis, x)
         return (x.shape[-1],)
 
-    def param_specs(self, in_features: tuple[int, ...]) -> list[ParamSpec]:
+    def param_records(self, in_features: tuple[int, ...]) -> list[ParamRecord]:
         hidden = in_features[-1]
         features = _features(self.features)
-        params: list[ParamSpec] = []
+        params: list[ParamRecord] = []
         if self.enable_layernorm:
             params += self.fused_norm_params(hidden)
         kernel_init = flat_fan_in(self.kernel_init or default_kernel_init(), 1)
@@ -317,7 +317,7 @@ def _fused_gradient_quantizers(
 
 
 @dataclasses.dataclass
-class LayerNormMLPSpec(FusedNorm, LowRank, Fp8Layer):
+class LayerNormMLPDescription(FusedNorm, LowRank, Fp8Layer):
     """Norm, GEMM 1, (gated) activation, dropout, GEMM 2; returns ``(out, norm output or None)``."""
 
     # TransformerEngine's fields, in its order.
@@ -366,14 +366,14 @@ class LayerNormMLPSpec(FusedNorm, LowRank, Fp8Layer):
         check_last_axis(self.axis, x)
         return (x.shape[-1],)
 
-    def param_specs(self, in_features: tuple[int, ...]) -> list[ParamSpec]:
+    def param_records(self, in_features: tuple[int, ...]) -> list[ParamRecord]:
         hidden = in_features[-1]
         n_act = len(self._activation()[0])
         intermediate = self.intermediate_dim
         check.check_positive_int(intermediate, "intermediate_dim")
         check.check_rate(self.intermediate_dropout_rate, "intermediate_dropout_rate")
         kernel_init = self.kernel_init or default_kernel_init()
-        params: list[ParamSpec] = []
+        params: list[ParamRecord] = []
         if self.enable_layernorm:
             params += self.fused_norm_params(hidden)
         params += [

@@ -33,8 +33,8 @@ from te_flax._layers.base import (
     Fp8Layer,
     FusedNorm,
     Initializer,
+    ParamRecord,
     Params,
-    ParamSpec,
     compute_input,
     default_kernel_init,
     param,
@@ -70,7 +70,7 @@ from te_flax.router import (
 )
 from te_flax.sharding import explicit_axes, on_auto_axes, spec_of, with_logical_constraint
 
-__all__ = ["MoEBlockSpec", "RoutingStats"]
+__all__ = ["MoEBlockDescription", "RoutingStats"]
 
 
 def _per_expert(init: Initializer, n_in: int) -> Initializer:
@@ -87,7 +87,7 @@ def _per_expert(init: Initializer, n_in: int) -> Initializer:
 
 
 @dataclasses.dataclass
-class MoEBlockSpec(FusedNorm, Fp8Layer):
+class MoEBlockDescription(FusedNorm, Fp8Layer):
     """Router, ``num_experts`` gated MLPs and the weighted combine; returns ``(out, aux_loss)``."""
 
     num_experts: int = 8
@@ -152,12 +152,12 @@ class MoEBlockSpec(FusedNorm, Fp8Layer):
             )
         check_expert_count(self.num_experts)
 
-    def param_specs(self, in_features: tuple[int, ...]) -> list[ParamSpec]:
+    def param_records(self, in_features: tuple[int, ...]) -> list[ParamRecord]:
         self._check()
         hidden, experts = in_features[-1], self.num_experts
         n_act, intermediate = len(self._activation()[0]), self.intermediate_dim
         kernel_init = self.kernel_init or default_kernel_init()
-        params: list[ParamSpec] = []
+        params: list[ParamRecord] = []
         if self.enable_layernorm:
             params += self.fused_norm_params(hidden)
         params += [
@@ -224,7 +224,7 @@ class MoEBlockSpec(FusedNorm, Fp8Layer):
         """Each parameter constrained to its logical axes, so that its gradient leaves the
         experts' ``shard_map`` sharded as the parameter is stored (an FSDP kernel's gradient
         reduce-scattered, not all-reduced; on Auto axes XLA would choose)."""
-        axes = {record.name: record.axes for record in self.param_specs(self.in_features(x))}
+        axes = {record.name: record.axes for record in self.param_records(self.in_features(x))}
         return {name: with_logical_constraint(value, axes[name]) for name, value in params.items()}
 
     def _forward_tokens(

@@ -17,14 +17,14 @@ from te_flax import attention as attn
 from te_flax._layers.base import Initializer
 from te_flax._layers.composite import REQUIRED, positive_int
 
-__all__ = ["EMBED_INIT", "RelativePositionBiasesSpec"]
+__all__ = ["EMBED_INIT", "RelativePositionBiasesDescription"]
 
 # Flax's default_embed_init, TE's default for the relative position table.
 EMBED_INIT = jax.nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
 
 
 @dataclasses.dataclass
-class RelativePositionBiasesSpec:
+class RelativePositionBiasesDescription:
     """T5's learned relative position bias: ``rel_embedding[heads, buckets]`` looked up."""
 
     num_buckets: int = REQUIRED

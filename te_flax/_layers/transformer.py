@@ -1,11 +1,11 @@
 """The transformer layer's description: ``TransformerLayer`` (TransformerEngine's attributes).
 
-Its sublayers are named by their description types (``MultiHeadAttentionSpec``,
-``LayerNormMLPSpec``, ``RelativePositionBiasesSpec``, ``LayerNormSpec``, ``DropoutSpec``), and the
-attributes it hands them are copied by the tables below (``ATTENTION_FROM_LAYER``,
-``MLP_FROM_LAYER``, ``NORM_FROM_LAYER``). ``te_flax._layers.composite`` says how a description runs;
-the attention descriptions are ``te_flax._layers.attention``, the decoding cache
-``te_flax._layers.kv_cache`` (both re-exported here).
+Its sublayers are named by their description types (``MultiHeadAttentionDescription``,
+``LayerNormMLPDescription``, ``RelativePositionBiasesDescription``, ``LayerNormDescription``,
+``DropoutDescription``), and the attributes it hands them are copied by the tables below
+(``ATTENTION_FROM_LAYER``, ``MLP_FROM_LAYER``, ``NORM_FROM_LAYER``). ``te_flax._layers.composite``
+says how a description runs; the attention descriptions are ``te_flax._layers.attention``, the
+decoding cache ``te_flax._layers.kv_cache`` (both re-exported here).
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from jax import Array
 
 from te_flax import attention as attn
 from te_flax._layers.attention import (
-    DotProductAttentionSpec,
-    MultiHeadAttentionSpec,
-    RelativePositionBiasesSpec,
+    DotProductAttentionDescription,
+    MultiHeadAttentionDescription,
+    RelativePositionBiasesDescription,
 )
 from te_flax._layers.composite import (
     Axes,
     Child,
-    DropoutSpec,
+    DropoutDescription,
     Host,
     SharedAttributes,
     lora_scope,
@@ -36,8 +36,8 @@ from te_flax._layers.composite import (
     rate,
 )
 from te_flax._layers.kv_cache import CacheSlots
-from te_flax._layers.linear import LayerNormMLPSpec, LayerNormSpec
-from te_flax._layers.moe import MoEBlockSpec
+from te_flax._layers.linear import LayerNormDescription, LayerNormMLPDescription
+from te_flax._layers.moe import MoEBlockDescription
 from te_flax.quantize import Recipe
 from te_flax.sharding import with_logical_constraint
 
@@ -47,12 +47,12 @@ __all__ = [
     "NORM_FROM_LAYER",
     "CacheSlots",
     "Child",
-    "DotProductAttentionSpec",
-    "DropoutSpec",
+    "DotProductAttentionDescription",
+    "DropoutDescription",
     "Host",
-    "MultiHeadAttentionSpec",
-    "RelativePositionBiasesSpec",
-    "TransformerLayerSpec",
+    "MultiHeadAttentionDescription",
+    "RelativePositionBiasesDescription",
+    "TransformerLayerDescription",
     "TransformerLayerType",
 ]
 
@@ -70,7 +70,7 @@ class TransformerLayerType(enum.Enum):
 
 
 @dataclasses.dataclass
-class TransformerLayerSpec:
+class TransformerLayerDescription:
     """Attention block (+ cross-attention for decoders) and MLP, with residuals and dropout."""
 
     # TransformerEngine's fields, in its order.
@@ -166,7 +166,7 @@ class TransformerLayerSpec:
         encoded_width = width if encoded_features is None else encoded_features
         children = {}
         if self.enable_relative_embedding and self.relative_embedding is None:
-            children["relpos_bias"] = Child(RelativePositionBiasesSpec, dict(
+            children["relpos_bias"] = Child(RelativePositionBiasesDescription, dict(
                 num_buckets=32,
                 max_distance=128,
                 num_attention_heads=self.num_attention_heads,
@@ -184,9 +184,11 @@ class TransformerLayerSpec:
             score_mod=self.score_mod,
             score_mod_bprop=self.score_mod_bprop,
         )
-        children[self.self_attention_name] = Child(MultiHeadAttentionSpec, self_attention, width)
+        children[self.self_attention_name] = Child(
+            MultiHeadAttentionDescription, self_attention, width
+        )
         dropout = dict(rng_collection=self.dropout_rng_name)
-        children["dropout"] = Child(DropoutSpec, dict(
+        children["dropout"] = Child(DropoutDescription, dict(
             rate=self.hidden_dropout, broadcast_dims=tuple(self.hidden_dropout_dims), **dropout
         ))  # fmt: skip
         if self.drop_path > 0:
@@ -194,11 +196,11 @@ class TransformerLayerSpec:
             batch_axis = 1 if self.transpose_batch_sequence else 0
             others = tuple(a for a in range(3) if a != batch_axis)
             children["stochastic_depth"] = Child(
-                DropoutSpec, dict(rate=self.drop_path, broadcast_dims=others, **dropout)
+                DropoutDescription, dict(rate=self.drop_path, broadcast_dims=others, **dropout)
             )
         if self.decoder:
             children["encoder_decoder_attention"] = Child(
-                MultiHeadAttentionSpec,
+                MultiHeadAttentionDescription,
                 ATTENTION_FROM_LAYER.copy(
                     self,
                     head_dim=self.head_dim,
@@ -215,7 +217,9 @@ class TransformerLayerSpec:
             )
         children["mlp"] = self.mlp_child(width)
         if self.output_layernorm:
-            children["output_layernorm"] = Child(LayerNormSpec, NORM_FROM_LAYER.copy(self), width)
+            children["output_layernorm"] = Child(
+                LayerNormDescription, NORM_FROM_LAYER.copy(self), width
+            )
         return children
 
     def mlp_child(self, in_features: int) -> Child:
@@ -224,7 +228,7 @@ class TransformerLayerSpec:
             # The mixture of experts with the MLP's norm, widths and activation; it sows its
             # aux loss ("aux_loss"), to be added to the training loss.
             attributes = MOE_FROM_LAYER.copy(self, enable_layernorm=True)
-            return Child(MoEBlockSpec, {**attributes, **self.moe}, in_features)
+            return Child(MoEBlockDescription, {**attributes, **self.moe}, in_features)
         axes = Axes(bool(self.transpose_batch_sequence), self.enable_sequence_parallel)
         _, _, lora_mlp = lora_scope(self.low_rank_adaptation_scope)
         attributes = MLP_FROM_LAYER.copy(
@@ -236,7 +240,7 @@ class TransformerLayerSpec:
             dot_1_input_axes=axes.gemm_input,
             dot_2_input_axes=axes.mlp_hidden,
         )
-        return Child(LayerNormMLPSpec, attributes, in_features)
+        return Child(LayerNormMLPDescription, attributes, in_features)
 
     def forward(
         self,
@@ -318,7 +322,7 @@ class TransformerLayerSpec:
 
 # The attributes TransformerLayer hands its sublayers (sublayer name <- layer name).
 ATTENTION_FROM_LAYER = SharedAttributes(
-    MultiHeadAttentionSpec,
+    MultiHeadAttentionDescription,
     names=(
         "num_attention_heads",
         "num_gqa_groups",
@@ -354,7 +358,7 @@ ATTENTION_FROM_LAYER = SharedAttributes(
     ),
 )
 MLP_FROM_LAYER = SharedAttributes(
-    LayerNormMLPSpec,
+    LayerNormMLPDescription,
     names=(
         "layernorm_type",
         "zero_centered_gamma",
@@ -380,7 +384,7 @@ MLP_FROM_LAYER = SharedAttributes(
     ),
 )
 MOE_FROM_LAYER = SharedAttributes(
-    MoEBlockSpec,
+    MoEBlockDescription,
     names=(
         "layernorm_type",
         "zero_centered_gamma",
@@ -399,7 +403,7 @@ MOE_FROM_LAYER = SharedAttributes(
     ),
 )
 NORM_FROM_LAYER = SharedAttributes(
-    LayerNormSpec,
+    LayerNormDescription,
     names=("layernorm_type", "zero_centered_gamma", "dtype", "param_dtype"),
     renamed=(("epsilon", "layernorm_epsilon"),),
 )

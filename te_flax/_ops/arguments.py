@@ -1,4 +1,4 @@
-"""The ops' argument checks that need the ops' own types: a norm's arguments (to a ``NormSpec``)
+"""The ops' argument checks that need the ops' own types: a norm's arguments (to a ``NormConfig``)
 and a quantizer set. Every other check is in ``te_flax._base.checks``; each error names the
 argument, what was received, and how to fix it."""
 
@@ -9,7 +9,7 @@ import math
 from jax import Array
 
 from te_flax._base.checks import canonical_norm_type, check_floating, check_shape
-from te_flax._ops.norm import NormSpec
+from te_flax._ops.norm import NormConfig
 from te_flax.quantize import QuantizerSet
 
 __all__ = ["check_norm", "check_quantizer_set"]
@@ -22,7 +22,7 @@ def check_norm(
     norm_type: object,
     zero_centered_gamma: object,
     epsilon: object,
-) -> NormSpec:
+) -> NormConfig:
     """Validates the norm arguments against ``x`` and returns their static description."""
     norm_type = canonical_norm_type(norm_type)
     if not isinstance(zero_centered_gamma, bool):
@@ -49,7 +49,7 @@ def check_norm(
             )
         check_floating(beta, "beta")
         check_shape(beta, (hidden,), "beta", f"the norm runs over x's last axis of size {hidden}")
-    return NormSpec(norm_type, zero_centered_gamma, float(epsilon))
+    return NormConfig(norm_type, zero_centered_gamma, float(epsilon))
 
 
 def check_quantizer_set(quantizer_set: object, name: str = "quantizer_set") -> QuantizerSet:

@@ -25,7 +25,7 @@ from te_flax._ops.activations import (
 from te_flax._ops.arguments import check_quantizer_set
 from te_flax._ops.gemm_operands import constrained, grad_operand, one_pass_layouts
 from te_flax._ops.kernels import GradOperand, activation_grad_operand, activation_quantize_operand
-from te_flax._ops.norm import NormSpec
+from te_flax._ops.norm import NormConfig
 from te_flax.collective import check_collective_op_set
 from te_flax.quantize import GemmOperand, Quantizer, QuantizerSet, quantize_operand
 from te_flax.sharding import Specs
@@ -215,7 +215,7 @@ class MlpOperands(NamedTuple):
 class MlpConfig:
     """``layernorm_mlp``'s static arguments, checked."""
 
-    norm: NormSpec
+    norm: NormConfig
     activation_type: tuple[str, ...]
     activation_params: ClampedSwigluParams | None
     norm_input_axes: tuple[str | None, ...] | None

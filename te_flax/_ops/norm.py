@@ -21,8 +21,8 @@ from te_flax.quantize import TRAILING, GemmOperand, Quantizer, quantize_operand
 from te_flax.sharding import LogicalAxes, whole_last_axis
 
 __all__ = [
+    "NormConfig",
     "NormInput",
-    "NormSpec",
     "NormStats",
     "apply_norm",
     "norm_operand",
@@ -32,8 +32,8 @@ __all__ = [
 
 
 @dataclasses.dataclass(frozen=True)
-class NormSpec:
-    """Static description of a layernorm or rmsnorm over the last axis."""
+class NormConfig:
+    """Static configuration of a layernorm or rmsnorm over the last axis."""
 
     norm_type: str  # "layernorm" or "rmsnorm"
     zero_centered_gamma: bool
@@ -47,13 +47,13 @@ class NormStats(NamedTuple):
     rsigma: Array  # f32[batch..., 1]
 
 
-def _effective_gamma(gamma: Array, spec: NormSpec, x: Array | None = None) -> Array:
+def _effective_gamma(gamma: Array, config: NormConfig, x: Array | None = None) -> Array:
     """The factor the normalized ``x`` is multiplied by (``1 + gamma`` when zero-centered),
     float32, shaped to broadcast against ``x`` (None: the 1-D vector)."""
     gamma = gamma.astype(jnp.float32)
     if x is not None:
         gamma = leading_ones(gamma, x)
-    return gamma + 1.0 if spec.zero_centered_gamma else gamma
+    return gamma + 1.0 if config.zero_centered_gamma else gamma
 
 
 def _normalized(x: Array, stats: NormStats) -> Array:
@@ -63,22 +63,22 @@ def _normalized(x: Array, stats: NormStats) -> Array:
 
 
 def apply_norm(
-    x: Array, stats: NormStats, gamma: Array, beta: Array | None, spec: NormSpec
+    x: Array, stats: NormStats, gamma: Array, beta: Array | None, config: NormConfig
 ) -> Array:
     """The norm output in float32 from saved statistics (no reduction over x)."""
-    y = _normalized(x, stats) * _effective_gamma(gamma, spec, x)
+    y = _normalized(x, stats) * _effective_gamma(gamma, config, x)
     return y if beta is None else y + leading_ones(beta.astype(jnp.float32), x)
 
 
 def normalize(
-    x: Array, gamma: Array, beta: Array | None, spec: NormSpec
+    x: Array, gamma: Array, beta: Array | None, config: NormConfig
 ) -> tuple[Array, NormStats]:
     """Layernorm or rmsnorm over the last axis, in float32, and the statistics for backward."""
     # Statistics in float32 whatever x's dtype: bf16 sums over thousands of features lose the
     # low bits that the variance is made of.
     x = whole_last_axis(x)
     x32 = x.astype(jnp.float32)
-    if spec.norm_type == "layernorm":
+    if config.norm_type == "layernorm":
         # One pass over x for both moments, so that XLA fuses the statistics with the
         # normalize-and-quantize that follows. Shifting by each row's first element keeps the
         # one-pass variance accurate when the mean is large against the spread (E[x^2] - E[x]^2
@@ -91,8 +91,8 @@ def normalize(
     else:
         mean = None
         variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-    stats = NormStats(mean, lax.rsqrt(variance + spec.epsilon))
-    return apply_norm(x, stats, gamma, beta, spec), stats
+    stats = NormStats(mean, lax.rsqrt(variance + config.epsilon))
+    return apply_norm(x, stats, gamma, beta, config), stats
 
 
 def normalize_backward(
@@ -101,7 +101,7 @@ def normalize_backward(
     stats: NormStats,
     gamma: Array,
     beta: Array | None,
-    spec: NormSpec,
+    config: NormConfig,
     d_out_scale: Array | None = None,
 ) -> tuple[Array, Array, Array | None]:
     """Gradients of ``normalize`` for x, gamma and beta, computed in float32.
@@ -120,9 +120,9 @@ def normalize_backward(
         batch_axes = tuple(range(x.ndim - 1))
         d_gamma = jnp.sum(d_out32 * x_hat, axis=batch_axes).astype(gamma.dtype)
         d_beta = None if beta is None else jnp.sum(d_out32, axis=batch_axes).astype(beta.dtype)
-        d_x_hat = d_out32 * _effective_gamma(gamma, spec, x)
+        d_x_hat = d_out32 * _effective_gamma(gamma, config, x)
         projection = jnp.mean(d_x_hat * x_hat, axis=-1, keepdims=True)
-        if spec.norm_type == "layernorm":
+        if config.norm_type == "layernorm":
             d_x_hat = d_x_hat - jnp.mean(d_x_hat, axis=-1, keepdims=True)
         d_x = stats.rsigma * (d_x_hat - x_hat * projection)
         return d_x.astype(x.dtype), d_gamma, d_beta
@@ -134,7 +134,7 @@ def normalize_backward(
         x,
         stats.mean,
         stats.rsigma,
-        _effective_gamma(gamma, spec),
+        _effective_gamma(gamma, config),
         gamma.dtype,
         None if beta is None else beta.dtype,
         xla_stage,
@@ -147,7 +147,7 @@ def norm_operand(
     stats: NormStats,
     gamma: Array,
     beta: Array | None,
-    spec: NormSpec,
+    config: NormConfig,
     quantizer: Quantizer | None,
     axes: LogicalAxes,
     uses: tuple[str, ...] = (TRAILING,),
@@ -162,12 +162,12 @@ def norm_operand(
     """
 
     def xla_stage() -> tuple[GemmOperand, Quantizer | None]:
-        ln = apply_norm(x, stats, gamma, beta, spec)  # f32[batch..., hidden]
+        ln = apply_norm(x, stats, gamma, beta, config)  # f32[batch..., hidden]
         return one_pass_layouts(quantize_operand(ln, quantizer, x.dtype, x.ndim - 1, uses), uses)
 
     # Per-tensor FP8 on GPUs: one Pallas kernel reads x and writes the float8 operand and the
     # amax (see te_flax._ops.kernels); elsewhere, and for other quantizers, the XLA stage.
-    gamma_1d = _effective_gamma(gamma, spec)  # f32[hidden]
+    gamma_1d = _effective_gamma(gamma, config)  # f32[hidden]
     beta_1d = None if beta is None else beta.astype(jnp.float32)
     operand, new_quantizer = norm_quantize_operand(
         x, stats.mean, stats.rsigma, gamma_1d, beta_1d, quantizer, xla_stage

@@ -9,7 +9,7 @@ from jax import Array
 
 from te_flax._ops.gemm import forward_contracting, gemm
 from te_flax._ops.gemm_operands import input_uses, kernel_operand
-from te_flax._ops.norm import NormInput, NormSpec, apply_norm, norm_operand, normalize
+from te_flax._ops.norm import NormConfig, NormInput, apply_norm, norm_operand, normalize
 from te_flax.quantize import GemmOperand, Quantizer, QuantizerSet, ScaledTensor
 from te_flax.sharding import LogicalAxes, with_logical_constraint
 
@@ -34,7 +34,7 @@ def norm_gemm_forward(
     beta: Array | None,
     kernel: Array,
     bias: Array | None,
-    spec: NormSpec,
+    config: NormConfig,
     quantizer_set: QuantizerSet,
     axes: tuple[LogicalAxes, LogicalAxes, LogicalAxes],
     kernel_in_scan: bool,
@@ -52,10 +52,10 @@ def norm_gemm_forward(
     """
     input_axes, dot_input_axes, kernel_axes = axes
     x = with_logical_constraint(x, input_axes)
-    _, stats = normalize(x, gamma, beta, spec)
+    _, stats = normalize(x, gamma, beta, config)
     norm = NormInput(x, stats, gamma, beta)
     lhs, x_quantizer = norm_operand(
-        *norm, spec, quantizer_set.x, dot_input_axes, input_uses(for_backward), input_axes
+        *norm, config, quantizer_set.x, dot_input_axes, input_uses(for_backward), input_axes
     )
     # Kernels are [inputs, outputs...]: the forward contracts the leading axis.
     rhs, kernel_quantizer = kernel_operand(
@@ -68,18 +68,18 @@ def norm_gemm_forward(
     out, _ = gemm(lhs, rhs, forward_contracting(lhs, 1), x.dtype, precision, bias=bias)
     norm_output = None
     if with_norm_output and fp8:
-        norm_output = apply_norm(*norm, spec).astype(x.dtype)
+        norm_output = apply_norm(*norm, config).astype(x.dtype)
     elif with_norm_output:
         norm_output = cast(ScaledTensor, lhs).data  # the GEMM's operand itself, in x's dtype
     return NormGemm(out, norm, lhs, rhs, x_quantizer, kernel_quantizer, norm_output)
 
 
 def recomputed_norm_operand(
-    norm: NormInput, spec: NormSpec, dot_input_axes: LogicalAxes, input_axes: LogicalAxes
+    norm: NormInput, config: NormConfig, dot_input_axes: LogicalAxes, input_axes: LogicalAxes
 ) -> GemmOperand:
     """The unquantized norm output as the GEMM read it, recomputed from the saved input and
     statistics for the backward (without FP8 no [tokens, hidden] copy waits for it)."""
-    return norm_operand(*norm, spec, None, dot_input_axes, source_axes=input_axes)[0]
+    return norm_operand(*norm, config, None, dot_input_axes, source_axes=input_axes)[0]
 
 
 def split_norm_output_grad(

@@ -69,7 +69,8 @@ class Routed(NamedTuple):
 
 
 class ExpertLayer(Protocol):
-    """What the expert-parallel path needs of a mixture-of-experts layer (``MoEBlockSpec``)."""
+    """What the expert-parallel path needs of a mixture-of-experts layer
+    (``MoEBlockDescription``)."""
 
     num_experts: int
     num_experts_per_tok: int
@@ -152,9 +153,9 @@ def check_expert_count(num_experts: int) -> None:
         )
 
 
-def _check(spec: ExpertLayer, x: Array, ep: str, token_axes: tuple[str, ...]) -> None:
+def _check(layer: ExpertLayer, x: Array, ep: str, token_axes: tuple[str, ...]) -> None:
     mesh = jax.sharding.get_abstract_mesh()
-    check_expert_count(spec.num_experts)
+    check_expert_count(layer.num_experts)
     if ep not in token_axes:
         raise ValueError(
             f"expert parallelism over mesh axis {ep!r} needs the batch split over it too, but "
@@ -190,19 +191,19 @@ def shards_the_tokens(x: Array, kernel_axes: Sequence[tuple[str | None, ...]]) -
 
 
 def expert_parallel_forward(
-    spec: ExpertLayer, params: dict[str, Array], x: Array, quantizer_sets: tuple[QuantizerSet, ...]
+    layer: ExpertLayer, params: dict[str, Array], x: Array, quantizer_sets: tuple[QuantizerSet, ...]
 ) -> tuple[tuple[Array, Array], RoutingStats]:
-    """``MoEBlockSpec.forward`` inside ``shard_map`` over the batch axes: the experts split over
-    the expert mesh axis, or (without one, ``shards_the_tokens``) each device's tokens through
-    every expert, the kernels gathered at the boundary."""
+    """``MoEBlockDescription.forward`` inside ``shard_map`` over the batch axes: the experts split
+    over the expert mesh axis, or (without one, ``shards_the_tokens``) each device's tokens
+    through every expert, the kernels gathered at the boundary."""
     ep = expert_axis() if expert_parallel_size() > 1 else None
     token_axes = _axes("batch")
     if ep is not None:
-        _check(spec, x, ep, token_axes)
+        _check(layer, x, ep, token_axes)
     mesh = jax.sharding.get_abstract_mesh()
     data_axes = tuple(a for a in token_axes if a != ep)
     data_copies = math.prod(mesh.shape[a] for a in data_axes)
-    experts = spec.num_experts
+    experts = layer.num_experts
     local_experts = experts // expert_parallel_size()
 
     def state_spec(leaf: Array) -> P:
@@ -214,15 +215,15 @@ def expert_parallel_forward(
         float32_state(quantizer_sets),
     )
     param_specs = {name: P(ep) if name in EXPERT_PARAMS else P() for name in params}
-    capacity = spec.capacity(math.prod(x.shape[:-1]))
+    capacity = layer.capacity(math.prod(x.shape[:-1]))
     # The tokens cross to their experts in float8 under an FP8 recipe (te_flax._parallel.wire).
-    fp8_wire = spec.fp8_dispatch and not all(s.is_noop for s in quantizer_sets)
+    fp8_wire = layer.fp8_dispatch and not all(s.is_noop for s in quantizer_sets)
 
     def local(params: dict[str, Array], x: Array, sets: Any) -> Any:
         sets = jax.tree.map(
             lambda leaf: leaf[0] if _is_expert_state(leaf, local_experts, 2) else leaf, sets
         )
-        out, stats = _local_forward(spec, params, x, sets, ep, token_axes, capacity, fp8_wire)
+        out, stats = _local_forward(layer, params, x, sets, ep, token_axes, capacity, fp8_wire)
         return out, stats
 
     out_specs = ((P(token_axes), P()), P())
@@ -240,7 +241,7 @@ def _is_expert_state(leaf: Any, experts: int, axis_count: int = 1) -> bool:
 
 
 def _local_forward(
-    spec: ExpertLayer,
+    layer: ExpertLayer,
     params: dict[str, Array],
     x: Array,
     sets: tuple[QuantizerSet, ...],
@@ -251,9 +252,9 @@ def _local_forward(
 ) -> tuple[tuple[Array, Array], RoutingStats]:
     """One device's part: its tokens, and its experts (``ep``: sent there, as float8 with
     ``fp8_wire``) or every expert (``ep`` None)."""
-    experts, k = spec.num_experts, spec.num_experts_per_tok
+    experts, k = layer.num_experts, layer.num_experts_per_tok
     tokens = x.reshape(-1, x.shape[-1])  # [T_local, H]
-    routed = spec.route(params, tokens, token_axes)
+    routed = layer.route(params, tokens, token_axes)
     selected, weights = routed.selected, routed.weights
     if capacity is not None:
         # Which assignments fit is decided on the whole batch, as on one device.
@@ -262,7 +263,7 @@ def _local_forward(
             lax.stop_gradient(weights), token_axes, axis=0, tiled=True
         )
         kept, _ = drop_over_capacity(
-            everyone, everyone_weights, experts, capacity, spec.drop_policy
+            everyone, everyone_weights, experts, capacity, layer.drop_policy
         )
         start = lax.axis_index(token_axes) * tokens.shape[0]
         selected = lax.dynamic_slice_in_dim(kept, start, tokens.shape[0])  # [T_local, k]
@@ -271,12 +272,12 @@ def _local_forward(
     if ep is None:
         # Every expert here; the ragged lowering (the drops are decided above). The amaxes
         # combine over every batch axis, as one device's over the whole batch.
-        expert_out = spec.expert_ffn(params, rows, group_sizes, sets, None)  # [R, H]
+        expert_out = layer.expert_ffn(params, rows, group_sizes, sets, None)  # [R, H]
     else:
         exchange = _Exchange(ep, token_axes, capacity, fp8_wire)
-        expert_out = exchange.run(spec, params, rows, group_sizes, sets)
+        expert_out = exchange.run(layer, params, rows, group_sizes, sets)
     out = pure_jax_token_combine(expert_out, perm_state, weights, k, 1, tokens.shape[0])
-    return (out.reshape(x.shape), routed.aux_loss), spec.stats(selected, token_axes)
+    return (out.reshape(x.shape), routed.aux_loss), layer.stats(selected, token_axes)
 
 
 class _Exchange(NamedTuple):
@@ -290,7 +291,7 @@ class _Exchange(NamedTuple):
 
     def run(
         self,
-        spec: ExpertLayer,
+        layer: ExpertLayer,
         params: dict[str, Array],
         rows: Array,
         group_sizes: Array,
@@ -298,7 +299,7 @@ class _Exchange(NamedTuple):
     ) -> Array:
         """``rows [R, H]`` sorted by expert -> the experts' outputs ``[R, H]``, zero for a
         dropped row."""
-        ep, experts = self.ep, spec.num_experts
+        ep, experts = self.ep, layer.num_experts
         ep_size = lax.axis_size(ep)
         local_experts = experts // ep_size
         count = rows.shape[0]  # T_local * k
@@ -333,7 +334,7 @@ class _Exchange(NamedTuple):
         # axes only. The ragged lowering keeps that for its backward (the capacity one would
         # not).
         with scaling.distinct_over((ep,)):
-            local_out = spec.expert_ffn(params, local_rows, local_sizes, sets, None)
+            local_out = layer.expert_ffn(params, local_rows, local_sizes, sets, None)
         back = sort_rows(local_out, jnp.argsort(order)).reshape(ep_size, width, -1)
         with jax.named_scope("combine"):  # in the compute dtype
             returned = lax.all_to_all(back, ep, 0, 0)  # [ep (destination), W, H]

@@ -13,14 +13,14 @@ Public API::
 """
 
 from te_flax.linen._base import TransformerEngineBase
-from te_flax.linen.inject import (
+from te_flax.linen.modules import DenseGeneral, LayerNorm, LayerNormDenseGeneral, LayerNormMLP
+from te_flax.linen.moe import MoEBlock
+from te_flax.linen.quantized import (
     extend_logical_axis_rules,
     make_dot_general_cls,
     make_grouped_dense_cls,
     wrap_function_in_te_state_module,
 )
-from te_flax.linen.modules import DenseGeneral, LayerNorm, LayerNormDenseGeneral, LayerNormMLP
-from te_flax.linen.moe import MoEBlock
 from te_flax.linen.transformer import (
     DotProductAttention,
     MultiHeadAttention,

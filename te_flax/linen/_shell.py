@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from te_flax._base.checks import check_dtype
-from te_flax._layers.base import Params, ParamSpec
+from te_flax._layers.base import ParamRecord, Params
 from te_flax._layers.fp8_state import merge_reuse, watch_fp8_state
 from te_flax._layers.fp8_stats import Statistics, inspected
 from te_flax.linen._base import TransformerEngineBase, fp8_variables
@@ -36,14 +36,14 @@ class LogicallyPartitioned(nn.LogicallyPartitioned):
         return {**super().to_nnx_metadata(), "eager_sharding": False}
 
 
-def create_param(module: nn.Module, spec: ParamSpec, dtype: Any) -> Array:
-    """The parameter ``spec.name`` of ``module`` (created from ``spec`` with its logical axes
+def create_param(module: nn.Module, record: ParamRecord, dtype: Any) -> Array:
+    """The parameter ``record.name`` of ``module`` (created from ``record`` with its logical axes
     on first use), read as a plain array: Linen unboxes ``LogicallyPartitioned`` values."""
 
     def init(*args: Any) -> LogicallyPartitioned:
-        return LogicallyPartitioned(spec.init(*args), names=spec.axes)
+        return LogicallyPartitioned(record.init(*args), names=record.axes)
 
-    return cast(Array, module.param(spec.name, init, spec.shape, dtype))
+    return cast(Array, module.param(record.name, init, record.shape, dtype))
 
 
 class LinenShell(TransformerEngineBase):
@@ -58,8 +58,8 @@ class LinenShell(TransformerEngineBase):
         block: the parameters and FP8 state created on first use, a reused state merged by
         max, and inside ``te_flax.inspect_fp8()`` the statistics the block's ops report
         written to the module's variables when it ends (``fp8_stats.inspected``)."""
-        specs = self.param_specs(self.in_features(inputs))
-        params = {spec.name: self._param(spec) for spec in specs}
+        records = self.param_records(self.in_features(inputs))
+        params = {record.name: self._param(record) for record in records}
         recipe = resolve_recipe(self.recipe) if self.fp8_postfixes else None
         states = {
             postfix: fp8_variables(self, recipe, postfix, n_groups=self.fp8_groups)
@@ -80,18 +80,18 @@ class LinenShell(TransformerEngineBase):
         with inspected(sets, self.fp8_postfixes, self.fp8_groups, stats) as inspected_sets:
             yield params, inspected_sets
 
-    def _param(self, spec: ParamSpec) -> Array:
-        if self.has_variable("params", spec.name):
-            existing = jnp.shape(nn.meta.unbox(self.get_variable("params", spec.name)))
-            if existing != spec.shape:
+    def _param(self, record: ParamRecord) -> Array:
+        if self.has_variable("params", record.name):
+            existing = jnp.shape(nn.meta.unbox(self.get_variable("params", record.name)))
+            if existing != record.shape:
                 raise ValueError(
-                    f"{type(self).__name__} parameter {spec.name!r} has shape {existing}, but this "
-                    f"input needs {spec.shape}: the input's feature size differs from the one "
-                    "the module was initialised with; initialise it again with an input of this "
-                    "shape, or reshape the input"
+                    f"{type(self).__name__} parameter {record.name!r} has shape {existing}, but "
+                    f"this input needs {record.shape}: the input's feature size differs from the "
+                    "one the module was initialised with; initialise it again with an input of "
+                    "this shape, or reshape the input"
                 )
         check_dtype(self.param_dtype, "param_dtype")
-        return create_param(self, spec, self.param_dtype)
+        return create_param(self, record, self.param_dtype)
 
 
 class _LinenStats:

@@ -7,12 +7,12 @@ its module path (``transformer_engine.jax.flax.module.TransformerEngineBase``) r
 """
 
 from te_flax.linen._base import TransformerEngineBase
-from te_flax.linen.inject import (
+from te_flax.linen.modules import DenseGeneral, LayerNorm, LayerNormDenseGeneral, LayerNormMLP
+from te_flax.linen.quantized import (
     make_dot_general_cls,
     make_grouped_dense_cls,
     wrap_function_in_te_state_module,
 )
-from te_flax.linen.modules import DenseGeneral, LayerNorm, LayerNormDenseGeneral, LayerNormMLP
 
 __all__ = [
     "DenseGeneral",

@@ -19,17 +19,17 @@ import flax.linen as nn
 from jax import Array
 
 from te_flax._layers.linear import (
-    DenseGeneralSpec,
-    LayerNormDenseGeneralSpec,
-    LayerNormMLPSpec,
-    LayerNormSpec,
+    DenseGeneralDescription,
+    LayerNormDenseGeneralDescription,
+    LayerNormDescription,
+    LayerNormMLPDescription,
 )
 from te_flax.linen._shell import LinenShell
 
 __all__ = ["DenseGeneral", "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP"]
 
 
-class LayerNorm(LinenShell, LayerNormSpec):
+class LayerNorm(LinenShell, LayerNormDescription):
     """Layernorm or rmsnorm over the last axis, computed in float32.
 
     ``y = (x - mean) / sqrt(var + epsilon) * scale + ln_bias`` (layernorm) or
@@ -62,7 +62,7 @@ class LayerNorm(LinenShell, LayerNormSpec):
             return self.forward(params, x, sets)
 
 
-class DenseGeneral(LinenShell, DenseGeneralSpec):
+class DenseGeneral(LinenShell, DenseGeneralDescription):
     """``y = x . kernel + bias``, contracting the trailing ``axis`` of x, FP8 under a recipe.
 
     Attributes:
@@ -97,7 +97,7 @@ class DenseGeneral(LinenShell, DenseGeneralSpec):
             return self.forward(params, inputs, sets)
 
 
-class LayerNormDenseGeneral(LinenShell, LayerNormDenseGeneralSpec):
+class LayerNormDenseGeneral(LinenShell, LayerNormDenseGeneralDescription):
     """A norm over the last axis fused with the GEMM that follows it.
 
     Returns ``(y, ln_output)``: ``y = norm(x) . kernel (+ bias)``, divided by ``depth_scaling``
@@ -137,7 +137,7 @@ class LayerNormDenseGeneral(LinenShell, LayerNormDenseGeneralSpec):
             return self.forward(params, inputs, sets)
 
 
-class LayerNormMLP(LinenShell, LayerNormMLPSpec):
+class LayerNormMLP(LinenShell, LayerNormMLPDescription):
     """Norm, GEMM 1 (``wi_kernel``), (gated) activation, dropout, GEMM 2 (``wo_kernel``).
 
     Returns ``(y, ln_output or None)``. With the norm, every configuration (the intermediate

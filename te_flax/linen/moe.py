@@ -5,13 +5,13 @@ from __future__ import annotations
 import flax.linen as nn
 from jax import Array
 
-from te_flax._layers.moe import MoEBlockSpec
+from te_flax._layers.moe import MoEBlockDescription
 from te_flax.linen._shell import LinenShell
 
 __all__ = ["MoEBlock"]
 
 
-class MoEBlock(LinenShell, MoEBlockSpec):
+class MoEBlock(LinenShell, MoEBlockDescription):
     """A mixture of ``num_experts`` gated MLPs, ``num_experts_per_tok`` of them per token.
 
     ``probs = topk(score_function(norm(x) . gate_kernel))`` in float32, then

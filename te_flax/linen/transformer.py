@@ -27,21 +27,21 @@ import jax.numpy as jnp
 from jax import Array
 
 from te_flax._layers.attention import (
-    DotProductAttentionSpec,
-    MultiHeadAttentionSpec,
-    RelativePositionBiasesSpec,
+    DotProductAttentionDescription,
+    MultiHeadAttentionDescription,
+    RelativePositionBiasesDescription,
 )
-from te_flax._layers.composite import Child, DropoutSpec
+from te_flax._layers.composite import Child, DropoutDescription
 from te_flax._layers.kv_cache import CacheSlots
 from te_flax._layers.linear import (
-    DenseGeneralSpec,
-    LayerNormDenseGeneralSpec,
-    LayerNormMLPSpec,
-    LayerNormSpec,
-    ParamSpec,
+    DenseGeneralDescription,
+    LayerNormDenseGeneralDescription,
+    LayerNormDescription,
+    LayerNormMLPDescription,
+    ParamRecord,
 )
-from te_flax._layers.moe import MoEBlockSpec
-from te_flax._layers.transformer import TransformerLayerSpec, TransformerLayerType
+from te_flax._layers.moe import MoEBlockDescription
+from te_flax._layers.transformer import TransformerLayerDescription, TransformerLayerType
 from te_flax._ops.fp8_attention import AttentionQuantizers, attention_quantizers
 from te_flax._ops.packing import SequenceDescriptor
 from te_flax.linen import modules
@@ -75,8 +75,8 @@ class _LinenHost:
     def rng(self, stream: str) -> Array:
         return self.module.make_rng(stream)
 
-    def param(self, spec: ParamSpec) -> Array:
-        return create_param(self.module, spec, jnp.float32)
+    def param(self, record: ParamRecord) -> Array:
+        return create_param(self.module, record, jnp.float32)
 
     def cache(self, shape: tuple[int, ...], dtype: Any) -> tuple[CacheSlots, bool]:
         module = self.module
@@ -87,16 +87,18 @@ class _LinenHost:
         return CacheSlots(key, value, index), created
 
 
-def _fp8_attention(module: nn.Module, spec: DotProductAttentionSpec) -> AttentionQuantizers | None:
+def _fp8_attention(
+    module: nn.Module, description: DotProductAttentionDescription
+) -> AttentionQuantizers | None:
     """FP8 attention's quantizer sets, its delayed-scaling state the variables of ``module``
     (created on first use), or None when the recipe has no ``fp8_dpa``."""
-    recipe = spec.fp8_recipe()
+    recipe = description.fp8_recipe()
     if recipe is None:
         return None
     return attention_quantizers(recipe, lambda postfix: fp8_variables(module, recipe, postfix))
 
 
-class DotProductAttention(nn.Module, DotProductAttentionSpec):
+class DotProductAttention(nn.Module, DotProductAttentionDescription):
     """Scaled dot-product attention: ``softmax(q.k * scale + bias, masked) . v`` per head.
 
     No parameters. cuDNN's flash attention (``jax.nn.dot_product_attention``) computes it on
@@ -193,7 +195,7 @@ class DotProductAttention(nn.Module, DotProductAttentionSpec):
         )
 
 
-class MultiHeadAttention(nn.Module, MultiHeadAttentionSpec):
+class MultiHeadAttention(nn.Module, MultiHeadAttentionDescription):
     """Norm, Q/K/V projections, rotary embeddings, attention, output projection.
 
     Returns ``(out, ln_output or None)`` as TE's does. Self-attention (``inputs_q is
@@ -272,7 +274,7 @@ class MultiHeadAttention(nn.Module, MultiHeadAttentionSpec):
         )
 
 
-class RelativePositionBiases(nn.Module, RelativePositionBiasesSpec):
+class RelativePositionBiases(nn.Module, RelativePositionBiasesDescription):
     """T5-style relative position biases: ``rel_embedding[heads, buckets]`` looked up by bucket.
 
     Attributes:
@@ -302,7 +304,7 @@ class RelativePositionBiases(nn.Module, RelativePositionBiasesSpec):
         return self.forward(embedding, q_seqlen, k_seqlen, bidirectional)
 
 
-class TransformerLayer(nn.Module, TransformerLayerSpec):
+class TransformerLayer(nn.Module, TransformerLayerDescription):
     """TE's transformer layer: attention, (cross-attention,) MLP, residuals and dropout.
 
     Pre-norm by default: ``x + attention(norm(x))``, then ``+ mlp(norm(.))``; with
@@ -395,12 +397,12 @@ class TransformerLayer(nn.Module, TransformerLayerSpec):
 
 # The Linen module of each sublayer description.
 _KINDS: dict[type, type[nn.Module]] = {
-    DenseGeneralSpec: modules.DenseGeneral,
-    DropoutSpec: nn.Dropout,
-    LayerNormSpec: modules.LayerNorm,
-    LayerNormDenseGeneralSpec: modules.LayerNormDenseGeneral,
-    LayerNormMLPSpec: modules.LayerNormMLP,
-    MoEBlockSpec: MoEBlock,
-    MultiHeadAttentionSpec: MultiHeadAttention,
-    RelativePositionBiasesSpec: RelativePositionBiases,
+    DenseGeneralDescription: modules.DenseGeneral,
+    DropoutDescription: nn.Dropout,
+    LayerNormDescription: modules.LayerNorm,
+    LayerNormDenseGeneralDescription: modules.LayerNormDenseGeneral,
+    LayerNormMLPDescription: modules.LayerNormMLP,
+    MoEBlockDescription: MoEBlock,
+    MultiHeadAttentionDescription: MultiHeadAttention,
+    RelativePositionBiasesDescription: RelativePositionBiases,
 }

@@ -16,9 +16,9 @@ Public API::
 
 from te_flax.nnx._fp8_meta import Fp8Meta, Fp8Stats
 from te_flax.nnx.convert import linen_variables, load_linen_variables
-from te_flax.nnx.inject import DotGeneral, EinsumOp
 from te_flax.nnx.modules import DenseGeneral, LayerNorm, LayerNormDenseGeneral, LayerNormMLP
 from te_flax.nnx.moe import MoEBlock
+from te_flax.nnx.quantized import DotGeneral, EinsumOp
 from te_flax.nnx.training import train_step, update_fp8_state, value_and_grad
 from te_flax.nnx.transformer import (
     DotProductAttention,

@@ -13,13 +13,13 @@ from te_flax.nnx._fp8_meta import Fp8Meta as Fp8Meta
 from te_flax.nnx._fp8_meta import Fp8Stats as Fp8Stats
 from te_flax.nnx.convert import linen_variables as linen_variables
 from te_flax.nnx.convert import load_linen_variables as load_linen_variables
-from te_flax.nnx.inject import DotGeneral as DotGeneral
-from te_flax.nnx.inject import EinsumOp as EinsumOp
 from te_flax.nnx.modules import DenseGeneral as _DenseGeneral
 from te_flax.nnx.modules import LayerNorm as _LayerNorm
 from te_flax.nnx.modules import LayerNormDenseGeneral as _LayerNormDenseGeneral
 from te_flax.nnx.modules import LayerNormMLP as _LayerNormMLP
 from te_flax.nnx.moe import MoEBlock as _MoEBlock
+from te_flax.nnx.quantized import DotGeneral as DotGeneral
+from te_flax.nnx.quantized import EinsumOp as EinsumOp
 from te_flax.nnx.training import train_step as train_step
 from te_flax.nnx.training import update_fp8_state as update_fp8_state
 from te_flax.nnx.training import value_and_grad as value_and_grad

@@ -15,7 +15,7 @@ from jax import Array
 from jax.typing import DTypeLike
 
 from te_flax._base.checks import check_dtype, check_sizes
-from te_flax._layers.base import Params, ParamSpec
+from te_flax._layers.base import ParamRecord, Params
 from te_flax._layers.fp8_state import merge_reuse, watch_fp8_state
 from te_flax._layers.fp8_stats import inspected
 from te_flax.nnx._fp8_meta import NnxStats, create_fp8_variables, fp8_variables, sr_key
@@ -25,14 +25,14 @@ from te_flax.quantize.state import SR_RNG, needs_sr_key, quantizer_set, resolve_
 __all__ = ["NnxShell", "create_param", "described_by", "logical_param", "set_attributes"]
 
 
-def create_param(spec: ParamSpec, rngs: nnx.Rngs, dtype: Any) -> nnx.Param[Array]:
-    """The parameter ``spec`` describes, drawn from ``rngs.params()``.
+def create_param(record: ParamRecord, rngs: nnx.Rngs, dtype: Any) -> nnx.Param[Array]:
+    """The parameter ``record`` describes, drawn from ``rngs.params()``.
 
     Its logical axes are sharding metadata only: arrays are placed by jit with the partition
     specs, under the logical axis rules, as for Linen (no mesh is needed to build a module).
     """
-    value = spec.init(rngs.params(), spec.shape, dtype)
-    return logical_param(value, spec.axes)
+    value = record.init(rngs.params(), record.shape, dtype)
+    return logical_param(value, record.axes)
 
 
 def logical_param(value: Array, axes: Sequence[str | None]) -> nnx.Param[Array]:
@@ -125,7 +125,7 @@ class NnxShell(nnx.Module):
 
         def in_features(self, x: Array) -> tuple[int, ...]: ...
 
-        def param_specs(self, in_features: tuple[int, ...]) -> list[ParamSpec]: ...
+        def param_records(self, in_features: tuple[int, ...]) -> list[ParamRecord]: ...
 
         def forward(
             self,
@@ -141,8 +141,8 @@ class NnxShell(nnx.Module):
         set_attributes(self, self._description, attributes, rngs)
         self.in_features_ = check_sizes(in_features, "in_features")
         check_dtype(self.param_dtype, "param_dtype")
-        for spec in self.param_specs(self.in_features_):
-            setattr(self, spec.name, create_param(spec, rngs, self.param_dtype))
+        for record in self.param_records(self.in_features_):
+            setattr(self, record.name, create_param(record, rngs, self.param_dtype))
         recipe = resolve_recipe(self.recipe) if hasattr(self, "recipe") else None
         for postfix in self.fp8_postfixes:
             create_fp8_variables(self, recipe, postfix, self.fp8_groups)
@@ -162,7 +162,8 @@ class NnxShell(nnx.Module):
                 "build it with in_features set to those sizes, or reshape the input"
             )
         params = {
-            spec.name: getattr(self, spec.name)[...] for spec in self.param_specs(self.in_features_)
+            record.name: getattr(self, record.name)[...]
+            for record in self.param_records(self.in_features_)
         }
         recipe = resolve_recipe(self.recipe) if self.fp8_postfixes else None
         states = {

@@ -20,10 +20,10 @@ from jax import Array
 
 from te_flax._base.checks import check_sizes
 from te_flax._layers.linear import (
-    DenseGeneralSpec,
-    LayerNormDenseGeneralSpec,
-    LayerNormMLPSpec,
-    LayerNormSpec,
+    DenseGeneralDescription,
+    LayerNormDenseGeneralDescription,
+    LayerNormDescription,
+    LayerNormMLPDescription,
 )
 from te_flax.nnx._shell import NnxShell, described_by
 
@@ -34,8 +34,8 @@ def _as_tuple(features: int | Sequence[int], name: str = "in_features") -> tuple
     return check_sizes(features, name)
 
 
-@described_by(LayerNormSpec)
-class LayerNorm(NnxShell, LayerNormSpec):
+@described_by(LayerNormDescription)
+class LayerNorm(NnxShell, LayerNormDescription):
     """Layernorm or rmsnorm over the last axis (``te_flax.linen.LayerNorm``, NNX style).
 
     Example usage::
@@ -59,8 +59,8 @@ class LayerNorm(NnxShell, LayerNormSpec):
             return self.forward(params, inputs, sets)
 
 
-@described_by(DenseGeneralSpec)
-class DenseGeneral(NnxShell, DenseGeneralSpec):
+@described_by(DenseGeneralDescription)
+class DenseGeneral(NnxShell, DenseGeneralDescription):
     """``x . kernel + bias`` over x's trailing axes (``te_flax.linen.DenseGeneral``, NNX style).
 
     ``in_features`` is the size of the contracted axes (a tuple for ``axis=(-2, -1)``).
@@ -98,8 +98,8 @@ class DenseGeneral(NnxShell, DenseGeneralSpec):
             return self.forward(params, inputs, sets)
 
 
-@described_by(LayerNormDenseGeneralSpec)
-class LayerNormDenseGeneral(NnxShell, LayerNormDenseGeneralSpec):
+@described_by(LayerNormDenseGeneralDescription)
+class LayerNormDenseGeneral(NnxShell, LayerNormDenseGeneralDescription):
     """A norm fused with the GEMM after it (``te_flax.linen.LayerNormDenseGeneral``, NNX style).
 
     Returns ``(y, ln_output or None)``.
@@ -134,8 +134,8 @@ class LayerNormDenseGeneral(NnxShell, LayerNormDenseGeneralSpec):
             return self.forward(params, inputs, sets)
 
 
-@described_by(LayerNormMLPSpec)
-class LayerNormMLP(NnxShell, LayerNormMLPSpec):
+@described_by(LayerNormMLPDescription)
+class LayerNormMLP(NnxShell, LayerNormMLPDescription):
     """Norm, two GEMMs, (gated) activation and dropout (``te_flax.linen.LayerNormMLP``, NNX).
 
     Returns ``(y, ln_output or None)``. ``in_features`` is the hidden size; the intermediate

@@ -8,14 +8,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import Array
 
-from te_flax._layers.moe import MoEBlockSpec
+from te_flax._layers.moe import MoEBlockDescription
 from te_flax.nnx._shell import NnxShell, described_by
 
 __all__ = ["MoEBlock"]
 
 
-@described_by(MoEBlockSpec)
-class MoEBlock(NnxShell, MoEBlockSpec):
+@described_by(MoEBlockDescription)
+class MoEBlock(NnxShell, MoEBlockDescription):
     """A mixture of gated MLP experts (``te_flax.linen.MoEBlock``, NNX style).
 
     Returns ``(y, aux_loss)``. ``in_features`` is the hidden size. Each call writes what the

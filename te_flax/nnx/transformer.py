@@ -22,21 +22,21 @@ from flax import nnx
 from jax import Array
 
 from te_flax._layers.attention import (
-    DotProductAttentionSpec,
-    MultiHeadAttentionSpec,
-    RelativePositionBiasesSpec,
+    DotProductAttentionDescription,
+    MultiHeadAttentionDescription,
+    RelativePositionBiasesDescription,
 )
-from te_flax._layers.composite import Child, DropoutSpec
+from te_flax._layers.composite import Child, DropoutDescription
 from te_flax._layers.kv_cache import CacheSlots
 from te_flax._layers.linear import (
-    DenseGeneralSpec,
-    LayerNormDenseGeneralSpec,
-    LayerNormMLPSpec,
-    LayerNormSpec,
-    ParamSpec,
+    DenseGeneralDescription,
+    LayerNormDenseGeneralDescription,
+    LayerNormDescription,
+    LayerNormMLPDescription,
+    ParamRecord,
 )
-from te_flax._layers.moe import MoEBlockSpec
-from te_flax._layers.transformer import TransformerLayerSpec, TransformerLayerType
+from te_flax._layers.moe import MoEBlockDescription
+from te_flax._layers.transformer import TransformerLayerDescription, TransformerLayerType
 from te_flax._ops.fp8_attention import (
     FP8_ATTENTION_POSTFIXES,
     AttentionQuantizers,
@@ -84,8 +84,8 @@ class _NnxHost:
     def rng(self, stream: str) -> Array:
         return self.module.dropout_rngs()
 
-    def param(self, spec: ParamSpec) -> Array:
-        return cast(Array, getattr(self.module, spec.name)[...])
+    def param(self, record: ParamRecord) -> Array:
+        return cast(Array, getattr(self.module, record.name)[...])
 
     def cache(self, shape: tuple[int, ...], dtype: Any) -> tuple[CacheSlots, bool]:
         module = self.module
@@ -106,11 +106,11 @@ class _NnxHost:
 
 def _build(child: Child, rngs: nnx.Rngs) -> nnx.Module:
     kind, attributes, in_features = child
-    if kind is DropoutSpec:  # a stream only where it draws: rate 0 needs no "dropout" stream
+    if kind is DropoutDescription:  # a stream only where it draws: rate 0 needs no "dropout" stream
         return nnx.Dropout(**attributes, rngs=rngs if attributes["rate"] > 0 else None)
-    if kind is RelativePositionBiasesSpec:
+    if kind is RelativePositionBiasesDescription:
         return RelativePositionBiases(**attributes, rngs=rngs)
-    if kind is MultiHeadAttentionSpec and isinstance(in_features, tuple):
+    if kind is MultiHeadAttentionDescription and isinstance(in_features, tuple):
         query_features, kv_features = in_features
         return MultiHeadAttention(
             query_features, in_kv_features=kv_features, **attributes, rngs=rngs
@@ -118,21 +118,25 @@ def _build(child: Child, rngs: nnx.Rngs) -> nnx.Module:
     return _KINDS[kind](in_features, **attributes, rngs=rngs)  # type: ignore[call-arg]
 
 
-def _own_params(module: nnx.Module, specs: list[ParamSpec], rngs: nnx.Rngs) -> None:
+def _own_params(module: nnx.Module, records: list[ParamRecord], rngs: nnx.Rngs) -> None:
     """The attention's own parameters (the learned sink, float32), as the Linen host's."""
-    for spec in specs:
-        setattr(module, spec.name, create_param(spec, rngs, jnp.float32))
+    for record in records:
+        setattr(module, record.name, create_param(record, rngs, jnp.float32))
 
 
-def _own_fp8_attention_state(module: nnx.Module, spec: DotProductAttentionSpec) -> None:
+def _own_fp8_attention_state(
+    module: nnx.Module, description: DotProductAttentionDescription
+) -> None:
     """FP8 attention's delayed-scaling state (``Fp8Meta``), as the Linen host's variables."""
     for postfix in FP8_ATTENTION_POSTFIXES:
-        create_fp8_variables(module, spec.fp8_recipe(), postfix)
+        create_fp8_variables(module, description.fp8_recipe(), postfix)
 
 
-def _fp8_attention(module: nnx.Module, spec: DotProductAttentionSpec) -> AttentionQuantizers | None:
+def _fp8_attention(
+    module: nnx.Module, description: DotProductAttentionDescription
+) -> AttentionQuantizers | None:
     """FP8 attention's quantizer sets from ``module``'s state, or None without ``fp8_dpa``."""
-    recipe = spec.fp8_recipe()
+    recipe = description.fp8_recipe()
     if recipe is None:
         return None
     # The layers' own reading of their FP8 variables (names, shapes and recipe checked).
@@ -144,8 +148,8 @@ def _dropout_rngs(rate: float, stream: str, rngs: nnx.Rngs) -> nnx.RngStream | N
     return rngs[stream].fork() if rate > 0 else None
 
 
-@described_by(DotProductAttentionSpec)
-class DotProductAttention(nnx.Module, DotProductAttentionSpec):
+@described_by(DotProductAttentionDescription)
+class DotProductAttention(nnx.Module, DotProductAttentionDescription):
     """Scaled dot-product attention (``te_flax.linen.DotProductAttention``, NNX style).
 
     Example usage::
@@ -164,9 +168,9 @@ class DotProductAttention(nnx.Module, DotProductAttentionSpec):
         self, head_dim: int, num_attention_heads: int, *, rngs: nnx.Rngs, **attributes: Any
     ):
         attributes = dict(attributes, head_dim=head_dim, num_attention_heads=num_attention_heads)
-        set_attributes(self, DotProductAttentionSpec, attributes, rngs)
+        set_attributes(self, DotProductAttentionDescription, attributes, rngs)
         self.check()
-        _own_params(self, self.param_specs(), rngs)
+        _own_params(self, self.param_records(), rngs)
         _own_fp8_attention_state(self, self)
         self.dropout_rngs = _dropout_rngs(self.attention_dropout, self.dropout_rng_name, rngs)
 
@@ -204,8 +208,8 @@ class DotProductAttention(nnx.Module, DotProductAttentionSpec):
         )
 
 
-@described_by(MultiHeadAttentionSpec)
-class MultiHeadAttention(nnx.Module, MultiHeadAttentionSpec):
+@described_by(MultiHeadAttentionDescription)
+class MultiHeadAttention(nnx.Module, MultiHeadAttentionDescription):
     """Norm, projections, attention, output (``te_flax.linen.MultiHeadAttention``, NNX style).
 
     ``in_features`` is the hidden size of ``inputs_q``; ``in_kv_features`` that of
@@ -237,14 +241,14 @@ class MultiHeadAttention(nnx.Module, MultiHeadAttentionSpec):
         **attributes: Any,
     ):
         attributes = dict(attributes, head_dim=head_dim, num_attention_heads=num_attention_heads)
-        set_attributes(self, MultiHeadAttentionSpec, attributes, rngs)
+        set_attributes(self, MultiHeadAttentionDescription, attributes, rngs)
         self.in_kv_features = in_kv_features
         self_attention = in_kv_features is None
         for name, child in self.children(in_features, self_attention).items():
             if name == "kv" or name in ("key", "value"):
                 child = child._replace(in_features=in_kv_features or in_features)
             setattr(self, name, _build(child, rngs))
-        _own_params(self, self.param_specs(), rngs)
+        _own_params(self, self.param_records(), rngs)
         _own_fp8_attention_state(self, self._attention())
         self.dropout_rngs = _dropout_rngs(self.attention_dropout, self.dropout_rng_name, rngs)
 
@@ -293,8 +297,8 @@ class MultiHeadAttention(nnx.Module, MultiHeadAttentionSpec):
         )
 
 
-@described_by(RelativePositionBiasesSpec)
-class RelativePositionBiases(nnx.Module, RelativePositionBiasesSpec):
+@described_by(RelativePositionBiasesDescription)
+class RelativePositionBiases(nnx.Module, RelativePositionBiasesDescription):
     """T5 relative position biases (``te_flax.linen.RelativePositionBiases``, NNX style).
 
     Example usage::
@@ -321,7 +325,7 @@ class RelativePositionBiases(nnx.Module, RelativePositionBiasesSpec):
             max_distance=max_distance,
             num_attention_heads=num_attention_heads,
         )
-        set_attributes(self, RelativePositionBiasesSpec, attributes, rngs)
+        set_attributes(self, RelativePositionBiasesDescription, attributes, rngs)
         value = self.embedding_init(rngs.params(), self.shape(), self.param_dtype)
         self.rel_embedding = logical_param(value, self.embedding_axes)
 
@@ -330,8 +334,8 @@ class RelativePositionBiases(nnx.Module, RelativePositionBiasesSpec):
         return self.forward(self.rel_embedding[...], q_seqlen, k_seqlen, bidirectional)
 
 
-@described_by(TransformerLayerSpec)
-class TransformerLayer(nnx.Module, TransformerLayerSpec):
+@described_by(TransformerLayerDescription)
+class TransformerLayer(nnx.Module, TransformerLayerDescription):
     """TE's transformer layer (``te_flax.linen.TransformerLayer``, NNX style).
 
     Built from its attributes and the input sizes: ``in_features`` (None: ``hidden_size``)
@@ -358,7 +362,7 @@ class TransformerLayer(nnx.Module, TransformerLayerSpec):
         rngs: nnx.Rngs,
         **attributes: Any,
     ):
-        set_attributes(self, TransformerLayerSpec, attributes, rngs)
+        set_attributes(self, TransformerLayerDescription, attributes, rngs)
         self.in_features = self.hidden_size if in_features is None else in_features
         self.encoded_features = encoded_features
         for name, child in self.children(self.in_features, encoded_features).items():
@@ -419,10 +423,10 @@ class _WithRelativeEmbedding(_NnxHost):
 
 # The NNX module of each sublayer description built from its input size.
 _KINDS: dict[type, type[nnx.Module]] = {
-    DenseGeneralSpec: modules.DenseGeneral,
-    LayerNormSpec: modules.LayerNorm,
-    LayerNormDenseGeneralSpec: modules.LayerNormDenseGeneral,
-    LayerNormMLPSpec: modules.LayerNormMLP,
-    MoEBlockSpec: MoEBlock,
-    MultiHeadAttentionSpec: MultiHeadAttention,
+    DenseGeneralDescription: modules.DenseGeneral,
+    LayerNormDescription: modules.LayerNorm,
+    LayerNormDenseGeneralDescription: modules.LayerNormDenseGeneral,
+    LayerNormMLPDescription: modules.LayerNormMLP,
+    MoEBlockDescription: MoEBlock,
+    MultiHeadAttentionDescription: MultiHeadAttention,
 }
