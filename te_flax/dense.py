@@ -61,7 +61,7 @@ class _Config:
     output_axes: tuple[str | None, ...] | None
     kernel_dtype: Any
     bias_dtype: Any  # None without a bias
-    kernel_in_scan: bool = False  # traced in a scan body (stages.kernel_operand)
+    kernel_in_scan: bool = False  # traced in a scan body (gemm_operands.kernel_operand)
     # The shardings of x, kernel and bias under Explicit mesh axes (their gradients'), or None.
     grad_specs: Specs = None
 

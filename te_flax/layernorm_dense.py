@@ -48,7 +48,7 @@ class _Config:
     bias_dtype: Any  # None without a bias
     # Also return the norm output (in x's dtype), for return_layernorm_output and LoRA.
     return_norm_output: bool = False
-    kernel_in_scan: bool = False  # traced in a scan body (stages.kernel_operand)
+    kernel_in_scan: bool = False  # traced in a scan body (gemm_operands.kernel_operand)
     # The shardings of x, kernel, gamma, beta and bias under Explicit mesh axes, or None.
     grad_specs: Specs = None
 

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from te_flax._ops import gemm as _gemm
+from te_flax._ops import gemm_operands as _operands
+from te_flax._ops import mlp as _mlp
 from te_flax._ops import norm as _norm
-from te_flax._ops import stages as _stages
 from te_flax._ops.kernels import ENV_VAR, mode, pallas_kernels, traced_in_scan
 from te_flax.dense import dense
 from te_flax.layernorm_dense import layernorm_dense
@@ -230,7 +231,7 @@ def test_quantize_matches_xla_stage(shape, split, dtype, recipe, for_backward):
     x = (normal(jax.random.key(5), shape) * 3.0).astype(dtype)
 
     def operand(x, quantizer):
-        return _stages.kernel_operand(x, quantizer, dtype, split, for_backward, None)
+        return _operands.kernel_operand(x, quantizer, dtype, split, for_backward, None)
 
     (expected, expected_state), (actual, actual_state) = both(operand, x, _quantizer(recipe))
     assert expected.transposed is None  # the XLA stage leaves the layouts to XLA
@@ -256,7 +257,7 @@ def test_quantize_e5m2_saturation_and_nonfinite():
         quantizer = dataclasses.replace(quantizer, scale_inv=jnp.full((1,), 1e-2, jnp.float32))
 
         def operand(x, quantizer):
-            return _stages.kernel_operand(x, quantizer, jnp.float32, 1, True, None)
+            return _operands.kernel_operand(x, quantizer, jnp.float32, 1, True, None)
 
         (expected, expected_state), (actual, actual_state) = both(operand, x, quantizer)
         assert_same_bits(
@@ -274,7 +275,7 @@ def test_quantize_leaves_other_quantizers_to_xla(recipe):
         quantizer = QuantizerFactory.create_set(fp8_recipe=MXFP8BlockScaling()).kernel
 
     def operand(kernel, quantizer):
-        return _stages.kernel_operand(kernel, quantizer, jnp.bfloat16, 1, True, None)
+        return _operands.kernel_operand(kernel, quantizer, jnp.bfloat16, 1, True, None)
 
     with pallas_kernels("1"):
         lowered = jax.jit(operand).lower(kernel, quantizer).as_text()
@@ -314,10 +315,10 @@ ACTIVATION_GRADS = [
 
 def _activation_grad_prepared(grad, pre_activation, activation_type, quantizer, bias_dtype):
     """The stage's result as the GEMM stage uses it (the XLA stage leaves it in bf16)."""
-    result = _stages.activation_grad(grad, pre_activation, activation_type, quantizer, bias_dtype)
-    if isinstance(result, _stages.GradOperand):
+    result = _mlp.activation_grad(grad, pre_activation, activation_type, quantizer, bias_dtype)
+    if isinstance(result, _operands.GradOperand):
         return result
-    return _stages.grad_operand(result, quantizer, 2, bias_dtype)
+    return _operands.grad_operand(result, quantizer, 2, bias_dtype)
 
 
 @pytest.mark.parametrize(
@@ -386,10 +387,10 @@ def test_activation_quantize_matches_xla_stage(
     n_act = len(activation_type)
     pre_activation = normal(jax.random.key(15), (*tokens, n_act, intermediate)) * 2.0
     pre_activation = pre_activation.astype(dtype)
-    uses = _stages.input_uses(for_backward)
+    uses = _operands.input_uses(for_backward)
 
     def operand(pre_activation, quantizer):
-        return _stages.activation_operand(
+        return _mlp.activation_operand(
             pre_activation, activation_type, None, quantizer, dtype, uses
         )
 
@@ -572,7 +573,7 @@ def test_auto_traces_the_xla_stages_on_cpu():
         _, stats = _norm.normalize(x, gamma, beta, config)
         operand, _ = _norm.norm_operand(x, stats, gamma, beta, config, quantizer, None)
         grads = _norm.normalize_backward(x, x, stats, gamma, beta, config)
-        kernel, _ = _stages.kernel_operand(x, quantizer, x.dtype, 1, True, None)
+        kernel, _ = _operands.kernel_operand(x, quantizer, x.dtype, 1, True, None)
         return operand, grads, kernel
 
     programs = []

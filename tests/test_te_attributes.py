@@ -17,7 +17,7 @@ from flax import nnx
 
 import te_flax.linen as te_nn
 import te_flax.nnx as te_nnx
-from te_flax._ops import stages as _stages
+from te_flax._ops import mlp as _mlp
 from te_flax._ops.kernels import pallas_kernels
 from te_flax.attention import dot_product_attention
 from te_flax.dense import dense
@@ -172,7 +172,7 @@ def test_clamped_swiglu_runs_the_xla_stage_whatever_the_kernel_switch():
     grad = normal(jax.random.key(1), (8, INTERMEDIATE))
     quantizer = QuantizerFactory.create_set(fp8_recipe=DelayedScaling()).dgrad
     with pallas_kernels("1"):
-        result = _stages.activation_grad(grad, pre, CLAMPED, quantizer, None, params)
+        result = _mlp.activation_grad(grad, pre, CLAMPED, quantizer, None, params)
     # The kernel would return a prepared (quantized) gradient; the XLA stage a plain array.
     assert isinstance(result, jax.Array)
     _, vjp = jax.vjp(lambda h: reference_clamped_swiglu(h, 1.5, 2.0, 0.5), pre)

@@ -234,7 +234,7 @@ class MlpConfig:
     lora_alpha: float | None = None
     # Also return the norm output (in x's dtype), for return_layernorm_output.
     return_norm_output: bool = False
-    kernels_in_scan: tuple[bool, bool] = (False, False)  # see stages.kernel_operand
+    kernels_in_scan: tuple[bool, bool] = (False, False)  # see gemm_operands.kernel_operand
     # The shardings of x, gamma, beta, the kernels and the biases under Explicit mesh axes.
     grad_specs: Specs = None
 
