@@ -13,9 +13,9 @@ The layers are reached through Flax's own hooks: Linen's method interceptor
 (``te_flax.linen.quantized.hooks``) and, in NNX, the layers' ``dot_general`` / ``einsum_op``
 attributes (``te_flax.nnx.quantized.hook_layers``). Bare ``jnp`` / ``lax`` calls have no hook;
 ``bare_products=True`` reaches them by replacing JAX's four product functions for the whole
-process while the model runs (``te_flax._layers.products.intercepting``); without it, those
+process while the model runs (``te_flax._quantize_model.products.intercepting``); without it, those
 that read a parameter are found in the jaxpr of one trace of the quantized model
-(``te_flax._layers.bare_products``) and named in a note.
+(``te_flax._quantize_model.bare_products``) and named in a note.
 """
 
 from __future__ import annotations
@@ -30,8 +30,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from te_flax._layers.bare_products import leaf_paths, module_of, parameter_products, unrun_note
-from te_flax._layers.products import (
+from te_flax._quantize_model.bare_products import (
+    leaf_paths,
+    module_of,
+    parameter_products,
+    unrun_note,
+)
+from te_flax._quantize_model.products import (
     LAYER,
     OPS,
     QuantizeModelNote,

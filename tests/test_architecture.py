@@ -120,7 +120,7 @@ ROWS = {
         ],
         4,
     ),
-    **dict.fromkeys(["_layers", "moe"], 5),
+    **dict.fromkeys(["_layers", "_quantize_model", "moe"], 5),
     **dict.fromkeys(["linen", "nnx", "training", "accumulate"], 6),
     **dict.fromkeys(["inject", "convert", "__main__"], 7),
     "te_flax": 7,

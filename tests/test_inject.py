@@ -14,7 +14,7 @@ from flax import nnx
 import te_flax.linen as te_nn
 import te_flax.nnx as te_nnx
 from te_flax import training
-from te_flax._layers.products import fp8_reason, plan_product, run_plan
+from te_flax._quantize_model.products import fp8_reason, plan_product, run_plan
 from te_flax.dense import dense, grouped_dense, grouped_quantizer_set
 from te_flax.quantize import (
     DelayedScaling,

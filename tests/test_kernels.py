@@ -292,10 +292,14 @@ def test_gemm_takes_the_transposed_layout():
     lhs = normal(keys[0], (6, 16))
     kernel = normal(keys[1], (16, 2, 5))
     transposed = jnp.transpose(kernel, (1, 2, 0))
-    plain = _gemm.dense_forward(ScaledTensor(lhs), ScaledTensor(kernel), 1, jnp.float32, None)
+    contracting = ((1,), (0,))  # lhs's last axis with the kernel's first
+    default = jax.lax.Precision.DEFAULT
+    plain, _ = _gemm.gemm(
+        ScaledTensor(lhs), ScaledTensor(kernel), contracting, jnp.float32, default
+    )
     # Poisoned data: only the transposed layout can give the right product.
     both_layouts = ScaledTensor(jnp.full_like(kernel, jnp.nan), None, transposed)
-    product = _gemm.dense_forward(ScaledTensor(lhs), both_layouts, 1, jnp.float32, None)
+    product, _ = _gemm.gemm(ScaledTensor(lhs), both_layouts, contracting, jnp.float32, default)
     np.testing.assert_allclose(product, plain, rtol=1e-6)
     assert ScaledTensor(kernel, None, transposed).keep(TRAILING).transposed is None
     assert ScaledTensor(kernel, None, transposed).keep(LEADING).transposed is transposed

@@ -17,7 +17,7 @@ import te_flax
 import te_flax.linen as te_nn
 import te_flax.nnx as te_nnx
 from te_flax import training
-from te_flax._layers.bare_products import parameter_products
+from te_flax._quantize_model.bare_products import parameter_products
 from te_flax.quantize import DelayedScaling, MXFP8BlockScaling, NVFP4BlockScaling
 from tests.helpers import BLOCK_FORWARD_TOLERANCE, FP8_FORWARD_TOLERANCE
 

@@ -25,7 +25,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax import Array
 
-from te_flax._layers.products import (
+from te_flax._quantize_model.products import (
     Frame,
     Session,
     bare_fallback,

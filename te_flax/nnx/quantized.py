@@ -26,7 +26,7 @@ from flax import nnx
 from jax import Array
 
 from te_flax._layers.base import named_sets
-from te_flax._layers.products import (
+from te_flax._quantize_model.products import (
     Frame,
     Selection,
     Session,

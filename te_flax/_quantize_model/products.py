@@ -19,12 +19,13 @@ running module's session.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import math
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +62,8 @@ __all__ = [
     "run_plan",
     "running",
 ]
+
+T = TypeVar("T")
 
 # The product functions a model's code may call, by the name rules use.
 OPS = ("dot_general", "einsum", "dot", "matmul")
@@ -252,31 +255,35 @@ def run_plan(
 # (op, lhs, rhs, spec, original_call) -> the result, or None to run the original product.
 Handler = Callable[[str, Any, Any, Any, Callable[[], Any]], Any]
 
-_STATE = threading.local()
-
-
-def _handlers() -> list[Handler]:
-    if not hasattr(_STATE, "handlers"):
-        _STATE.handlers = []
-        _STATE.quiet = 0
-    handlers: list[Handler] = _STATE.handlers
-    return handlers
+# What a quantized model's call keeps while it runs is context-local (``contextvars``: per
+# thread, and per task where one thread runs several): the handlers of nested
+# ``intercepting`` blocks, whether te_flax's own products are running (never intercepted), and
+# the running modules (``running``). The patched functions themselves are the process's: their
+# count of open blocks (``_PATCH_DEPTH``) is the one process-wide state, under a lock.
+_HANDLERS: contextvars.ContextVar[tuple[Handler, ...]] = contextvars.ContextVar(
+    "te_flax_product_handlers", default=()
+)
+_QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("te_flax_own_products", default=False)
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """te_flax's own products (inside ``dense``) are never intercepted."""
-    _handlers()
-    _STATE.quiet += 1
+def _scoped(variable: contextvars.ContextVar[T], value: T) -> Iterator[None]:
+    """Runs the block with ``variable`` set to ``value``."""
+    token = variable.set(value)
     try:
         yield
     finally:
-        _STATE.quiet -= 1
+        variable.reset(token)
+
+
+def _quiet() -> contextlib.AbstractContextManager[None]:
+    """te_flax's own products (inside ``dense``) are never intercepted."""
+    return _scoped(_QUIET, True)
 
 
 def _dispatch(op: str, lhs: Any, rhs: Any, spec: Any, original: Callable[[], Any]) -> Any:
-    handlers = _handlers()
-    if not handlers or _STATE.quiet:
+    handlers = _HANDLERS.get()
+    if not handlers or _QUIET.get():
         return original()
     result = handlers[-1](op, lhs, rhs, spec, original)
     return original() if result is None else result
@@ -328,7 +335,7 @@ _REPLACEMENTS = {
     "dot": (jnp, _binary("dot")),
     "matmul": (jnp, _binary("matmul")),
 }
-_PATCH_LOCK = threading.Lock()
+_PATCH_LOCK = threading.Lock()  # the one process-wide state, see _HANDLERS
 _PATCH_DEPTH = [0]
 
 
@@ -340,17 +347,15 @@ def intercepting(handler: Handler) -> Iterator[None]:
     ``quantize_model``'s fallback for bare products (``bare_products=True``): the four
     functions are replaced for the whole process while any block runs; calls from threads
     with no block running go to JAX's own functions."""
-    handlers = _handlers()
     with _PATCH_LOCK:
         if _PATCH_DEPTH[0] == 0:
             for name, (module, replacement) in _REPLACEMENTS.items():
                 setattr(module, name, replacement)
         _PATCH_DEPTH[0] += 1
-    handlers.append(handler)
     try:
-        yield
+        with _scoped(_HANDLERS, (*_HANDLERS.get(), handler)):
+            yield
     finally:
-        handlers.pop()
         with _PATCH_LOCK:
             _PATCH_DEPTH[0] -= 1
             if _PATCH_DEPTH[0] == 0:
@@ -420,31 +425,20 @@ class Frame:
         return self.bare_offset + self.bare_fp8 - 1
 
 
-_FRAMES = threading.local()
-
-
-def _frames() -> list[Frame]:
-    if not hasattr(_FRAMES, "stack"):
-        _FRAMES.stack = []
-    stack: list[Frame] = _FRAMES.stack
-    return stack
+_FRAMES: contextvars.ContextVar[tuple[Frame, ...]] = contextvars.ContextVar(
+    "te_flax_running_modules", default=()
+)
 
 
 def innermost() -> Frame | None:
     """The innermost running module's frame (None: no quantized model is running)."""
-    stack = _frames()
-    return stack[-1] if stack else None
+    frames = _FRAMES.get()
+    return frames[-1] if frames else None
 
 
-@contextlib.contextmanager
-def running(frame: Frame) -> Iterator[None]:
+def running(frame: Frame) -> contextlib.AbstractContextManager[None]:
     """Runs the block as ``frame``'s module (the owner of the bare products it calls)."""
-    stack = _frames()
-    stack.append(frame)
-    try:
-        yield
-    finally:
-        stack.pop()
+    return _scoped(_FRAMES, (*_FRAMES.get(), frame))
 
 
 @dataclasses.dataclass
