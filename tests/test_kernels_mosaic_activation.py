@@ -20,13 +20,13 @@ import pytest
 
 from te_flax._base.jax_compat import mosaic_gpu_interpreted
 from te_flax._ops.activations import activation_backward
-from te_flax._ops.gemm_operands import activation_output
 from te_flax._ops.kernels.activation_grad import KERNEL_ACTIVATIONS
 from te_flax._ops.kernels.activation_grad_mosaic import activation_grad_tiles
 from te_flax._ops.kernels.activation_quantize_mosaic import activation_quantize_tiles
 from te_flax._ops.kernels.common import block_amax, saturating_cast
 from te_flax._ops.kernels.mosaic import tileable
 from te_flax._ops.kernels.switch import MOSAIC
+from te_flax._ops.mlp import activation_output
 from tests.helpers import USERS_OPTIMIZATION, normal
 
 pytestmark = pytest.mark.skipif(
