@@ -147,8 +147,12 @@ def _other_programs() -> Iterator[tuple]:
     x = jax.random.normal(jax.random.key(6), (64, 32), jnp.bfloat16)
     kernel = jax.random.normal(jax.random.key(7), (4, 32, 48), jnp.float32)
     sizes = jnp.array([10, 20, 4, 30], jnp.int32)
-    for name, recipe in (("none", None), ("delayed", DelayedScaling()), ("current", None)):
-        recipe = Float8CurrentScaling() if name == "current" else recipe
+    grouped_recipes = (
+        ("none", None),
+        ("delayed", DelayedScaling()),
+        ("current", Float8CurrentScaling()),
+    )
+    for name, recipe in grouped_recipes:
         for lowering in ("ragged", "capacity"):
 
             def loss(
