@@ -225,10 +225,11 @@ def test_functions_are_short():
 # ----------------------------------------------------------------------------- the call's depth
 
 # From a layer's __call__ to lax.dot_general (docs/architecture.md, "How a call flows"): the
-# shell, the layer description, the public op, the fused-op wrapper (whose custom_vjp rule is
-# its second frame), the op's forward rule, the norm+GEMM stage and the GEMM stage.
+# layer's call (its description's, the same for Linen and NNX), its forward from the arrays,
+# the public op, the fused-op wrapper (whose custom_vjp rule is its second frame), the op's
+# forward rule, the norm+GEMM stage and the GEMM stage.
 LAYER_NORM_MLP_WALK = [
-    "{front}/modules.py:__call__",
+    "_layers/linear.py:__call__",
     "_layers/linear.py:forward",
     "layernorm_mlp.py:layernorm_mlp",
     "_ops/custom_op.py:__call__",
@@ -292,7 +293,45 @@ def test_a_layers_call_reaches_its_gemm_in_seven_steps(front, differentiated):
     else:
         call = lambda: apply(x)  # noqa: E731
     walk = [
-        step.format(front=front, rule="op_forward" if differentiated else "op")
-        for step in LAYER_NORM_MLP_WALK
+        step.format(rule="op_forward" if differentiated else "op") for step in LAYER_NORM_MLP_WALK
     ]
     assert _frames_to_first_gemm(call) == walk
+
+
+# ----------------------------------------------------------------------------- one layer, one place
+
+
+# docs/architecture.md, "How a call flows", step 1: a layer is its description; a module of
+# either front end names it as a base and runs its __call__, reaching the front end only
+# through its host.
+def test_a_layer_is_written_once_for_both_front_ends():
+    import inspect
+
+    import te_flax.linen as te_nn
+    import te_flax.nnx as te_nnx
+    from te_flax._layers.host import Layer
+
+    layers = [name for name in te_nnx.__all__ if hasattr(getattr(te_nnx, name), "description")]
+    assert len(layers) == 9, layers  # the four linear layers, MoE, attention, transformer
+    for name in layers:
+        linen, nnx_module = getattr(te_nn, name), getattr(te_nnx, name)
+        description = linen.description
+        assert nnx_module.description is description
+        assert issubclass(description, Layer) and description in linen.__bases__
+        assert description in nnx_module.__bases__
+        # The call is the description's: NNX inherits it, Linen wraps it (compact scope) unchanged.
+        assert "__call__" in vars(description)
+        assert nnx_module.__call__ is description.__call__
+        assert inspect.unwrap(linen.__call__) is description.__call__
+        # Neither module class writes a call of its own.
+        assert "__call__" not in vars(nnx_module)
+        assert inspect.signature(linen.__call__) == inspect.signature(nnx_module.__call__)
+
+
+def test_a_description_alone_says_it_runs_in_a_front_end():
+    import jax.numpy as jnp
+
+    from te_flax._layers.linear import DenseGeneralDescription
+
+    with pytest.raises(TypeError, match=r"te_flax\.linen or te_flax\.nnx"):
+        DenseGeneralDescription(features=4)(jnp.ones((2, 3)))

@@ -523,8 +523,8 @@ CASES = [
          ValueError, r"num_gqa_groups=3", r"choose num_gqa_groups among the divisors"),
     case("nnx-transformer-input",
          lambda: _abstract_nnx_transformer()(jnp.ones((2, 4, 16), F32)),
-         ValueError, r"^inputs must be \[batch, seq, 32\] \(the in_features",
-         r"build it with in_features=<the input's last axis>"),
+         ValueError, r"^TransformerLayer was built for inputs of 32 features .* have 16",
+         r"build it with in_features \(and in_kv_features or encoded_features"),
     case("nnx-transformer-activation",
          lambda: nnx.eval_shape(lambda: te_nnx.TransformerLayer(
              **TRANSFORMER, mlp_activations=("swish",), rngs=_rngs())),

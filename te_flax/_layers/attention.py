@@ -3,7 +3,8 @@
 ``RelativePositionBiases`` (``te_flax._layers.relative_position``), re-exported
 (TransformerEngine's attributes, Flax's ``dtype``/``param_dtype``).
 
-See ``te_flax._layers.composite`` for how a description names its sublayers and runs through a host;
+See ``te_flax._layers.host`` for how a layer runs in a front end and ``te_flax._layers.composite``
+for how it names its sublayers;
 the functional attention is ``te_flax.attention``, the decoding cache ``te_flax._layers.kv_cache``.
 """
 
@@ -26,13 +27,12 @@ from te_flax._layers.base import Initializer, ParamRecord, scaled_init, stacked_
 from te_flax._layers.composite import (
     AttentionHeads,
     Axes,
-    Child,
-    Host,
     SharedAttributes,
     lora_scope,
     normal_fan_in,
 )
 from te_flax._layers.dot_product_attention import DotProductAttentionDescription
+from te_flax._layers.host import Child, Host, Layer
 from te_flax._layers.linear import DenseGeneralDescription, LayerNormDenseGeneralDescription
 from te_flax._layers.relative_position import RelativePositionBiasesDescription
 from te_flax._ops.fp8_attention import AttentionQuantizers
@@ -52,7 +52,7 @@ __all__ = [
 
 
 @dataclasses.dataclass
-class MultiHeadAttentionDescription(AttentionHeads):
+class MultiHeadAttentionDescription(Layer, AttentionHeads):
     """Norm + Q/K/V projections, rotary embeddings, attention (with a KV cache), output GEMM."""
 
     # TransformerEngine's fields, in its order, after AttentionHeads'.
@@ -210,6 +210,40 @@ class MultiHeadAttentionDescription(AttentionHeads):
             **common,
         ), heads * head_dim)  # fmt: skip
         return children
+
+    def is_self_attention(self, inputs_q: Array, inputs_kv: Array) -> bool:
+        """Self-attention (the fused ``qkv`` kernel, the keys read the normalized input): a call
+        with ``inputs_kv`` the same array as ``inputs_q``."""
+        return inputs_q is inputs_kv
+
+    def __call__(
+        self,
+        inputs_q: Array,
+        inputs_kv: Array,
+        mask: Array | None = None,
+        bias: Array | None = None,
+        *,
+        decode: bool = False,
+        deterministic: bool = False,
+        score_mod_tensors: Mapping[str, Any] | None = None,
+        score_mod_bprop_tensors: Mapping[str, Any] | None = None,
+    ) -> tuple[Array, Array | None]:
+        """``[batch, seq, hidden]`` (``[seq, batch, hidden]`` transposed) -> ``(out, ln)``."""
+        self_attention = self.is_self_attention(inputs_q, inputs_kv)
+        host = self.host(self.children(inputs_q.shape[-1], self_attention))
+        return self.forward(
+            host,
+            inputs_q,
+            inputs_kv,
+            mask,
+            bias,
+            self_attention=self_attention,
+            deterministic=deterministic,
+            decode=decode,
+            score_mod_tensors=score_mod_tensors,
+            score_mod_bprop_tensors=score_mod_bprop_tensors,
+            quantizers=self._attention().quantizers(host),
+        )
 
     def forward(
         self,

@@ -1,34 +1,30 @@
-"""What the layers made of other layers share: sublayer records, the host, attribute tables.
+"""What the layers made of other layers share: the heads, dropout, attribute tables, axes.
 
-A composite layer (attention, transformer) is a description like ``te_flax._layers.linear``'s, with
-``children(...)``, the sublayers it is made of as ``Child`` records naming each sublayer's
-*description type* (``LayerNormMLPDescription``, ``MultiHeadAttentionDescription``,
-``DropoutDescription``...), and ``forward(host, ...)``, which reaches those sublayers, RNG streams,
-parameters and decoding cache through ``host``. The Linen and NNX shells map each description type
-to their module class, so a reader (or a tool) follows a layer into its parts by type. Attributes a
-sublayer shares with its owner are copied by one ``SharedAttributes`` table per pair, never by hand.
+A composite layer (attention, transformer) is a description like ``te_flax._layers.linear``'s
+(``te_flax._layers.host`` says what every layer is), with ``children(...)``, the sublayers it is
+made of as ``Child`` records naming each sublayer's *description type* (``LayerNormMLPDescription``,
+``MultiHeadAttentionDescription``, ``DropoutDescription``...), which its ``__call__`` reaches
+through ``host.layer(name)``. Each front end registers its module class for every description
+type, so a reader (or a tool) follows a layer into its parts by type. Attributes a sublayer shares
+with its owner are copied by one ``SharedAttributes`` table per pair, never by hand.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import Array
 
 from te_flax._base import checks as check
-from te_flax._layers.base import ParamRecord
-from te_flax._layers.kv_cache import CacheSlots
 
 __all__ = [
     "AttentionHeads",
     "Axes",
-    "Child",
     "DropoutDescription",
-    "Host",
     "SharedAttributes",
     "lora_scope",
     "positive_int",
@@ -61,18 +57,6 @@ class DropoutDescription:
     rng_collection: str = "dropout"
 
 
-class Child(NamedTuple):
-    """A sublayer: its description type, attributes and input size.
-
-    ``in_features`` is the NNX constructor's input size (``(query, key/value)`` sizes for a
-    cross-attention); Linen reads it from the input.
-    """
-
-    kind: type
-    attributes: dict[str, Any]
-    in_features: int | tuple[int, int] | None = None
-
-
 @dataclasses.dataclass(frozen=True)
 class SharedAttributes:
     """The attributes an owner hands a sublayer: ``names`` are the same on both sides,
@@ -92,22 +76,6 @@ class SharedAttributes:
     def pairs(self) -> list[tuple[str, str]]:
         """(sublayer attribute, owner attribute) for every entry."""
         return [(name, name) for name in self.names] + list(self.renamed)
-
-
-class Host(Protocol):
-    """What a shell gives ``forward``: its sublayers, RNG keys, parameters and decoding cache."""
-
-    def layer(self, name: str) -> Callable[..., Any]: ...
-
-    def rng(self, stream: str) -> Array: ...
-
-    def cache(self, shape: tuple[int, ...], dtype: Any) -> tuple[CacheSlots, bool]:
-        """The cache slots, and whether they were created by this call (nothing cached yet)."""
-        ...
-
-    def param(self, record: ParamRecord) -> Array:
-        """The module's own parameter ``record.name`` (created from ``record`` where needed)."""
-        ...
 
 
 def positive_int(value: object, name: str) -> int:

@@ -19,15 +19,18 @@ from te_flax import attention as attn
 from te_flax._layers.base import ParamRecord
 from te_flax._layers.composite import (
     AttentionHeads,
-    Child,
-    Host,
     compute,
     float32_zeros,
     positive_int,
     rate,
 )
+from te_flax._layers.host import Child, Host, Layer
 from te_flax._ops.attention import check_qkv, check_window, sink_logit
-from te_flax._ops.fp8_attention import AttentionQuantizers, attention_recipe
+from te_flax._ops.fp8_attention import (
+    AttentionQuantizers,
+    attention_quantizers,
+    attention_recipe,
+)
 from te_flax._ops.packing import SequenceDescriptor, padding_mask, segment_ids_and_pos
 from te_flax._parallel import context as cp
 from te_flax.quantize import Recipe
@@ -55,7 +58,7 @@ _WITH_PADDING = {
 
 
 @dataclasses.dataclass
-class DotProductAttentionDescription(AttentionHeads):
+class DotProductAttentionDescription(Layer, AttentionHeads):
     """Scaled dot-product attention over ``[batch, seq, heads, head_dim]`` (no parameters)."""
 
     # TransformerEngine's fields, in its order, after AttentionHeads'.
@@ -115,6 +118,14 @@ class DotProductAttentionDescription(AttentionHeads):
         """The recipe of FP8 attention: ``recipe`` (else the active ``te_flax.autocast`` one)
         when its ``fp8_dpa`` is True; None: the attention runs in high precision."""
         return attention_recipe(self.recipe)
+
+    def quantizers(self, host: Host) -> AttentionQuantizers | None:
+        """FP8 attention's quantizer sets, their delayed-scaling state the module's
+        (``host.fp8_state``), or None when the recipe has no ``fp8_dpa``."""
+        recipe = self.fp8_recipe()
+        if recipe is None:
+            return None
+        return attention_quantizers(recipe, lambda postfix: host.fp8_state(recipe, postfix))
 
     def context_parallel_size(self) -> int:
         """The size of the context-parallel mesh axis (1 without one, or outside a mesh)."""
@@ -229,6 +240,40 @@ class DotProductAttentionDescription(AttentionHeads):
         shape = (1, self.num_attention_heads, 1, 1)
         return [ParamRecord("softmax_offset", shape, float32_zeros, (None, "heads", None, None))]
 
+    def __call__(
+        self,
+        query: Array,
+        key: Array | None = None,
+        value: Array | None = None,
+        sequence_descriptor: Array | SequenceDescriptor | None = None,
+        bias: Array | None = None,
+        *,
+        deterministic: bool = False,
+        mask: Array | SequenceDescriptor | None = None,
+        score_mod_tensors: Mapping[str, Any] | None = None,
+        score_mod_bprop_tensors: Mapping[str, Any] | None = None,
+    ) -> Array | tuple[Array, Array]:
+        """``[batch, seq, heads, head_dim]`` (per ``qkv_layout``) -> the query's shape, and
+        the per-head max logit ``[heads]`` with ``return_max_logit``.
+
+        TransformerEngine's order: the fourth argument is the ``sequence_descriptor``, a
+        ``SequenceDescriptor`` or a mask array ``[batch, 1, q_len, kv_len]`` (True = masked
+        out); ``mask=`` (keyword) is its other name. Pass one of the two."""
+        host = self.host()
+        return self.forward(
+            host,
+            query,
+            key,
+            value,
+            mask,
+            bias,
+            deterministic=deterministic,
+            score_mod_tensors=score_mod_tensors,
+            score_mod_bprop_tensors=score_mod_bprop_tensors,
+            sequence_descriptor=sequence_descriptor,
+            quantizers=self.quantizers(host),
+        )
+
     def forward(
         self,
         host: Host,
@@ -245,8 +290,9 @@ class DotProductAttentionDescription(AttentionHeads):
         sequence_descriptor: Array | SequenceDescriptor | None = None,
         quantizers: AttentionQuantizers | None = None,
     ) -> Array | tuple[Array, Array]:
-        """The attention; ``quantizers``: the FP8 attention's quantizer sets, made by the shell
-        from its FP8 state when ``fp8_recipe()`` is not None (None: high precision)."""
+        """The attention, reaching the learned sink and the dropout stream through ``host``
+        (a ``MultiHeadAttention`` runs it with its own); ``quantizers``: the FP8 attention's
+        quantizer sets (``quantizers(host)``; None: high precision)."""
         self.check()
         if sequence_descriptor is not None:
             if mask is not None:

@@ -1,10 +1,11 @@
-"""Framework-neutral descriptions of the four layers, shared by the Linen and NNX shells.
+"""The four linear layers, written once for Linen and NNX (``te_flax._layers.host``).
 
 Each description is a dataclass of the layer's attributes (TransformerEngine's names and
-defaults, Flax's ``dtype``/``param_dtype``) with three methods: ``in_features(x)`` checks an
+defaults, Flax's ``dtype``/``param_dtype``) with four methods: ``in_features(x)`` checks an
 input and returns the sizes the kernel contracts, ``param_records(in_features)`` lists the
-parameters (name, shape, initializer, logical axes), and ``forward(params, x, quantizer_sets,
-dropout)`` runs the functional ops. The shells only create variables and call these, so Linen
+parameters (name, shape, initializer, logical axes), ``__call__`` (TransformerEngine's call
+signature) takes the parameters and quantizer sets from its front end's host, and ``forward(params,
+x, quantizer_sets, dropout)`` runs the functional ops. The shells only supply the host, so Linen
 and NNX cannot drift apart.
 """
 
@@ -38,6 +39,7 @@ from te_flax._layers.base import (
     param,
     zeros,
 )
+from te_flax._layers.host import Layer
 from te_flax._ops.activations import (
     ClampedSwigluParams,
     activation_forward,
@@ -95,7 +97,7 @@ def _features(features: int | Sequence[int] | None) -> tuple[int, ...]:
 
 
 @dataclasses.dataclass
-class LayerNormDescription(Norm, Fp8Layer):
+class LayerNormDescription(Layer, Norm, Fp8Layer):
     """Layernorm or rmsnorm over the last axis (parameters ``scale`` and ``ln_bias``)."""
 
     # TransformerEngine's fields, in its order.
@@ -118,6 +120,11 @@ class LayerNormDescription(Norm, Fp8Layer):
     def param_records(self, in_features: tuple[int, ...]) -> list[ParamRecord]:
         return self.norm_params(in_features[-1], self.bias_init, self.bias_axes)
 
+    def __call__(self, x: Array) -> Array:
+        """``[batch..., hidden]`` -> the same shape (TE's parameter name, ``x``)."""
+        with self.host().variables(x) as (params, sets):
+            return self.forward(params, x, sets)
+
     def forward(
         self,
         params: Params,
@@ -133,7 +140,7 @@ class LayerNormDescription(Norm, Fp8Layer):
 
 
 @dataclasses.dataclass
-class DenseGeneralDescription(LowRank, Fp8Layer):
+class DenseGeneralDescription(Layer, LowRank, Fp8Layer):
     """``x . kernel + bias`` over one or more trailing axes of x."""
 
     # TransformerEngine's fields, in its order.
@@ -180,6 +187,11 @@ class DenseGeneralDescription(LowRank, Fp8Layer):
             params.append(param("bias", features, self.bias_init, self.bias_axes))
         return params + self.lora_params("", in_features, features, self.kernel_init)
 
+    def __call__(self, inputs: Array) -> Array:
+        """``[batch..., in...]`` -> ``[batch..., *features]``."""
+        with self.host().variables(inputs) as (params, sets):
+            return self.forward(params, inputs, sets)
+
     def forward(
         self,
         params: Params,
@@ -207,7 +219,7 @@ class DenseGeneralDescription(LowRank, Fp8Layer):
 
 
 @dataclasses.dataclass
-class LayerNormDenseGeneralDescription(FusedNorm, LowRank, Fp8Layer):
+class LayerNormDenseGeneralDescription(Layer, FusedNorm, LowRank, Fp8Layer):
     """A norm fused with the GEMM after it; returns ``(out, norm output or None)``."""
 
     # TransformerEngine's fields, in its order.
@@ -258,6 +270,11 @@ class LayerNormDenseGeneralDescription(FusedNorm, LowRank, Fp8Layer):
         if self.use_bias:
             params.append(param("bias", features, self.bias_init, self.bias_axes))
         return params + self.lora_params("", (hidden,), features, self.kernel_init)
+
+    def __call__(self, inputs: Array) -> tuple[Array, Array | None]:
+        """``[batch..., hidden]`` -> ``([batch..., *features], ln_output or None)``."""
+        with self.host().variables(inputs) as (params, sets):
+            return self.forward(params, inputs, sets)
 
     def forward(
         self,
@@ -317,7 +334,7 @@ def _fused_gradient_quantizers(
 
 
 @dataclasses.dataclass
-class LayerNormMLPDescription(FusedNorm, LowRank, Fp8Layer):
+class LayerNormMLPDescription(Layer, FusedNorm, LowRank, Fp8Layer):
     """Norm, GEMM 1, (gated) activation, dropout, GEMM 2; returns ``(out, norm output or None)``."""
 
     # TransformerEngine's fields, in its order.
@@ -395,6 +412,18 @@ class LayerNormMLPDescription(FusedNorm, LowRank, Fp8Layer):
             + self.lora_params("wi_", (hidden,), (n_act, intermediate), self.kernel_init)
             + self.lora_params("wo_", (intermediate,), (hidden,), self.kernel_init)
         )
+
+    def __call__(self, inputs: Array, deterministic: bool = False) -> tuple[Array, Array | None]:
+        """``[batch..., hidden]`` -> ``([batch..., hidden], ln_output or None)``.
+
+        ``deterministic=True`` turns the intermediate dropout off.
+        """
+        host = self.host()
+        dropout = None  # the key the fused op draws the dropout mask from
+        if self.intermediate_dropout_rate > 0 and not deterministic:
+            dropout = host.rng(self.intermediate_dropout_rng_name)
+        with host.variables(inputs) as (params, sets):
+            return self.forward(params, inputs, sets, dropout)
 
     def forward(
         self,

@@ -40,6 +40,7 @@ from te_flax._layers.base import (
     param,
     zeros,
 )
+from te_flax._layers.host import Layer
 from te_flax._ops.activations import (
     canonical_activation_params,
     canonical_activation_type,
@@ -87,7 +88,7 @@ def _per_expert(init: Initializer, n_in: int) -> Initializer:
 
 
 @dataclasses.dataclass
-class MoEBlockDescription(FusedNorm, Fp8Layer):
+class MoEBlockDescription(Layer, FusedNorm, Fp8Layer):
     """Router, ``num_experts`` gated MLPs and the weighted combine; returns ``(out, aux_loss)``."""
 
     num_experts: int = 8
@@ -194,6 +195,17 @@ class MoEBlockDescription(FusedNorm, Fp8Layer):
         return self.num_experts
 
     # ------------------------------------------------------------------ forward
+
+    def __call__(self, inputs: Array) -> tuple[Array, Array]:
+        """``[batch..., hidden]`` -> ``([batch..., hidden], aux_loss [])``; reports
+        ``aux_loss``, ``tokens_per_expert`` and ``tokens_dropped`` (``host.sow``)."""
+        host = self.host()
+        with host.variables(inputs) as (params, sets):
+            (out, aux_loss), stats = self.forward(params, inputs, sets)
+        host.sow("aux_loss", aux_loss)
+        host.sow("tokens_per_expert", stats.tokens_per_expert)
+        host.sow("tokens_dropped", stats.tokens_dropped)
+        return out, aux_loss
 
     def forward(
         self,

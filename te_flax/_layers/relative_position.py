@@ -14,8 +14,9 @@ import jax.numpy as jnp
 from jax import Array
 
 from te_flax import attention as attn
-from te_flax._layers.base import Initializer
+from te_flax._layers.base import Initializer, ParamRecord, param
 from te_flax._layers.composite import REQUIRED, positive_int
+from te_flax._layers.host import Layer
 
 __all__ = ["EMBED_INIT", "RelativePositionBiasesDescription"]
 
@@ -24,7 +25,7 @@ EMBED_INIT = jax.nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_a
 
 
 @dataclasses.dataclass
-class RelativePositionBiasesDescription:
+class RelativePositionBiasesDescription(Layer):
     """T5's learned relative position bias: ``rel_embedding[heads, buckets]`` looked up."""
 
     num_buckets: int = REQUIRED
@@ -40,10 +41,19 @@ class RelativePositionBiasesDescription:
         positive_int(self.max_distance, "max_distance")
         return (positive_int(self.num_attention_heads, "num_attention_heads"), self.num_buckets)
 
+    def param_records(self) -> list[ParamRecord]:
+        """The table ``rel_embedding [heads, buckets]``."""
+        return [param("rel_embedding", self.shape(), self.embedding_init, self.embedding_axes)]
+
+    def __call__(self, q_seqlen: int, k_seqlen: int, bidirectional: bool = True) -> Array:
+        """``[1, num_attention_heads, q_seqlen, k_seqlen]`` biases."""
+        (table,) = self.param_records()
+        return self.forward(self.host().param(table), q_seqlen, k_seqlen, bidirectional)
+
     def forward(
         self, embedding: Array, q_seqlen: int, k_seqlen: int, bidirectional: bool = True
     ) -> Array:
-        """``[1, heads, q_seqlen, k_seqlen]`` biases."""
+        """``[1, heads, q_seqlen, k_seqlen]`` biases from the table ``embedding``."""
         buckets = attn.relative_position_buckets(
             q_seqlen, k_seqlen, self.num_buckets, self.max_distance, bidirectional
         )  # [q, k] static

@@ -3,8 +3,8 @@
 Its sublayers are named by their description types (``MultiHeadAttentionDescription``,
 ``LayerNormMLPDescription``, ``RelativePositionBiasesDescription``, ``LayerNormDescription``,
 ``DropoutDescription``), and the attributes it hands them are copied by the tables below
-(``ATTENTION_FROM_LAYER``, ``MLP_FROM_LAYER``, ``NORM_FROM_LAYER``). ``te_flax._layers.composite``
-says how a description runs; the attention descriptions are ``te_flax._layers.attention``, the
+(``ATTENTION_FROM_LAYER``, ``MLP_FROM_LAYER``, ``NORM_FROM_LAYER``). ``te_flax._layers.host``
+says how a layer runs; the attention descriptions are ``te_flax._layers.attention``, the
 decoding cache ``te_flax._layers.kv_cache`` (both re-exported here).
 """
 
@@ -27,14 +27,13 @@ from te_flax._layers.attention import (
 )
 from te_flax._layers.composite import (
     Axes,
-    Child,
     DropoutDescription,
-    Host,
     SharedAttributes,
     lora_scope,
     positive_int,
     rate,
 )
+from te_flax._layers.host import Child, Host, Layer
 from te_flax._layers.kv_cache import CacheSlots
 from te_flax._layers.linear import LayerNormDescription, LayerNormMLPDescription
 from te_flax._layers.moe import MoEBlockDescription
@@ -70,7 +69,7 @@ class TransformerLayerType(enum.Enum):
 
 
 @dataclasses.dataclass
-class TransformerLayerDescription:
+class TransformerLayerDescription(Layer):
     """Attention block (+ cross-attention for decoders) and MLP, with residuals and dropout."""
 
     # TransformerEngine's fields, in its order.
@@ -242,9 +241,8 @@ class TransformerLayerDescription:
         )
         return Child(LayerNormMLPDescription, attributes, in_features)
 
-    def forward(
+    def __call__(
         self,
-        host: Host,
         inputs: Array,
         encoded: Array | None = None,
         attention_mask: Array | None = None,
@@ -255,6 +253,7 @@ class TransformerLayerDescription:
         score_mod_tensors: Mapping[str, Any] | None = None,
         score_mod_bprop_tensors: Mapping[str, Any] | None = None,
     ) -> Array:
+        """``[batch, seq, hidden]`` (``[seq, batch, ..]`` transposed) -> the same."""
         self.check()
         if inputs.ndim != 3:
             raise ValueError(
@@ -271,11 +270,16 @@ class TransformerLayerDescription:
                 "a DECODER TransformerLayer needs `encoded` (the encoder output) for its "
                 "cross-attention; use layer_type=ENCODER for a decoder-only (GPT) stack"
             )
+        encoded_features = None if encoded is None else encoded.shape[-1]
+        host = self.host(self.children(inputs.shape[-1], encoded_features))
         axes = Axes(bool(self.transpose_batch_sequence), self.enable_sequence_parallel)
         seq = inputs.shape[0 if self.transpose_batch_sequence else 1]
         bias = None
         if self.enable_relative_embedding:
-            relpos = host.layer("relpos_bias")
+            # A user's own module (``relative_embedding``) stands in for ``relpos_bias``.
+            relpos = self.relative_embedding
+            if relpos is None:
+                relpos = host.layer("relpos_bias")
             if self.decoder:
                 length = max_decode_length if decode and max_decode_length else seq
                 bias = relpos(length, length, False)

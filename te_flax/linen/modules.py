@@ -1,7 +1,7 @@
 """The Linen modules: TransformerEngine's attributes, parameter names and FP8 variable names.
 
-Each module is its layer description (``te_flax._layers.linear``: attributes, parameters, forward)
-plus the Linen shell that creates the variables. Parameters carry logical axis names
+Each module is its layer description (``te_flax._layers.linear``: attributes, parameters and the
+call) run by the Linen shell, which creates the variables. Parameters carry logical axis names
 (``nn.with_logical_partitioning``); FP8 state lives in the ``_overwrite_with_gradient``
 collection, whose "gradient" is its new value (``te_flax.training`` applies it): differentiate
 the whole variable dict, as a gradient of the ``params`` alone is refused.
@@ -15,8 +15,7 @@ draws a key from the ``"sr_rng"`` RNG stream at every call (``rngs={"sr_rng": ke
 
 from __future__ import annotations
 
-import flax.linen as nn
-from jax import Array
+import flax.linen as nn  # noqa: F401  (the examples use it)
 
 from te_flax._layers.linear import (
     DenseGeneralDescription,
@@ -24,12 +23,13 @@ from te_flax._layers.linear import (
     LayerNormDescription,
     LayerNormMLPDescription,
 )
+from te_flax.linen._base import TransformerEngineBase
 from te_flax.linen._shell import LinenShell
 
 __all__ = ["DenseGeneral", "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP"]
 
 
-class LayerNorm(LinenShell, LayerNormDescription):
+class LayerNorm(LinenShell, TransformerEngineBase, LayerNormDescription):
     """Layernorm or rmsnorm over the last axis, computed in float32.
 
     ``y = (x - mean) / sqrt(var + epsilon) * scale + ln_bias`` (layernorm) or
@@ -55,14 +55,8 @@ class LayerNorm(LinenShell, LayerNormDescription):
       {'params': {'scale': (8,)}}
     """
 
-    @nn.compact
-    def __call__(self, x: Array) -> Array:
-        """``[batch..., hidden]`` -> ``[batch..., hidden]`` (TE's parameter name, ``x``)."""
-        with self._variables(x) as (params, sets):
-            return self.forward(params, x, sets)
 
-
-class DenseGeneral(LinenShell, DenseGeneralDescription):
+class DenseGeneral(LinenShell, TransformerEngineBase, DenseGeneralDescription):
     """``y = x . kernel + bias``, contracting the trailing ``axis`` of x, FP8 under a recipe.
 
     Attributes:
@@ -90,14 +84,8 @@ class DenseGeneral(LinenShell, DenseGeneralDescription):
       ['grad_amax_history', 'grad_scale_inv']
     """
 
-    @nn.compact
-    def __call__(self, inputs: Array) -> Array:
-        """``[batch..., in...]`` -> ``[batch..., *features]``."""
-        with self._variables(inputs) as (params, sets):
-            return self.forward(params, inputs, sets)
 
-
-class LayerNormDenseGeneral(LinenShell, LayerNormDenseGeneralDescription):
+class LayerNormDenseGeneral(LinenShell, TransformerEngineBase, LayerNormDenseGeneralDescription):
     """A norm over the last axis fused with the GEMM that follows it.
 
     Returns ``(y, ln_output)``: ``y = norm(x) . kernel (+ bias)``, divided by ``depth_scaling``
@@ -130,14 +118,8 @@ class LayerNormDenseGeneral(LinenShell, LayerNormDenseGeneralDescription):
       {'params': {'kernel': (8, 3, 2, 4), 'ln_bias': (8,), 'scale': (8,)}}
     """
 
-    @nn.compact
-    def __call__(self, inputs: Array) -> tuple[Array, Array | None]:
-        """``[batch..., hidden]`` -> ``([batch..., *features], ln_output or None)``."""
-        with self._variables(inputs) as (params, sets):
-            return self.forward(params, inputs, sets)
 
-
-class LayerNormMLP(LinenShell, LayerNormMLPDescription):
+class LayerNormMLP(LinenShell, TransformerEngineBase, LayerNormMLPDescription):
     """Norm, GEMM 1 (``wi_kernel``), (gated) activation, dropout, GEMM 2 (``wo_kernel``).
 
     Returns ``(y, ln_output or None)``. With the norm, every configuration (the intermediate
@@ -174,16 +156,3 @@ class LayerNormMLP(LinenShell, LayerNormMLPDescription):
       >>> jax.tree.map(jnp.shape, nn.meta.unbox(variables))["params"]
       {'ln_bias': (8,), 'scale': (8,), 'wi_kernel': (8, 2, 32), 'wo_kernel': (32, 8)}
     """
-
-    @nn.compact
-    def __call__(self, inputs: Array, deterministic: bool = False) -> tuple[Array, Array | None]:
-        """``[batch..., hidden]`` -> ``([batch..., hidden], ln_output or None)``.
-
-        ``deterministic=True`` turns the intermediate dropout off.
-        """
-        dropout_rng = None
-        if self.intermediate_dropout_rate > 0 and not deterministic:
-            # The key the fused op draws the dropout mask from.
-            dropout_rng = self.make_rng(self.intermediate_dropout_rng_name)
-        with self._variables(inputs) as (params, sets):
-            return self.forward(params, inputs, sets, dropout_rng)

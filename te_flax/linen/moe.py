@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import flax.linen as nn
-from jax import Array
+import flax.linen as nn  # noqa: F401  (the example uses it)
 
 from te_flax._layers.moe import MoEBlockDescription
+from te_flax.linen._base import TransformerEngineBase
 from te_flax.linen._shell import LinenShell
 
 __all__ = ["MoEBlock"]
 
 
-class MoEBlock(LinenShell, MoEBlockDescription):
+class MoEBlock(LinenShell, TransformerEngineBase, MoEBlockDescription):
     """A mixture of ``num_experts`` gated MLPs, ``num_experts_per_tok`` of them per token.
 
     ``probs = topk(score_function(norm(x) . gate_kernel))`` in float32, then
@@ -66,13 +66,3 @@ class MoEBlock(LinenShell, MoEBlockDescription):
       >>> jax.tree.map(jnp.shape, nn.meta.unbox(variables["params"]))
       {'gate_kernel': (8, 4), 'wi_kernel': (4, 8, 2, 16), 'wo_kernel': (4, 16, 8)}
     """
-
-    @nn.compact
-    def __call__(self, inputs: Array) -> tuple[Array, Array]:
-        """``[batch..., hidden]`` -> ``([batch..., hidden], aux_loss [])``."""
-        with self._variables(inputs) as (params, sets):
-            (out, aux_loss), stats = self.forward(params, inputs, sets)
-        self.sow("intermediates", "aux_loss", aux_loss)
-        self.sow("intermediates", "tokens_per_expert", stats.tokens_per_expert)
-        self.sow("intermediates", "tokens_dropped", stats.tokens_dropped)
-        return out, aux_loss

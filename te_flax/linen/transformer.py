@@ -19,35 +19,18 @@ full-length input to size it, then apply one token at a time with ``mutable=["ca
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import flax.linen as nn  # noqa: F401  (the examples use it)
 
-import flax.linen as nn
-import jax.numpy as jnp
-from jax import Array
-
+# The sublayers' modules, registered with the shell as they are defined.
+import te_flax.linen.modules
+import te_flax.linen.moe  # noqa: F401
 from te_flax._layers.attention import (
     DotProductAttentionDescription,
     MultiHeadAttentionDescription,
     RelativePositionBiasesDescription,
 )
-from te_flax._layers.composite import Child, DropoutDescription
-from te_flax._layers.kv_cache import CacheSlots
-from te_flax._layers.linear import (
-    DenseGeneralDescription,
-    LayerNormDenseGeneralDescription,
-    LayerNormDescription,
-    LayerNormMLPDescription,
-    ParamRecord,
-)
-from te_flax._layers.moe import MoEBlockDescription
 from te_flax._layers.transformer import TransformerLayerDescription, TransformerLayerType
-from te_flax._ops.fp8_attention import AttentionQuantizers, attention_quantizers
-from te_flax._ops.packing import SequenceDescriptor
-from te_flax.linen import modules
-from te_flax.linen._base import fp8_variables
-from te_flax.linen._shell import create_param
-from te_flax.linen.moe import MoEBlock
+from te_flax.linen._shell import LinenShell
 
 __all__ = [
     "DotProductAttention",
@@ -58,47 +41,7 @@ __all__ = [
 ]
 
 
-class _LinenHost:
-    """Builds a module's children on first use, inside its compact ``__call__``."""
-
-    def __init__(self, module: nn.Module, children: dict[str, Child]):
-        self.module = module
-        self.children = children
-        self.built: dict[str, Any] = {}
-
-    def layer(self, name: str) -> Any:
-        if name not in self.built:
-            kind, attributes, _ = self.children[name]
-            self.built[name] = _KINDS[kind](**attributes, name=name)
-        return self.built[name]
-
-    def rng(self, stream: str) -> Array:
-        return self.module.make_rng(stream)
-
-    def param(self, record: ParamRecord) -> Array:
-        return create_param(self.module, record, jnp.float32)
-
-    def cache(self, shape: tuple[int, ...], dtype: Any) -> tuple[CacheSlots, bool]:
-        module = self.module
-        created = not module.has_variable("cache", "cached_key")
-        key = module.variable("cache", "cached_key", jnp.zeros, shape, dtype)
-        value = module.variable("cache", "cached_value", jnp.zeros, shape, dtype)
-        index = module.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
-        return CacheSlots(key, value, index), created
-
-
-def _fp8_attention(
-    module: nn.Module, description: DotProductAttentionDescription
-) -> AttentionQuantizers | None:
-    """FP8 attention's quantizer sets, its delayed-scaling state the variables of ``module``
-    (created on first use), or None when the recipe has no ``fp8_dpa``."""
-    recipe = description.fp8_recipe()
-    if recipe is None:
-        return None
-    return attention_quantizers(recipe, lambda postfix: fp8_variables(module, recipe, postfix))
-
-
-class DotProductAttention(nn.Module, DotProductAttentionDescription):
+class DotProductAttention(LinenShell, DotProductAttentionDescription):
     """Scaled dot-product attention: ``softmax(q.k * scale + bias, masked) . v`` per head.
 
     No parameters. cuDNN's flash attention (``jax.nn.dot_product_attention``) computes it on
@@ -160,42 +103,8 @@ class DotProductAttention(nn.Module, DotProductAttentionDescription):
       (2, 8, 4, 16)
     """
 
-    @nn.compact
-    def __call__(
-        self,
-        query: Array,
-        key: Array | None = None,
-        value: Array | None = None,
-        sequence_descriptor: Array | SequenceDescriptor | None = None,
-        bias: Array | None = None,
-        *,
-        deterministic: bool = False,
-        mask: Array | SequenceDescriptor | None = None,
-        score_mod_tensors: Mapping[str, Any] | None = None,
-        score_mod_bprop_tensors: Mapping[str, Any] | None = None,
-    ) -> Array | tuple[Array, Array]:
-        """``[batch, seq, heads, head_dim]`` (per ``qkv_layout``) -> the query's shape, and
-        the per-head max logit ``[heads]`` with ``return_max_logit``.
 
-        TransformerEngine's order: the fourth argument is the ``sequence_descriptor``, a
-        ``SequenceDescriptor`` or a mask array ``[batch, 1, q_len, kv_len]`` (True = masked
-        out); ``mask=`` (keyword) is its other name. Pass one of the two."""
-        return self.forward(
-            _LinenHost(self, {}),
-            query,
-            key,
-            value,
-            mask,
-            bias,
-            deterministic=deterministic,
-            score_mod_tensors=score_mod_tensors,
-            score_mod_bprop_tensors=score_mod_bprop_tensors,
-            sequence_descriptor=sequence_descriptor,
-            quantizers=_fp8_attention(self, self),
-        )
-
-
-class MultiHeadAttention(nn.Module, MultiHeadAttentionDescription):
+class MultiHeadAttention(LinenShell, MultiHeadAttentionDescription):
     """Norm, Q/K/V projections, rotary embeddings, attention, output projection.
 
     Returns ``(out, ln_output or None)`` as TE's does. Self-attention (``inputs_q is
@@ -243,38 +152,8 @@ class MultiHeadAttention(nn.Module, MultiHeadAttentionDescription):
       {'kernel': (32, 3, 32), 'ln_bias': (32,), 'scale': (32,)}
     """
 
-    @nn.compact
-    def __call__(
-        self,
-        inputs_q: Array,
-        inputs_kv: Array,
-        mask: Array | None = None,
-        bias: Array | None = None,
-        *,
-        decode: bool = False,
-        deterministic: bool = False,
-        score_mod_tensors: Mapping[str, Any] | None = None,
-        score_mod_bprop_tensors: Mapping[str, Any] | None = None,
-    ) -> tuple[Array, Array | None]:
-        """``[batch, seq, hidden]`` (``[seq, batch, hidden]`` transposed) -> ``(out, ln)``."""
-        self_attention = inputs_q is inputs_kv
-        host = _LinenHost(self, self.children(inputs_q.shape[-1], self_attention))
-        return self.forward(
-            host,
-            inputs_q,
-            inputs_kv,
-            mask,
-            bias,
-            self_attention=self_attention,
-            deterministic=deterministic,
-            decode=decode,
-            score_mod_tensors=score_mod_tensors,
-            score_mod_bprop_tensors=score_mod_bprop_tensors,
-            quantizers=_fp8_attention(self, self._attention()),
-        )
 
-
-class RelativePositionBiases(nn.Module, RelativePositionBiasesDescription):
+class RelativePositionBiases(LinenShell, RelativePositionBiasesDescription):
     """T5-style relative position biases: ``rel_embedding[heads, buckets]`` looked up by bucket.
 
     Attributes:
@@ -294,17 +173,8 @@ class RelativePositionBiases(nn.Module, RelativePositionBiasesDescription):
       ((1, 4, 6, 6), (4, 32))
     """
 
-    @nn.compact
-    def __call__(self, q_seqlen: int, k_seqlen: int, bidirectional: bool = True) -> Array:
-        """``[1, num_attention_heads, q_seqlen, k_seqlen]`` biases."""
-        init = nn.with_logical_partitioning(self.embedding_init, self.embedding_axes)
-        embedding: Array = nn.meta.unbox(
-            self.param("rel_embedding", init, self.shape(), self.param_dtype)
-        )
-        return self.forward(embedding, q_seqlen, k_seqlen, bidirectional)
 
-
-class TransformerLayer(nn.Module, TransformerLayerDescription):
+class TransformerLayer(LinenShell, TransformerLayerDescription):
     """TE's transformer layer: attention, (cross-attention,) MLP, residuals and dropout.
 
     Pre-norm by default: ``x + attention(norm(x))``, then ``+ mlp(norm(.))``; with
@@ -362,47 +232,3 @@ class TransformerLayer(nn.Module, TransformerLayerDescription):
       >>> sorted(variables["params"])
       ['attention', 'mlp', 'relpos_bias']
     """
-
-    @nn.compact
-    def __call__(
-        self,
-        inputs: Array,
-        encoded: Array | None = None,
-        attention_mask: Array | None = None,
-        encoder_decoder_mask: Array | None = None,
-        deterministic: bool = False,
-        decode: bool = False,
-        max_decode_length: int | None = None,
-        score_mod_tensors: Mapping[str, Any] | None = None,
-        score_mod_bprop_tensors: Mapping[str, Any] | None = None,
-    ) -> Array:
-        """``[batch, seq, hidden_size]`` (``[seq, batch, ..]`` transposed) -> the same."""
-        encoded_features = None if encoded is None else encoded.shape[-1]
-        host = _LinenHost(self, self.children(inputs.shape[-1], encoded_features))
-        if self.relative_embedding is not None:
-            host.built["relpos_bias"] = self.relative_embedding
-        return self.forward(
-            host,
-            inputs,
-            encoded,
-            attention_mask,
-            encoder_decoder_mask,
-            deterministic,
-            decode,
-            max_decode_length,
-            score_mod_tensors,
-            score_mod_bprop_tensors,
-        )
-
-
-# The Linen module of each sublayer description.
-_KINDS: dict[type, type[nn.Module]] = {
-    DenseGeneralDescription: modules.DenseGeneral,
-    DropoutDescription: nn.Dropout,
-    LayerNormDescription: modules.LayerNorm,
-    LayerNormDenseGeneralDescription: modules.LayerNormDenseGeneral,
-    LayerNormMLPDescription: modules.LayerNormMLP,
-    MoEBlockDescription: MoEBlock,
-    MultiHeadAttentionDescription: MultiHeadAttention,
-    RelativePositionBiasesDescription: RelativePositionBiases,
-}

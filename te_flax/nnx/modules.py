@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from flax import nnx
-from jax import Array
 
 from te_flax._base.checks import check_sizes
 from te_flax._layers.linear import (
@@ -25,7 +24,7 @@ from te_flax._layers.linear import (
     LayerNormDescription,
     LayerNormMLPDescription,
 )
-from te_flax.nnx._shell import NnxShell, described_by
+from te_flax.nnx._shell import NnxShell
 
 __all__ = ["DenseGeneral", "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP"]
 
@@ -34,7 +33,6 @@ def _as_tuple(features: int | Sequence[int], name: str = "in_features") -> tuple
     return check_sizes(features, name)
 
 
-@described_by(LayerNormDescription)
 class LayerNorm(NnxShell, LayerNormDescription):
     """Layernorm or rmsnorm over the last axis (``te_flax.linen.LayerNorm``, NNX style).
 
@@ -53,13 +51,7 @@ class LayerNorm(NnxShell, LayerNormDescription):
     def __init__(self, num_features: int, *, rngs: nnx.Rngs, **attributes: Any) -> None:
         self._setup(_as_tuple(num_features, "num_features"), rngs, attributes)
 
-    def __call__(self, inputs: Array) -> Array:
-        """``[batch..., num_features]`` -> the same shape."""
-        with self._variables(inputs) as (params, sets):
-            return self.forward(params, inputs, sets)
 
-
-@described_by(DenseGeneralDescription)
 class DenseGeneral(NnxShell, DenseGeneralDescription):
     """``x . kernel + bias`` over x's trailing axes (``te_flax.linen.DenseGeneral``, NNX style).
 
@@ -92,13 +84,7 @@ class DenseGeneral(NnxShell, DenseGeneralDescription):
     ) -> None:
         self._setup(_as_tuple(in_features), rngs, {**attributes, "features": features})
 
-    def __call__(self, inputs: Array) -> Array:
-        """``[batch..., in_features...]`` -> ``[batch..., *features]``."""
-        with self._variables(inputs) as (params, sets):
-            return self.forward(params, inputs, sets)
 
-
-@described_by(LayerNormDenseGeneralDescription)
 class LayerNormDenseGeneral(NnxShell, LayerNormDenseGeneralDescription):
     """A norm fused with the GEMM after it (``te_flax.linen.LayerNormDenseGeneral``, NNX style).
 
@@ -128,13 +114,7 @@ class LayerNormDenseGeneral(NnxShell, LayerNormDenseGeneralDescription):
     ) -> None:
         self._setup(_as_tuple(in_features), rngs, {**attributes, "features": features})
 
-    def __call__(self, inputs: Array) -> tuple[Array, Array | None]:
-        """``[batch..., in_features]`` -> ``([batch..., *features], ln_output or None)``."""
-        with self._variables(inputs) as (params, sets):
-            return self.forward(params, inputs, sets)
 
-
-@described_by(LayerNormMLPDescription)
 class LayerNormMLP(NnxShell, LayerNormMLPDescription):
     """Norm, two GEMMs, (gated) activation and dropout (``te_flax.linen.LayerNormMLP``, NNX).
 
@@ -168,14 +148,7 @@ class LayerNormMLP(NnxShell, LayerNormMLPDescription):
             else None
         )
 
-    def __call__(self, inputs: Array, deterministic: bool = False) -> tuple[Array, Array | None]:
-        """``[batch..., in_features]`` -> ``([batch..., in_features], ln_output or None)``.
-
-        ``deterministic=True`` turns the intermediate dropout off.
-        """
-        dropout_rng = None
-        if self.dropout is not None and not deterministic:
-            # The key nnx.Dropout would draw; the fused op draws the mask from it.
-            dropout_rng = self.dropout.rngs()
-        with self._variables(inputs) as (params, sets):
-            return self.forward(params, inputs, sets, dropout_rng)
+    @property
+    def dropout_rngs(self) -> nnx.RngStream | None:
+        """The stream the intermediate dropout draws from (None when it is off)."""
+        return None if self.dropout is None else self.dropout.rngs

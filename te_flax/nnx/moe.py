@@ -6,15 +6,13 @@ from typing import Any
 
 import jax.numpy as jnp
 from flax import nnx
-from jax import Array
 
 from te_flax._layers.moe import MoEBlockDescription
-from te_flax.nnx._shell import NnxShell, described_by
+from te_flax.nnx._shell import NnxShell
 
 __all__ = ["MoEBlock"]
 
 
-@described_by(MoEBlockDescription)
 class MoEBlock(NnxShell, MoEBlockDescription):
     """A mixture of gated MLP experts (``te_flax.linen.MoEBlock``, NNX style).
 
@@ -41,12 +39,3 @@ class MoEBlock(NnxShell, MoEBlockDescription):
         self.aux_loss = nnx.Intermediate(jnp.zeros((), jnp.float32))
         self.tokens_per_expert = nnx.Intermediate(jnp.zeros((self.num_experts,), jnp.int32))
         self.tokens_dropped = nnx.Intermediate(jnp.zeros((), jnp.int32))
-
-    def __call__(self, inputs: Array) -> tuple[Array, Array]:
-        """``[batch..., in_features]`` -> ``([batch..., in_features], aux_loss [])``."""
-        with self._variables(inputs) as (params, sets):
-            (out, aux_loss), stats = self.forward(params, inputs, sets)
-        self.aux_loss[...] = aux_loss
-        self.tokens_per_expert[...] = stats.tokens_per_expert
-        self.tokens_dropped[...] = stats.tokens_dropped
-        return out, aux_loss
