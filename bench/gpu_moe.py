@@ -13,8 +13,11 @@ DeepSeek-V3-like one (64 small experts, top-8) and DeepSeek-V3's own (256 expert
 expert FFN 2048, top-8; the whole layer on one device, beyond an H100's memory), and modelled
 as ``bench/moe.py``'s ``modelled_ms`` models a step (each GEMM or grouped kernel call at
 max(FLOPs / derated peak, bytes / derated HBM bandwidth), every other byte at the derated
-bandwidth). It writes its
-section of ``bench/RESULTS_moe.md`` for that JAX: run it on both ends of the range.
+bandwidth). FP8 is DelayedScaling's default format, HYBRID (e5m2 gradients), and, dropless,
+its E4M3 format too (``MoEBlock fp8 e4m3``: the gradients in e4m3, so every grouped GEMM is
+e4m3 x e4m3, which jax 0.10's Mosaic GPU runs in float8 where it has no e4m3 x e5m2 ``wgmma``).
+It writes its section of ``bench/RESULTS_moe.md`` for that JAX: run it on both ends of the
+range.
 """
 
 from __future__ import annotations
@@ -133,33 +136,36 @@ MODEL_CASES = (
     # what FP8 buys where each expert sees few rows (512 on average) and the weights dominate.
     MoECase("DeepSeek-V3", tokens=16384, hidden=7168, ffn=2048, experts=256, topk=8),
 )
-# Row name -> (FP8 or not, MoEBlock's capacity factor: None for dropless).
+# Row name -> (DelayedScaling's float8 format, "HYBRID" or "E4M3", or None for BF16;
+# MoEBlock's capacity factor: None for dropless).
 MODEL_VARIANTS = {
-    "MoEBlock fp8": (True, None),
-    "MoEBlock bf16": (False, None),
-    "MoEBlock fp8 capacity": (True, 1.25),
-    "MoEBlock bf16 capacity": (False, 1.25),
+    "MoEBlock fp8": ("HYBRID", None),
+    "MoEBlock bf16": (None, None),
+    "MoEBlock fp8 capacity": ("HYBRID", 1.25),
+    "MoEBlock bf16 capacity": (None, 1.25),
+    "MoEBlock fp8 e4m3": ("E4M3", None),
 }
 RESULTS = Path(__file__).parent / "RESULTS_moe.md"
 SECTION = "<!-- bench.gpu_moe jax {version} -->"
 
 
-def _block_step(case: MoECase, fp8: bool, capacity_factor: float | None):
+def _block_step(case: MoECase, fp8: str | None, capacity_factor: float | None):
     """``(step, variables, x)``: one training step of ``MoEBlock`` (its gradients and the
-    input's, the FP8 state max-merged as ``te_flax.training`` does), as shapes."""
+    input's, the FP8 state max-merged as ``te_flax.training`` does), as shapes; ``fp8``:
+    DelayedScaling's format by name (``"HYBRID"``, ``"E4M3"``), None for BF16."""
     import jax
     import jax.numpy as jnp
 
     from bench.moe import _merged_loss
     from te_flax.linen import MoEBlock
-    from te_flax.quantize import DelayedScaling
+    from te_flax.quantize import DelayedScaling, Format
 
     layer = MoEBlock(
         num_experts=case.experts,
         num_experts_per_tok=case.topk,
         intermediate_dim=case.ffn,
         capacity_factor=capacity_factor,
-        recipe=DelayedScaling() if fp8 else None,
+        recipe=None if fp8 is None else DelayedScaling(fp8_format=Format[fp8]),
     )
     x = jax.ShapeDtypeStruct((case.tokens, case.hidden), jnp.bfloat16)
     variables = jax.eval_shape(layer.init, jax.random.key(0), x)
@@ -173,9 +179,10 @@ def _block_step(case: MoECase, fp8: bool, capacity_factor: float | None):
     return step, variables, x
 
 
-def modelled_block(case: MoECase, fp8: bool, capacity_factor: float | None) -> dict:
-    """The deviceless H100 program of ``MoEBlock``'s step: its GEMMs, bytes and modelled time
-    (``bench.moe.modelled_ms``, peak and derated)."""
+def modelled_block(case: MoECase, fp8: str | None, capacity_factor: float | None) -> dict:
+    """The deviceless H100 program of ``MoEBlock``'s step (``fp8``: DelayedScaling's format by
+    name, None for BF16): its GEMMs, bytes and modelled time (``bench.moe.modelled_ms``, peak
+    and derated)."""
     import jax
 
     from bench import h100
@@ -249,7 +256,12 @@ def _case_lines(case: MoECase, rows: dict[str, dict]) -> list[str]:
         f"{bf16['ms']['derated'] / fp8['ms']['derated']:.2f}x.",
     ]
     cap8, cap16 = rows["MoEBlock fp8 capacity"], rows["MoEBlock bf16 capacity"]
+    e4m3 = rows["MoEBlock fp8 e4m3"]
     lines += [
+        f"- Dropless FP8 in the E4M3 format (gradients in e4m3 too) / BF16 bytes: "
+        f"{e4m3['bytes'] / bf16['bytes']:.3f}; speed-up over the best BF16 row (peak / derated): "
+        f"{best['peak'] / e4m3['ms']['peak']:.2f}x / "
+        f"{best['derated'] / e4m3['ms']['derated']:.2f}x.",
         f"- Capacity FP8 / BF16 bytes: {cap8['bytes'] / cap16['bytes']:.3f}; speed-up (peak / "
         f"derated): {cap16['ms']['peak'] / cap8['ms']['peak']:.2f}x / "
         f"{cap16['ms']['derated'] / cap8['ms']['derated']:.2f}x.",
@@ -293,7 +305,9 @@ def model_section(cases=MODEL_CASES) -> str:
             "an H100 with te_flax's kernel switch at its default, FLOPs and bytes as "
             "`bench/h100.py` counts them, the step time as `bench/moe.py`'s `modelled_ms` "
             "(peaks BF16 989 / FP8 1979 TFLOP/s, HBM 3.35 TB/s; derated: cuBLAS 0.70 / 0.65, "
-            "grouped kernels 0.68 / 0.55, HBM 0.90). Dropless rows: the ragged lowering; "
+            "grouped kernels 0.68 / 0.55, HBM 0.90). FP8: DelayedScaling's default HYBRID "
+            "format (e4m3 forward, e5m2 gradients); `fp8 e4m3`: its E4M3 format (the gradients "
+            "in e4m3 too). Dropless rows: the ragged lowering; "
             "capacity rows: capacity factor 1.25. The best BF16 row is the faster of the two "
             "BF16 rows by each model. Memory: XLA's memory analysis of the compiled step "
             "(arguments, outputs not aliased to them, temporaries); the DeepSeek-V3 rows hold "
