@@ -335,3 +335,38 @@ def test_a_description_alone_says_it_runs_in_a_front_end():
 
     with pytest.raises(TypeError, match=r"te_flax\.linen or te_flax\.nnx"):
         DenseGeneralDescription(features=4)(jnp.ones((2, 3)))
+
+
+def test_a_users_subclass_of_a_layer_runs_and_leaves_the_sublayers_to_te_flax():
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import te_flax.linen as te_nn
+    import te_flax.nnx as te_nnx
+    from te_flax.linen._shell import LinenHost
+
+    class Doubled(te_nn.LayerNormMLP):
+        @nn.compact
+        def __call__(self, x):
+            return super().__call__(x)[0] * 2
+
+    class Plain(te_nnx.LayerNormMLP):
+        pass
+
+    x = jnp.ones((2, 8))
+    variables = Doubled(intermediate_dim=16).init(jax.random.key(0), x)
+    assert sorted(nn.meta.unbox(variables)["params"]) == [
+        "ln_bias", "scale", "wi_kernel", "wo_kernel"
+    ]  # fmt: skip
+    assert Plain(8, intermediate_dim=16, rngs=nnx.Rngs(0))(x)[0].shape == (2, 8)
+    # A transformer still builds its MLP from te_flax's own module, not from a subclass.
+    layer = te_nn.TransformerLayer(hidden_size=8, mlp_hidden_size=16, num_attention_heads=2)
+    built = layer.bind({}, rngs={"params": jax.random.key(0)})
+    host = LinenHost(built, built.children(8))
+    assert type(host.layer("mlp")) is te_nn.LayerNormMLP
+    nnx_layer = te_nnx.TransformerLayer(
+        hidden_size=8, mlp_hidden_size=16, num_attention_heads=2, rngs=nnx.Rngs(0)
+    )
+    assert type(nnx_layer.mlp) is te_nnx.LayerNormMLP
