@@ -47,10 +47,17 @@ from te_flax.sharding import (
     with_logical_constraint,
 )
 
-__all__ = ["RaggedOnGpuWarning", "dense", "grouped_dense", "grouped_quantizer_set"]
+__all__ = [
+    "Fp8AtBf16RateWarning",
+    "RaggedOnGpuWarning",
+    "dense",
+    "grouped_dense",
+    "grouped_quantizer_set",
+]
 
 grouped_quantizer_set = _grouped.grouped_quantizer_set
 RaggedOnGpuWarning = _grouped.RaggedOnGpuWarning
+Fp8AtBf16RateWarning = _grouped.Fp8AtBf16RateWarning
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ import pytest
 from jax import lax
 
 from te_flax._base.jax_compat import mixed_fp8_wgmma, mosaic_gpu_interpreted
-from te_flax._ops.grouped import RaggedOnGpuWarning, capacity_on_kernels
+from te_flax._ops.grouped import Fp8AtBf16RateWarning, RaggedOnGpuWarning, capacity_on_kernels
 from te_flax._ops.kernels import pallas_kernels
 from te_flax._ops.kernels.grouped_gemm import (
     Accumulation,
@@ -559,7 +559,8 @@ def test_hybrid_gradient_gemms_run_on_the_kernels_in_bfloat16_without_mixed_wgmm
         out = grouped_dense(x, kernel, jnp.array([50, 0, 70], jnp.int32), quantizer_set=state)
         return jnp.sum(out.astype(jnp.float32))
 
-    with pallas_kernels("auto", assume_gpu=True), warnings.catch_warnings():
+    with pallas_kernels("auto", assume_gpu=True), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         warnings.simplefilter("error", RaggedOnGpuWarning)
         jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(x, kernel, state)
     assert seen == {
@@ -567,6 +568,38 @@ def test_hybrid_gradient_gemms_run_on_the_kernels_in_bfloat16_without_mixed_wgmm
         "dgrad": (BF16, BF16, False),
         "wgrad": (BF16, BF16, False),
     }
+    # Said, once for each of the two converted GEMMs: the user's FP8 runs at BF16's rate there.
+    said = [str(w.message) for w in caught if issubclass(w.category, Fp8AtBf16RateWarning)]
+    assert len(said) == 2, said
+    assert "float8_e5m2 by float8_e4m3fn at BF16's tensor-core rate" in said[0]
+    assert "float8_e4m3fn by float8_e5m2" in said[1]
+    assert all("Format.E4M3" in message and "jax 0.11" in message for message in said)
+
+
+@pytest.mark.parametrize(
+    "mixed",
+    [
+        pytest.param(True, marks=pytest.mark.skipif(not mixed_fp8_wgmma(), reason="jax 0.11")),
+        False,
+    ],
+    ids=["mixed wgmma", "e4m3 gradients"],
+)
+def test_float8_gemms_on_the_kernels_in_float8_say_nothing(mixed, monkeypatch):
+    """With mixed float8 ``wgmma`` (jax 0.11 on), or without it in DelayedScaling's E4M3
+    format (every GEMM e4m3 x e4m3), every grouped GEMM runs in float8: no warning."""
+    if not mixed:
+        _without_mixed_wgmma(monkeypatch)
+    recipe = DelayedScaling() if mixed else DelayedScaling(fp8_format=Format.E4M3)
+    state = grouped_quantizer_set(QuantizerFactory.create_set(fp8_recipe=recipe), GROUPS)
+    x, kernel, _, _ = _inputs()
+
+    def loss(x, kernel):
+        out = grouped_dense(x, kernel, jnp.array([50, 0, 70], jnp.int32), quantizer_set=state)
+        return jnp.sum(out.astype(jnp.float32))
+
+    with pallas_kernels("auto", assume_gpu=True), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, kernel)
 
 
 @interpreted

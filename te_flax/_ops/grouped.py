@@ -56,6 +56,7 @@ from te_flax.quantize.quantizer_set import grouped_quantizer_set
 from te_flax.quantize.statistics import records_groups, records_rows
 
 __all__ = [
+    "Fp8AtBf16RateWarning",
     "GroupedConfig",
     "RaggedOnGpuWarning",
     "capacity_on_kernels",
@@ -297,6 +298,17 @@ def _grouped_gemm(
             RaggedOnGpuWarning,
             stacklevel=2,
         )
+    converted = types is not None and types != (lhs_data.dtype, rhs_data.dtype)
+    if converted and gpu_host() and takes_kernel("grouped_gemm", *operands, supported=fits):
+        warnings.warn(
+            f"grouped_dense multiplies {lhs_data.dtype} by {rhs_data.dtype} at BF16's "
+            f"tensor-core rate on jax {jax.__version__}, whose Mosaic GPU has no e4m3 x e5m2 "
+            "wgmma: the float8 operands enter te_flax's grouped GEMM kernel as bfloat16 (exact). "
+            "HYBRID FP8's gradient GEMMs run in float8 from jax 0.11 on, or on this JAX with "
+            "DelayedScaling(fp8_format=Format.E4M3) (docs/moe.md)",
+            Fp8AtBf16RateWarning,
+            stacklevel=2,
+        )
     probe = grouped_gemm_probe(kernel, xla, operands, contract) if fits else None
     return dispatch("grouped_gemm", kernel, xla, *operands, supported=fits, probe=probe)
 
@@ -340,6 +352,11 @@ def capacity_on_kernels(
 
 class RaggedOnGpuWarning(UserWarning):
     """A ragged grouped GEMM on a GPU that takes XLA's ``ragged_dot`` (expanded over groups)."""
+
+
+class Fp8AtBf16RateWarning(UserWarning):
+    """A grouped GEMM of two float8 types on a GPU whose kernel multiplies them as bfloat16
+    (jax 0.10: no e4m3 x e5m2 ``wgmma``): exact, at BF16's tensor-core rate."""
 
 
 def _xla_grouped_gemm(
