@@ -456,7 +456,9 @@ def _h100_notes(rows: dict[str, dict], case: MoECase) -> list[str]:
     lines += [
         "",
         f"{MOE_BLOCK} runs the same grouped GEMMs with its kernel stored `[E, hidden, 2, ffn]` "
-        f"(this layer's: `[E, hidden, 2 * ffn]`): {block['bytes'] / 1e9:.2f} GB against "
+        "(this layer's: `[E, hidden, 2 * ffn]`) and, from jax 0.11 on, its activation's "
+        "gradient quantized by the kernel that computes it (this layer's: by XLA, written in "
+        f"bfloat16 and read back): {block['bytes'] / 1e9:.2f} GB against "
         f"{rows[fp8]['bytes'] / 1e9:.2f} GB; largest instructions: {block['top']} against "
         f"{rows[fp8]['top']}. {MOE_BLOCK} / {bf16} speed-up (derated model): "
         f"{rows[bf16]['ms']['derated'] / block['ms']['derated']:.2f}x.",

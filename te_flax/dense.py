@@ -14,6 +14,7 @@ from jax import Array, lax
 
 from te_flax._base import checks as check
 from te_flax._ops import grouped as _grouped
+from te_flax._ops.activations import rounded_once_activation
 from te_flax._ops.arguments import check_quantizer_set
 from te_flax._ops.custom_op import fused_op
 from te_flax._ops.gemm import dense_backward, forward_contracting, gemm, gemm_out_specs
@@ -24,6 +25,7 @@ from te_flax._ops.gemm_operands import (
     saved_gemm_operands,
     unquantized_operand,
 )
+from te_flax._ops.grouped_activation import fuses
 from te_flax._ops.kernels import traced_in_scan
 from te_flax.collective import CollectiveOpSet, check_collective_op_set, noop_collective_op_set
 from te_flax.quantize import (
@@ -442,6 +444,20 @@ def grouped_dense(
       >>> grouped_dense(x, kernel, jnp.array([2, 3], jnp.int32))[:, 0]
       Array([4., 4., 8., 8., 8.], dtype=float32)
     """
+    return _grouped_dense(
+        x, kernel, group_sizes, contracting_dims, bias, precision, preferred_element_type,
+        group_offset, quantizer_set, kernel_fsdp_info, lowering, capacity,
+    )  # fmt: skip
+
+
+def _grouped_dense(
+    x: Array, kernel: Array, group_sizes: Array, contracting_dims: Any, bias: Array | None,
+    precision: Any, preferred_element_type: Any, group_offset: Array | None,
+    quantizer_set: QuantizerSet, kernel_fsdp_info: Any, lowering: str, capacity: int | None,
+    activation: tuple[str, ...] | None = None,
+) -> Array:  # fmt: skip
+    """``grouped_dense``'s checks and lowerings; ``activation``: a gated activation the ragged
+    op applies to its output (``grouped_dense_activated``)."""
     _check_grouped_shapes(x, kernel, contracting_dims, bias)
     n_groups = kernel.shape[0]
     group_sizes = _check_group_sizes(group_sizes, n_groups, x.shape[0])
@@ -473,6 +489,7 @@ def grouped_dense(
         bias_dtype=None if bias is None else bias.dtype,
         precision=precision,
         distinct_axes=scaling.distinct_axes(),
+        activation=activation,
     )
     if path == "ragged":
         operands = _grouped.GroupedOperands(x, kernel, group_sizes, bias, quantizer_set)
@@ -505,3 +522,51 @@ def grouped_dense(
     out, statistics = per_group(_Operands(packed, kernel, bias, quantizer_set))  # [G, C, N]
     inspection.deliver((quantizer_set,), statistics)  # te_flax.inspect_fp8(): [G] per group
     return _grouped.unpack_rows(out, group_sizes, rows).astype(out_dtype)
+
+
+def grouped_dense_activated(
+    x: Array,
+    kernel: Array,
+    group_sizes: Array,
+    activation_type: tuple[str, ...],
+    activation_params: Any = None,
+    *,
+    bias: Array | None = None,
+    quantizer_set: QuantizerSet = noop_quantizer_set,
+    lowering: str = "auto",
+    capacity: int | None = None,
+) -> Array:
+    """``activation(grouped_dense(x, kernel, ...))``: ``MoEBlock``'s first expert GEMM and its
+    gated activation, ``[M, K] x [G, K, n_act * F] -> [M, F]`` (the slices side by side in the
+    kernel's features, ``activation_type`` canonical).
+
+    The activation is computed in float32 and rounded once, and its backward reads the
+    pre-activation alone (``activations.rounded_once_activation``). Where a GPU runs the
+    backward on te_flax's kernels (dropless, per-tensor delayed scaling, no bias, 16-bit rows
+    and an ``F`` that are multiples of 64, jax 0.11 on), the activation is inside the grouped
+    GEMM's op, whose backward quantizes the activation's gradient group by group in one pass
+    (``_ops/grouped_activation.py``); elsewhere the two run apart, with the same results.
+    """
+    n_act = len(activation_type)
+    dgrad = ungrouped_quantizer_set(quantizer_set).dgrad
+    features = kernel.shape[-1] if kernel.ndim == 3 else 0
+    if (
+        bias is None
+        and _lowering(lowering, capacity) == "ragged"
+        and fuses(x, features, activation_type, activation_params, dgrad)
+    ):
+        return _grouped_dense(
+            x, kernel, group_sizes, ((1,), (1,)), None, lax.Precision.DEFAULT, None, None,
+            quantizer_set, (None, -1), "ragged", None, activation_type,
+        )  # fmt: skip
+    pre_activation = grouped_dense(
+        x,
+        kernel,
+        group_sizes,
+        bias=bias,
+        quantizer_set=quantizer_set,
+        lowering=lowering,
+        capacity=capacity,
+    )
+    pre_activation = pre_activation.reshape(x.shape[0], n_act, -1)
+    return rounded_once_activation(pre_activation, activation_type, activation_params)

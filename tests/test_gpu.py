@@ -425,3 +425,52 @@ def test_grouped_dense_on_the_gpu_kernels_agrees_with_the_cpu(recipe, record):
     hlo = lowered.compile().as_text()
     record["kernel_calls"] = hlo.count('"mosaic_gpu_v2"')
     assert "te_flax_rows_gemm" in hlo and "te_flax_group_gemm" in hlo, record
+
+
+# MoEBlock's dropless FP8 step: on a GPU the grouped GEMM kernels and, in the backward, the
+# experts' activation gradient quantized in one pass (te_flax_activation_grad_rows).
+MOE_TOKENS, MOE_HIDDEN, MOE_FFN = (16, 64, 64) if SMOKE else (1024, 1024, 1024)
+
+
+def _moe_block_step(device_kind: str):
+    """One FP8 training step of a dropless MoEBlock (4 experts, top-2) on one device: its
+    output and the gradients of its parameters and input."""
+    from te_flax.linen import MoEBlock
+
+    device = {"accelerator": ACCELERATOR, "cpu": CPU}[device_kind]
+    layer = MoEBlock(
+        num_experts=4,
+        num_experts_per_tok=2,
+        intermediate_dim=MOE_FFN,
+        recipe=RECIPES["delayed"],
+    )
+    with jax.default_device(CPU):
+        x = normal(jax.random.key(29), (MOE_TOKENS, MOE_HIDDEN), jnp.bfloat16)
+        variables = layer.init(jax.random.key(0), x)
+    variables, x = jax.device_put((variables, x), device)
+
+    def loss(variables, x):
+        out, aux = layer.apply(variables, x)
+        return jnp.sum(jnp.square(out.astype(F32))) + aux, out
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    (_, out), (grads, d_x) = step(variables, x)
+    return jax.device_get((out, grads["params"], d_x)), step.lower(variables, x)
+
+
+def test_moe_block_on_the_gpu_kernels_agrees_with_the_cpu(record):
+    """MoEBlock's FP8 step on the GPU (the grouped GEMM kernels, the activation gradient's
+    kernel) against the CPU's XLA stages on the same inputs, within the FP8 tolerances."""
+    (out, params, d_x), lowered = _moe_block_step("accelerator")
+    (out_cpu, params_cpu, d_x_cpu), _ = _moe_block_step("cpu")
+    errors = {"y": relative_error(out, out_cpu), "dx": relative_error(d_x, d_x_cpu)}
+    for (path, grad), grad_cpu in zip(
+        jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(params_cpu), strict=True
+    ):
+        errors[jax.tree_util.keystr(path)] = relative_error(grad, grad_cpu)
+    record |= {"moe_block_errors": errors}
+    _assert_within(errors, *_tolerances("delayed"), "MoEBlock, GPU vs CPU", record)
+    if SMOKE:
+        return
+    hlo = lowered.compile().as_text()
+    assert "te_flax_activation_grad_rows" in hlo and "te_flax_rows_gemm" in hlo, record

@@ -288,3 +288,53 @@ def test_fp8_reads_the_kernel_and_the_rows_once(recipe):
         assert any(quantized in user and "f32[" in user for user in users), users
         if mixed_fp8_wgmma():  # jax 0.10's wgrad reads the rows again, for a bfloat16 copy
             assert len(users) == 1, users
+
+
+def _moe_block_program(fused: bool, monkeypatch) -> str:
+    """The H100 program of a dropless MoEBlock's FP8 training step (2048 tokens, top-2: 4096
+    routed rows; F = 1024), the kernels under "auto"; ``fused``: the activation inside the first
+    expert GEMM's op, else apart."""
+    import te_flax.dense
+    from te_flax.linen import MoEBlock
+
+    if not fused:
+        monkeypatch.setattr(te_flax.dense, "fuses", lambda *args: False)
+    layer = MoEBlock(
+        num_experts=GROUPS, num_experts_per_tok=2, intermediate_dim=1024, recipe=DelayedScaling()
+    )
+    sharding = h100_sharding()
+    x = jax.ShapeDtypeStruct((2048, 512), jnp.bfloat16, sharding=sharding)
+    variables = jax.eval_shape(layer.init, jax.random.key(0), x)
+    variables = jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), variables
+    )
+
+    def loss(variables, x):
+        out, aux = layer.apply(variables, x)
+        return jnp.mean(jnp.square(out.astype(jnp.float32))) + aux
+
+    with pallas_kernels("auto", assume_gpu=True):
+        lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(variables, x)
+    return lowered.compile().as_text()
+
+
+@pytest.mark.skipif(not mixed_fp8_wgmma(), reason="Mosaic GPU's element-wise kernels: jax 0.11")
+def test_moe_blocks_activation_gradient_is_quantized_in_one_pass(monkeypatch):
+    """MoEBlock's FP8 backward on a GPU quantizes the experts' activation gradient in the
+    kernel that computes it (``te_flax_activation_grad_rows``): the step moves the gradient's
+    bfloat16 write and read less than with the activation apart, where XLA writes it
+    (``bf16[4096,2,1024]``) and reads it back to quantize it."""
+    from bench.h100 import instruction_bytes
+
+    def entry_results(hlo: str) -> list[str]:
+        return re.findall(r"(%\S+) = bf16\[4096,2,1024\]", hlo[hlo.index("ENTRY") :])
+
+    def step_bytes(hlo: str) -> int:
+        return sum(row["bytes"] for row in instruction_bytes(hlo, top=None))
+
+    fused = _moe_block_program(True, monkeypatch)
+    apart = _moe_block_program(False, monkeypatch)
+    assert "te_flax_activation_grad_rows" in fused and "te_flax_activation_grad_rows" not in apart
+    assert entry_results(fused) == [] and len(entry_results(apart)) == 1
+    round_trip = 2 * 4096 * 2048 * 2  # written and read in bfloat16
+    assert step_bytes(apart) - step_bytes(fused) >= 0.99 * round_trip

@@ -44,7 +44,6 @@ from te_flax._layers.host import Layer
 from te_flax._ops.activations import (
     canonical_activation_params,
     canonical_activation_type,
-    rounded_once_activation,
 )
 from te_flax._parallel.experts import (
     Routed,
@@ -54,7 +53,7 @@ from te_flax._parallel.experts import (
     expert_parallel_size,
     shards_the_tokens,
 )
-from te_flax.dense import grouped_dense
+from te_flax.dense import grouped_dense, grouped_dense_activated
 from te_flax.layernorm import layernorm
 from te_flax.permutation import (
     pure_jax_token_combine,
@@ -318,17 +317,18 @@ class MoEBlockDescription(Layer, FusedNorm, Fp8Layer):
             lowering="capacity" if capacity is not None else "ragged", capacity=capacity
         )
         wi_bias = params.get("wi_bias")
-        pre_activation = grouped_dense(
+        # [M, H] x [E, H, n_act * F] -> [M, F]: the activation in float32, rounded once; its
+        # backward from the pre-activation alone (no residual), quantized in one pass on a GPU.
+        activated = grouped_dense_activated(
             rows,
             wi.reshape(experts, hidden, n_act * intermediate),
             group_sizes,
+            activation_type,
+            activation_params,
             bias=None if wi_bias is None else wi_bias.reshape(experts, n_act * intermediate),
             quantizer_set=quantizer_sets[0],
             **grouped,
-        )  # [M, H] x [E, H, n_act * F] -> [M, n_act * F]
-        pre_activation = pre_activation.reshape(rows.shape[0], n_act, intermediate)
-        # In float32, rounded once; the backward from the pre-activation alone (no residual).
-        activated = rounded_once_activation(pre_activation, activation_type, activation_params)
+        )
         return grouped_dense(
             activated.astype(rows.dtype),
             wo,

@@ -29,6 +29,7 @@ from jax import Array, lax
 from jax.typing import DTypeLike
 
 from te_flax._ops.custom_op import FusedOp, fused_op
+from te_flax._ops.grouped_activation import activated, activation_grad_quantized
 from te_flax._ops.grouped_kernels import kernel_tiles, rows_kernel, wgrad_kernel
 from te_flax._ops.kernels.grouped_gemm import (
     Accumulation,
@@ -416,6 +417,9 @@ class GroupedConfig:
     precision: lax.Precision | None  # of the GEMMs without FP8
     # Manual mesh axes whose devices hold other groups (scaling.distinct_over at the forward).
     distinct_axes: frozenset[str] = frozenset()
+    # A gated activation applied to the output inside the op (MoEBlock's first expert GEMM on a
+    # GPU's kernels, ``grouped_activation``): its gradient is quantized in one pass.
+    activation: tuple[str, ...] | None = None
 
 
 class GroupedOperands(NamedTuple):
@@ -436,6 +440,7 @@ class _Residuals(NamedTuple):
     ids: Array  # int32 [M]
     group_sizes: Array
     quantizers: QuantizerSet  # x and kernel already updated by the forward
+    pre_activation: Array | None  # the output before ``config.activation``
 
 
 def _forward(
@@ -467,12 +472,16 @@ def _forward(
         # [G, N] -> [M, N]; rows past sum(group_sizes) get no bias (their output stays zero).
         row_bias = jnp.take(bias.astype(config.out_dtype), ids, axis=0, mode="fill", fill_value=0)
         out = out + row_bias
+    pre_activation = None
+    if config.activation is not None:
+        pre_activation, out = out, activated(out, config.activation)
     residuals = _Residuals(
         lhs=lhs.keep(LEADING),
         rhs=rhs.keep(TRAILING),
         ids=ids,
         group_sizes=group_sizes,
         quantizers=dataclasses.replace(quantizer_set, x=x_quantizer, kernel=kernel_quantizer),
+        pre_activation=pre_activation,
     )
     return out, residuals
 
@@ -487,10 +496,12 @@ def _backward(config: GroupedConfig, residuals: _Residuals, grad: Array) -> Grou
         grad32 = grad.astype(jnp.float32)
         d_bias = jax.ops.segment_sum(grad32, ids, num_segments=config.n_groups)
         d_bias = d_bias.astype(config.bias_dtype)
-    # Without FP8 the backward GEMMs run in x's dtype, as dense's.
-    grad_operand, grad_quantizer = quantize_rows(
-        grad, quantizers.dgrad, ids, config.n_groups, config.x_dtype, config.distinct_axes
-    )
+    if config.activation is not None:
+        grad_operand, grad_quantizer = _activation_grad(config, residuals, grad)
+    else:  # without FP8 the backward GEMMs run in x's dtype, as dense's
+        grad_operand, grad_quantizer = quantize_rows(
+            grad, quantizers.dgrad, ids, config.n_groups, config.x_dtype, config.distinct_axes
+        )
     dtype = config.x_dtype
     grad_input = partial(_gemm_input, grad_operand, dtype=dtype, grouped=False)
     # [M, N] x [G, K, N] -> [M, K]
@@ -518,6 +529,21 @@ def _backward(config: GroupedConfig, residuals: _Residuals, grad: Array) -> Grou
     d_sizes = np.zeros(residuals.group_sizes.shape, jax.dtypes.float0)
     new_state = dataclasses.replace(quantizers, dgrad=grad_quantizer)
     return GroupedOperands(d_x, d_kernel, d_sizes, d_bias, as_cotangent(new_state))
+
+
+def _activation_grad(
+    config: GroupedConfig, residuals: _Residuals, grad: Array
+) -> tuple[GemmOperand, Quantizer | None]:
+    """The pre-activation's gradient quantized group by group in one pass from the gradient
+    of the activation's output (``fuses`` chose the op: per-tensor delayed scaling, no bias)."""
+    quantizer, pre = residuals.quantizers.dgrad, residuals.pre_activation
+    assert isinstance(quantizer, DelayedScaleQuantizer) and pre is not None and config.activation
+    scale_inv = quantizer.scale_inv[:, 0]
+    operands = (pre, grad, residuals.group_sizes, scale_inv)
+    data, amax = activation_grad_quantized(operands, config.activation, quantizer.q_dtype)
+    amax = scaling.max_over_devices(amax, config.distinct_axes)  # as _group_amax
+    updated = jax.vmap(DelayedScaleQuantizer.update)(quantizer, amax)
+    return ScaledTensor(data, scale_inv), updated
 
 
 # The ragged lowering of grouped_dense on its checked operands.

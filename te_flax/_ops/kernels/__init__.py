@@ -10,7 +10,10 @@ through Pallas' Triton lowering, and anywhere in interpret mode (tests).
   amax (kernel 2 with its producer);
 - ``activation_grad``: LayerNormMLP's activation backward quantized in both layouts, with its
   amax and bias gradient (kernel 2 with its producer);
-- ``norm_backward``: dx, dgamma and dbeta of the norm (kernel 3).
+- ``norm_backward``: dx, dgamma and dbeta of the norm (kernel 3);
+- ``activation_grad_rows``: MoEBlock's expert activation backward quantized with each expert's
+  scale, with each expert's amax (``activation_grad_rows_mosaic``, through
+  ``te_flax._ops.grouped_activation``).
 
 On a GPU each kernel configuration is checked against its XLA stage on its first use in a
 process (``first_use``; ``TE_FLAX_KERNEL_CHECK=0`` or ``kernel_checks("0")`` turn it off).

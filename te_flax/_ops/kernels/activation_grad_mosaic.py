@@ -40,7 +40,7 @@ from te_flax._ops.kernels.mosaic import (
     write_layouts,
 )
 
-__all__ = ["activation_grad_tiles", "by_xla"]
+__all__ = ["activation_grad_tiles", "by_xla", "slices_backward"]
 
 # ``store`` with a register layout (typed loosely: jax 0.10, which runs the Triton version, has
 # none).
@@ -72,7 +72,9 @@ def _evaluated(jaxpr: jax_core.Jaxpr, consts: list[Any], args: list[Any]) -> lis
     return [read(var) for var in jaxpr.outvars]
 
 
-def _backward(grad: Array, slices: list[Array], activation_type: tuple[str, ...]) -> list[Array]:
+def slices_backward(
+    grad: Array, slices: list[Array], activation_type: tuple[str, ...]
+) -> list[Array]:
     """``activation_backward_of_slices`` in the operations Mosaic GPU lowers (``_evaluated``)."""
     closed = jax.make_jaxpr(
         lambda grad, *slices: activation_backward_of_slices(grad, slices, activation_type)
@@ -115,7 +117,7 @@ def _body(
         plgpu.copy_gmem_to_smem(pre_ref.at[rows, slice_columns[k]], pre_smem.at[k], barrier)
     plgpu.barrier_wait(barrier)
     slices = [pre_smem[k] for k in range(n_act)]
-    d_slices = _backward(grad_smem[...], slices, activation_type)
+    d_slices = slices_backward(grad_smem[...], slices, activation_type)
     for k, d_slice in enumerate(d_slices):
         d = d_slice.astype(jnp.float32)
         amax_ref[i, j, k] = tile_amax(d)

@@ -19,7 +19,7 @@ tile to the next. The copies are written out rather than with
 they are tested on a CPU against ``lax.ragged_dot_general``.
 
 A block of rows straddling two groups is computed once per group; each pass writes only its
-group's rows, with TMA stores of power-of-two heights (``_store_rows``). Rows past
+group's rows, with TMA stores of power-of-two heights (``store_rows``). Rows past
 ``sum(group_sizes)`` are written as zeros, as ``lax.ragged_dot_general`` gives them. For wgrad
 the rows come in a group-aligned layout: each group's rows start at a multiple of the tile depth
 and are padded with zeros (``aligned_columns``), so no tile mixes two groups.
@@ -53,6 +53,7 @@ __all__ = [
     "kernel_dtypes",
     "row_tiles",
     "rows_gemm",
+    "store_rows",
     "supported_dtypes",
     "tiles_for",
 ]
@@ -315,7 +316,7 @@ def _truncated(x: Array, bits: int) -> Array:
     return lax.bitcast_convert_type(kept, jnp.float32)
 
 
-def _store_rows(out_smem: Any, out_rows: Any, first: Any, count: Any, height: int) -> None:
+def store_rows(out_smem: Any, out_rows: Any, first: Any, count: Any, height: int) -> None:
     """Copy rows ``[first, first + count)`` of ``out_smem`` (``count <= height``) to the same
     rows of ``out_rows``: one TMA store per set bit of ``count``, each of a static height."""
     offset = first
@@ -414,7 +415,7 @@ def rows_gemm(
             factor = jnp.where(real, scale_ref[jnp.minimum(group, g - 1)], 0.0)
             out_smem[...] = (acc * factor).astype(out_smem.dtype)
             plgpu.commit_smem()
-            _store_rows(out_smem, out_ref.at[rows, cols], first, count, tiles.rows)
+            store_rows(out_smem, out_ref.at[rows, cols], first, count, tiles.rows)
 
     out = jax.ShapeDtypeStruct((m, n), out_dtype)
     body = partial(_persistent, tile, grid, tiles)

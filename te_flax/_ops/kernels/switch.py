@@ -74,10 +74,12 @@ T = TypeVar("T")
 # The blockwise FP8 GEMM kernel keeps its float32 partial products in registers, where XLA's
 # exact form writes K / 128 of them per output element.
 # The grouped GEMM kernels (Pallas Mosaic GPU) replace XLA's ragged_dot, which XLA:GPU expands
-# over every group (docs/moe.md).
+# over every group (docs/moe.md); the experts' activation gradient with its quantization saves
+# the pass XLA adds between them.
 AUTO = frozenset(
     {
         "activation_grad",
+        "activation_grad_rows",
         "activation_quantize",
         "blockwise_gemm",
         "grouped_gemm",
@@ -88,12 +90,18 @@ AUTO = frozenset(
 # The kernels that quantize a tensor they compute (a norm or activation output, an activation
 # gradient) or read: none of them while an op records its statistics
 # (``te_flax.inspect_fp8()``), which need the tensor in high precision beside its operand.
-QUANTIZING = frozenset({"activation_grad", "activation_quantize", "norm_quantize", "quantize"})
+QUANTIZING = frozenset(
+    {"activation_grad", "activation_grad_rows", "activation_quantize", "norm_quantize", "quantize"}
+)
 # The kernels written in Pallas Mosaic GPU, the backend JAX keeps; the others are Pallas Triton.
 # Every kernel of AUTO has both versions (the grouped GEMMs only Mosaic GPU's): Mosaic GPU from
 # jax 0.11 on (where its interpret mode tests them), Triton before.
 _PORTED = ("quantize", "activation_quantize", "activation_grad", "blockwise_gemm", "norm_backward")
-MOSAIC = frozenset({"grouped_gemm", *(_PORTED if mosaic_gpu_interpreted() else ())})
+# The experts' activation gradient with per-group scales (MoEBlock) is Mosaic GPU's alone, from
+# jax 0.11 on; jax 0.10 keeps the XLA stage there.
+MOSAIC = frozenset(
+    {"grouped_gemm", *(("activation_grad_rows", *_PORTED) if mosaic_gpu_interpreted() else ())}
+)
 # The innermost ``pallas_kernels(mode, assume_gpu)``; None: ``TE_FLAX_PALLAS``, no GPU assumed.
 _SELECTED: ScopedSetting[tuple[str, bool] | None] = ScopedSetting("pallas_kernels", None)
 
