@@ -10,11 +10,8 @@ import numpy as np
 import pytest
 
 from te_flax._base.jax_compat import mosaic_gpu_interpreted
-from te_flax._ops.grouped_activation import (
-    activation_grad_by_xla,
-    activation_grad_quantized,
-    fuses,
-)
+from te_flax._ops.grouped import activation_grad_by_xla
+from te_flax._ops.grouped_activation import activation_grad_quantized, fuses
 from te_flax._ops.kernels import kernel_checks, pallas_kernels
 from te_flax._ops.kernels.activation_grad_rows_mosaic import activation_grad_rows
 from te_flax.dense import grouped_dense_activated, grouped_quantizer_set
@@ -97,7 +94,7 @@ def test_the_first_use_check_of_the_kernel_agrees():
     the stage runs the kernel, not the XLA stage it would fall back to."""
     operands = _operands(128, 64, GATED, BF16, (40, 60))
     with pallas_kernels("1"), kernel_checks("1"):
-        result = activation_grad_quantized(operands, GATED, E5M2)
+        result = activation_grad_quantized(operands, GATED, E5M2, activation_grad_by_xla)
     _assert_same(result, activation_grad_by_xla(*operands, GATED, E5M2))
 
 

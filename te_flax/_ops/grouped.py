@@ -28,8 +28,9 @@ import numpy as np
 from jax import Array, lax
 from jax.typing import DTypeLike
 
+from te_flax._ops.activations import activation_backward, rounded_once_activation
 from te_flax._ops.custom_op import FusedOp, fused_op
-from te_flax._ops.grouped_activation import activated, activation_grad_quantized
+from te_flax._ops.grouped_activation import activation_grad_quantized
 from te_flax._ops.grouped_kernels import kernel_tiles, rows_kernel, wgrad_kernel
 from te_flax._ops.kernels.grouped_gemm import (
     Accumulation,
@@ -60,6 +61,7 @@ __all__ = [
     "Fp8AtBf16RateWarning",
     "GroupedConfig",
     "RaggedOnGpuWarning",
+    "activation_grad_by_xla",
     "capacity_on_kernels",
     "check_grouped_set",
     "group_ids",
@@ -191,9 +193,13 @@ def quantize_rows(
         # rows (blocks of rows that straddle two groups share a scale).
         return quantize_operand(x, quantizer, dtype, 1, (TRAILING, LEADING))
     scale_inv, quantizer = _group_scales(quantizer, _group_amax(x, ids, n_groups, distinct))
+    return ScaledTensor(_by_group_scale(x, quantizer.q_dtype, scale_inv, ids), scale_inv), quantizer
+
+
+def _by_group_scale(x: Array, q_dtype: DTypeLike, scale_inv: Array, ids: Array) -> Array:
+    """Rows ``x [M, K]`` quantized with their group's ``scale_inv [G]`` (1 past the groups)."""
     row_scale_inv = jnp.take(scale_inv, ids, mode="fill", fill_value=1.0)  # [M]
-    data = scaling.quantize(x, quantizer.q_dtype, row_scale_inv[:, None])
-    return ScaledTensor(data, scale_inv), quantizer
+    return scaling.quantize(x, q_dtype, row_scale_inv[:, None])
 
 
 @records_groups  # te_flax.inspect_fp8(): statistics per group
@@ -289,7 +295,8 @@ def _grouped_gemm(
         is not None
     )
     operands = (lhs_data, rhs_data, group_sizes, ids, scale)
-    if gpu_host() and not takes_kernel("grouped_gemm", *operands, supported=fits):
+    on_kernel = takes_kernel("grouped_gemm", *operands, supported=fits)
+    if gpu_host() and not on_kernel:
         warnings.warn(
             "grouped_dense's ragged lowering runs XLA's ragged_dot on this GPU, which XLA "
             "expands over every group (about G times the routed FLOPs): te_flax's grouped GEMM "
@@ -300,7 +307,7 @@ def _grouped_gemm(
             stacklevel=2,
         )
     converted = types is not None and types != (lhs_data.dtype, rhs_data.dtype)
-    if converted and gpu_host() and takes_kernel("grouped_gemm", *operands, supported=fits):
+    if converted and gpu_host() and on_kernel:
         warnings.warn(
             f"grouped_dense multiplies {lhs_data.dtype} by {rhs_data.dtype} at BF16's "
             f"tensor-core rate on jax {jax.__version__}, whose Mosaic GPU has no e4m3 x e5m2 "
@@ -473,8 +480,9 @@ def _forward(
         row_bias = jnp.take(bias.astype(config.out_dtype), ids, axis=0, mode="fill", fill_value=0)
         out = out + row_bias
     pre_activation = None
-    if config.activation is not None:
-        pre_activation, out = out, activated(out, config.activation)
+    if config.activation is not None:  # [M, n_act * F] -> [M, F], in float32, rounded once
+        slices = out.reshape(out.shape[0], len(config.activation), -1)
+        pre_activation, out = out, rounded_once_activation(slices, config.activation)
     residuals = _Residuals(
         lhs=lhs.keep(LEADING),
         rhs=rhs.keep(TRAILING),
@@ -540,10 +548,30 @@ def _activation_grad(
     assert isinstance(quantizer, DelayedScaleQuantizer) and pre is not None and config.activation
     scale_inv = quantizer.scale_inv[:, 0]
     operands = (pre, grad, residuals.group_sizes, scale_inv)
-    data, amax = activation_grad_quantized(operands, config.activation, quantizer.q_dtype)
+    data, amax = activation_grad_quantized(
+        operands, config.activation, quantizer.q_dtype, activation_grad_by_xla
+    )
     amax = scaling.max_over_devices(amax, config.distinct_axes)  # as _group_amax
     updated = jax.vmap(DelayedScaleQuantizer.update)(quantizer, amax)
     return ScaledTensor(data, scale_inv), updated
+
+
+def activation_grad_by_xla(
+    pre: Array,
+    grad: Array,
+    group_sizes: Array,
+    scale_inv: Array,
+    activation_type: tuple[str, ...],
+    q_dtype: DTypeLike,
+) -> tuple[Array, Array]:
+    """``activation_grad_quantized``'s XLA stage: the activation's backward, then what
+    ``quantize_rows`` does with the groups' ``scale_inv``: the float8 gradient and each
+    group's amax (on this device's rows)."""
+    rows, n_groups = grad.shape[0], group_sizes.shape[0]
+    slices = pre.reshape(rows, len(activation_type), -1)
+    d = activation_backward(grad, slices, activation_type).reshape(rows, -1)
+    ids = group_ids(group_sizes, rows)
+    return _by_group_scale(d, q_dtype, scale_inv, ids), _group_amax(d, ids, n_groups)
 
 
 # The ragged lowering of grouped_dense on its checked operands.

@@ -32,7 +32,7 @@ from te_flax._ops.kernels import mosaic
 from te_flax._ops.kernels.activation_grad_mosaic import slices_backward
 from te_flax._ops.kernels.common import lowered_once
 from te_flax._ops.kernels.grouped_gemm import row_tiles, store_rows
-from te_flax._ops.kernels.mosaic import TILE, plgpu, quantized_tile, tileable
+from te_flax._ops.kernels.mosaic import TILE, plgpu, quantized_tile, tile_amax, tileable
 
 __all__ = ["activation_grad_rows", "grouped_amax"]
 
@@ -40,20 +40,13 @@ __all__ = ["activation_grad_rows", "grouped_amax"]
 _REFS: Any = plgpu  # ``load`` with a register layout (typed loosely)
 
 
-def _WGMMA() -> Any:
+def _tiled_layout() -> Any:
     return plgpu.Layout.WGMMA
 
 
 def _load(tile_smem: Any) -> Array:
     """A 16-bit tile from shared memory in the tiled register layout ``wgmma`` uses."""
-    return _REFS.load(tile_smem, layout=_WGMMA(), optimized=False)
-
-
-def _amax(x: Array) -> Array:
-    """``mosaic.tile_amax`` of a tile in the tiled layout, which reduces one axis at a time."""
-    magnitude = jnp.abs(x)
-    nan = jnp.max(jnp.max(jnp.where(magnitude != magnitude, 1.0, 0.0), axis=1), axis=0)
-    return jnp.where(nan > 0.0, jnp.nan, jnp.max(jnp.max(magnitude, axis=1), axis=0))
+    return _REFS.load(tile_smem, layout=_tiled_layout(), optimized=False)
 
 
 def _body(
@@ -82,12 +75,12 @@ def _body(
         # In the tiled register layout, which the rows' mask below can be cast to.
         slices = [_load(pre_smem.at[k]) for k in range(n_act)]
         d_slices = slices_backward(_load(grad_smem), slices, activation_type)
-        row = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (TILE, TILE), 0), _WGMMA())
+        row = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (TILE, TILE), 0), _tiled_layout())
         held = (row >= first) & (row < first + count)
         scale_inv = scale_inv_ref[group]
         for k, d_slice in enumerate(d_slices):
             d = d_slice.astype(jnp.float32)
-            amax_ref[item, j, k] = _amax(jnp.where(held, d, 0.0))
+            amax_ref[item, j, k] = tile_amax(jnp.where(held, d, 0.0), tiled=True)
             _REFS.store(data_smem, quantized_tile(d, scale_inv, q_dtype), optimized=False)
             plgpu.commit_smem()
             store_rows(data_smem, data_ref.at[rows, slice_columns[k]], first, count, TILE)

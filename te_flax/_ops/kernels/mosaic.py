@@ -119,12 +119,18 @@ def quantized_tile(x: Array, scale_inv: Array, q_dtype: DTypeLike) -> Array:
     return jnp.where(jnp.abs(x) <= _F32_MAX, clipped, jnp.nan).astype(q_dtype)
 
 
-def tile_amax(x: Array) -> Array:
+def tile_amax(x: Array, tiled: bool = False) -> Array:
     """``max(|x|)``, NaN if any value is NaN: a NaN flag of its own, since a reduction in
-    interpret mode ignores NaN (as ``common.block_amax``)."""
+    interpret mode ignores NaN (as ``common.block_amax``). ``tiled``: ``x`` is in the tiled
+    register layout ``wgmma`` uses, which reduces one axis at a time (the strided layout
+    reduces the whole tile at once, and no single axis)."""
+
+    def largest(values: Array) -> Array:
+        return jnp.max(jnp.max(values, axis=1), axis=0) if tiled else jnp.max(values)
+
     magnitude = jnp.abs(x)
-    nan = jnp.max(jnp.where(magnitude != magnitude, 1.0, 0.0))
-    return jnp.where(nan > 0.0, jnp.nan, jnp.max(magnitude))
+    nan = largest(jnp.where(magnitude != magnitude, 1.0, 0.0))
+    return jnp.where(nan > 0.0, jnp.nan, largest(magnitude))
 
 
 def transposed_tile(x: Array, x_smem: Any, halves: Any) -> Array:
